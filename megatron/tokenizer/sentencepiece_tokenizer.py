@@ -1,0 +1,63 @@
+"""SentencePiece tokenizer with the surface of Megatron's GPTSentencePieceTokenizer."""
+
+from __future__ import annotations
+
+from typing import Dict, List, Sequence
+
+import sentencepiece
+
+
+class SentencePieceTokenizer:
+    """Wraps a SentencePiece `.model`: no BOS/EOS added per text, `eod` is the model's EOS id."""
+
+    def __init__(self, model_file: str) -> None:
+        self.model_file = model_file
+        self._processor = sentencepiece.SentencePieceProcessor(model_file=model_file)
+        piece_count = self._processor.get_piece_size()
+        self._inv_vocab: Dict[int, str] = {
+            index: self._processor.id_to_piece(index) for index in range(piece_count)
+        }
+        self._vocab: Dict[str, int] = {piece: index for index, piece in self._inv_vocab.items()}
+        self._eod = self._processor.eos_id()
+        if self._eod < 0:
+            raise ValueError(
+                f"SentencePiece model {model_file} has no end-of-sentence piece (eos_id=-1), so "
+                "there is no id to mark document ends; retrain it with eos_id >= 0 "
+                "(SentencePieceTrainer's default is eos_id=2)"
+            )
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of pieces in the model, before padding."""
+        return len(self._inv_vocab)
+
+    @property
+    def vocab(self) -> Dict[str, int]:
+        """Piece string (e.g. "▁the") to id."""
+        return self._vocab
+
+    @property
+    def inv_vocab(self) -> Dict[int, str]:
+        """Id to piece string."""
+        return self._inv_vocab
+
+    @property
+    def eod(self) -> int:
+        """The model's EOS id, appended after each document by data preprocessing."""
+        return self._eod
+
+    def tokenize(self, text: str) -> List[int]:
+        """Token ids of one text."""
+        return self._processor.encode(text, out_type=int)
+
+    def tokenize_batch(self, texts: Sequence[str]) -> List[List[int]]:
+        """Token ids of many texts; equal to tokenize() on each.
+
+        Single-threaded on purpose: callers parallelise across documents with one process
+        per core, and SentencePiece's own batch thread pool would oversubscribe the cores.
+        """
+        return self._processor.encode(list(texts), out_type=int, num_threads=1)
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        """Text of `token_ids`."""
+        return self._processor.decode(list(token_ids))

@@ -1,0 +1,254 @@
+"""tools/preprocess_data.py on the real sample corpus, and on every kind of bad input."""
+
+import gzip
+import json
+import lzma
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from megatron.data.indexed_dataset import MMapIndexedDataset
+from megatron.tokenizer import build_tokenizer
+from tools import preprocess_data
+
+REPO = Path(__file__).resolve().parents[2]
+SAMPLE = REPO / "data" / "sample"
+CORPUS = SAMPLE / "openwebtext-1000.jsonl.xz"
+VOCAB = SAMPLE / "gpt2-vocab.json"
+MERGES = SAMPLE / "gpt2-merges.txt"
+EOD = 50256
+
+
+def _gpt2_args(input_path, output_prefix, *extra, workers=2):
+    return [
+        "--input",
+        str(input_path),
+        "--output-prefix",
+        str(output_prefix),
+        "--vocab-file",
+        str(VOCAB),
+        "--merge-file",
+        str(MERGES),
+        "--tokenizer-type",
+        "GPT2BPETokenizer",
+        "--append-eod",
+        "--workers",
+        str(workers),
+        *extra,
+    ]
+
+
+def _documents():
+    with lzma.open(CORPUS, "rt", encoding="utf-8") as corpus:
+        return [json.loads(line)["text"] for line in corpus]
+
+
+@pytest.fixture(scope="module")
+def sample_outputs(tmp_path_factory):
+    """The sample corpus preprocessed with 1 and with 2 workers."""
+    directory = tmp_path_factory.mktemp("preprocess")
+    outputs = {}
+    for workers in (1, 2):
+        prefix = directory / f"owt_w{workers}"
+        assert preprocess_data.main(_gpt2_args(CORPUS, prefix, workers=workers)) == 0
+        outputs[workers] = Path(f"{prefix}_text_document")
+    return outputs
+
+
+def test_sample_corpus_gives_1000_documents_ending_in_eod(sample_outputs):
+    dataset = MMapIndexedDataset(str(sample_outputs[2]))
+    assert dataset.dtype == np.uint16
+    assert len(dataset) == 1000
+    assert len(dataset.doc_idx) == 1001
+    for index in range(len(dataset)):
+        assert dataset.get(index)[-1] == EOD
+
+
+def test_token_ids_equal_the_tokenizer(sample_outputs):
+    dataset = MMapIndexedDataset(str(sample_outputs[2]))
+    tokenizer = build_tokenizer("GPT2BPETokenizer", vocab_file=str(VOCAB), merge_file=str(MERGES))
+    for index, text in enumerate(_documents()):
+        np.testing.assert_array_equal(dataset.get(index), tokenizer.tokenize(text) + [EOD])
+
+
+def test_worker_counts_write_identical_files(sample_outputs):
+    for suffix in (".bin", ".idx"):
+        one = Path(str(sample_outputs[1]) + suffix).read_bytes()
+        two = Path(str(sample_outputs[2]) + suffix).read_bytes()
+        assert one == two
+
+
+def _write_lines(path, lines):
+    opener = (
+        gzip.open if str(path).endswith(".gz") else lzma.open if str(path).endswith(".xz") else open
+    )
+    with opener(path, "wb") as handle:
+        for line in lines:
+            handle.write(line if isinstance(line, bytes) else line.encode("utf-8"))
+    return path
+
+
+GOOD = [
+    json.dumps({"id": i, "text": f"Document number {i}. It has two sentences."}) + "\n"
+    for i in range(5)
+]
+
+
+def _assert_no_outputs(prefix):
+    leftovers = [
+        name
+        for name in os.listdir(os.path.dirname(prefix))
+        if name.startswith(os.path.basename(prefix))
+    ]
+    assert leftovers == [], leftovers
+
+
+@pytest.mark.parametrize(
+    "bad_line, message",
+    [
+        (b'{"id": 9, "text": "unterminated\n', r"malformed JSON"),
+        (b'{"id": 9, "body": "no text key"}\n', r"key 'text' is missing \(keys present: body, id"),
+        (b'{"id": 9, "text": 42}\n', r"value of 'text' is a JSON number, not a string"),
+        (b'{"id": 9, "text": "caf\xe9"}\n', r"invalid UTF-8 at byte 22"),
+        (b"[1, 2]\n", r"expected a JSON object"),
+    ],
+)
+def test_bad_line_stops_naming_file_and_line(tmp_path, capsys, bad_line, message):
+    source = _write_lines(tmp_path / "bad.jsonl", [*GOOD[:3], bad_line, *GOOD[3:]])
+    prefix = tmp_path / "out" / "bad"
+    assert preprocess_data.main(_gpt2_args(source, prefix)) == 1
+    error = capsys.readouterr().err
+    assert f"{source}:4:" in error
+    assert __import__("re").search(message, error), error
+    _assert_no_outputs(str(prefix))
+
+
+def test_skip_invalid_reports_count_and_lines(tmp_path, capsys):
+    lines = [*GOOD[:2], b"not json\n", GOOD[2], b'{"text": null}\n', *GOOD[3:]]
+    source = _write_lines(tmp_path / "mixed.jsonl.gz", lines)
+    prefix = tmp_path / "mixed"
+    assert preprocess_data.main(_gpt2_args(source, prefix, "--skip-invalid")) == 0
+    error = capsys.readouterr().err
+    assert "Skipped 2 invalid lines" in error
+    assert f"{source}:3: malformed JSON" in error
+    assert f"{source}:5: the value of 'text' is a JSON null" in error
+    assert len(MMapIndexedDataset(f"{prefix}_text_document")) == 5
+
+
+@pytest.mark.parametrize("name", ["empty.jsonl", "empty.jsonl.gz", "blank.jsonl"])
+def test_empty_input_is_an_error(tmp_path, capsys, name):
+    source = _write_lines(tmp_path / name, ["\n", "  \n"] if name.startswith("blank") else [])
+    prefix = tmp_path / "out" / "empty"
+    assert preprocess_data.main(_gpt2_args(source, prefix)) == 1
+    assert f"{source}: the file is empty" in capsys.readouterr().err
+    _assert_no_outputs(str(prefix))
+
+
+@pytest.mark.parametrize("suffix", [".jsonl.xz", ".jsonl.gz"])
+def test_truncated_compressed_input_is_an_error(tmp_path, capsys, suffix):
+    whole = _write_lines(tmp_path / f"whole{suffix}", GOOD * 200)
+    data = whole.read_bytes()
+    cut = tmp_path / f"cut{suffix}"
+    cut.write_bytes(data[: len(data) // 2])
+    prefix = tmp_path / "out" / "cut"
+    assert preprocess_data.main(_gpt2_args(cut, prefix)) == 1
+    assert f"{cut}: the file is truncated or corrupt after line" in capsys.readouterr().err
+    _assert_no_outputs(str(prefix))
+
+
+def test_missing_input_and_bad_flags(tmp_path, capsys):
+    assert preprocess_data.main(_gpt2_args(tmp_path / "absent.jsonl", tmp_path / "x")) == 1
+    assert "absent.jsonl: no such file" in capsys.readouterr().err
+    assert preprocess_data.main(_gpt2_args(str(tmp_path / "*.jsonl"), tmp_path / "x")) == 1
+    assert "the pattern matches no files" in capsys.readouterr().err
+    source = _write_lines(tmp_path / "ok.jsonl", GOOD)
+    args = _gpt2_args(source, tmp_path / "x")
+    args[args.index("--vocab-file") + 1] = str(tmp_path / "missing-vocab.json")
+    assert preprocess_data.main(args) == 1
+    assert "--vocab-file" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        preprocess_data.main(_gpt2_args(source, tmp_path / "x", workers=0))
+
+
+def test_failed_run_keeps_previous_outputs(tmp_path):
+    source = _write_lines(tmp_path / "ok.jsonl", GOOD)
+    prefix = tmp_path / "keep"
+    assert preprocess_data.main(_gpt2_args(source, prefix)) == 0
+    before = {s: Path(f"{prefix}_text_document{s}").read_bytes() for s in (".bin", ".idx")}
+    bad = _write_lines(tmp_path / "bad.jsonl", [*GOOD, b"{oops\n"])
+    assert preprocess_data.main(_gpt2_args(bad, prefix)) == 1
+    after = {s: Path(f"{prefix}_text_document{s}").read_bytes() for s in (".bin", ".idx")}
+    assert before == after
+    assert sorted(os.listdir(tmp_path)) == [
+        "bad.jsonl",
+        "keep_text_document.bin",
+        "keep_text_document.idx",
+        "ok.jsonl",
+    ]
+
+
+def test_glob_of_several_files_in_order(tmp_path):
+    _write_lines(tmp_path / "part-b.jsonl.gz", GOOD[3:])
+    _write_lines(tmp_path / "part-a.jsonl", GOOD[:3])
+    prefix = tmp_path / "glob"
+    assert preprocess_data.main(_gpt2_args(str(tmp_path / "part-*"), prefix)) == 0
+    dataset = MMapIndexedDataset(f"{prefix}_text_document")
+    tokenizer = build_tokenizer("GPT2BPETokenizer", vocab_file=str(VOCAB), merge_file=str(MERGES))
+    for index, line in enumerate(GOOD):
+        np.testing.assert_array_equal(
+            dataset.get(index), tokenizer.tokenize(json.loads(line)["text"]) + [EOD]
+        )
+
+
+def test_empty_documents_dropped_or_kept(tmp_path, capsys):
+    lines = [GOOD[0], json.dumps({"text": ""}) + "\n", GOOD[1]]
+    source = _write_lines(tmp_path / "holes.jsonl", lines)
+    assert preprocess_data.main(_gpt2_args(source, tmp_path / "dropped")) == 0
+    assert "Dropped 1 empty documents" in capsys.readouterr().err
+    assert len(MMapIndexedDataset(f"{tmp_path}/dropped_text_document").doc_idx) == 3
+    assert preprocess_data.main(_gpt2_args(source, tmp_path / "kept", "--keep-empty")) == 0
+    kept = MMapIndexedDataset(f"{tmp_path}/kept_text_document")
+    assert len(kept.doc_idx) == 4
+    assert kept.get(1).tolist() == [EOD]
+
+
+def test_several_json_keys(tmp_path):
+    lines = [json.dumps({"text": f"body {i}", "title": f"title {i}"}) + "\n" for i in range(4)]
+    source = _write_lines(tmp_path / "keys.jsonl", lines)
+    prefix = tmp_path / "keys"
+    assert preprocess_data.main(_gpt2_args(source, prefix, "--json-keys", "text", "title")) == 0
+    assert len(MMapIndexedDataset(f"{prefix}_text_document")) == 4
+    assert len(MMapIndexedDataset(f"{prefix}_title_document")) == 4
+
+
+def test_split_sentences_writes_sentence_level(tmp_path):
+    source = _write_lines(tmp_path / "sentences.jsonl", GOOD)
+    prefix = tmp_path / "sentences"
+    assert preprocess_data.main(_gpt2_args(source, prefix, "--split-sentences")) == 0
+    dataset = MMapIndexedDataset(f"{prefix}_text_sentence")
+    assert len(dataset.doc_idx) == len(GOOD) + 1
+    assert len(dataset) == 2 * len(GOOD)
+    assert all(dataset.get(int(end) - 1)[-1] == EOD for end in dataset.doc_idx[1:])
+
+
+def test_killed_run_leaves_no_complete_looking_pair(tmp_path):
+    source = _write_lines(tmp_path / "big.jsonl", [line for _ in range(400) for line in GOOD])
+    prefix = tmp_path / "killed"
+    command = [sys.executable, str(REPO / "tools" / "preprocess_data.py")]
+    command += _gpt2_args(source, prefix, "--log-interval", "50", "--chunk-size", "1", workers=1)
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    line = process.stderr.readline()
+    while line and not line.startswith("Processed"):
+        line = process.stderr.readline()
+    assert line.startswith("Processed"), "the run ended before it could be interrupted"
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    time.sleep(0.1)
+    assert not Path(f"{prefix}_text_document.idx").exists()
+    assert not Path(f"{prefix}_text_document.bin").exists()
