@@ -1,0 +1,567 @@
+"""The command-line surface: Megatron-LM's flag names, meanings and defaults, and nothing else.
+
+Validation, derived defaults and the typed config live in `megatron.config`. Another module
+(e.g. the MoE layers) adds its own flags by passing a callable to `build_parser(extra_groups=...)`
+that receives the parser and calls `parser.add_argument_group(...)` on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Callable, Mapping, Sequence, Union
+
+ArgumentGroupAdder = Callable[[argparse.ArgumentParser], object]
+
+# Flags Megatron-LM accepts that select a fused CUDA kernel or an overlap we do not implement
+# separately; they parse so existing launch scripts run, and change nothing.
+_NO_EFFECT = "Accepted for Megatron-LM compatibility; has no effect in this framework."
+
+
+def build_parser(
+    extra_groups: Sequence[ArgumentGroupAdder] = (), exit_on_error: bool = True
+) -> argparse.ArgumentParser:
+    """Build the argument parser with Megatron-LM's flags plus each of `extra_groups`.
+
+    Every callable in `extra_groups` is called with the parser and registers its own argument
+    group. With `exit_on_error=False`, bad values raise `argparse.ArgumentError` instead of
+    exiting, so `megatron.config.parse_arguments` can report them as a `ConfigError`.
+    """
+    parser = argparse.ArgumentParser(
+        description="Megatron-LM-style GPT pretraining arguments",
+        allow_abbrev=False,
+        exit_on_error=exit_on_error,
+    )
+    for add_group in (
+        _add_network_size_args,
+        _add_regularization_args,
+        _add_training_args,
+        _add_initialization_args,
+        _add_learning_rate_args,
+        _add_checkpointing_args,
+        _add_mixed_precision_args,
+        _add_distributed_args,
+        _add_validation_args,
+        _add_data_args,
+        _add_logging_args,
+        *extra_groups,
+    ):
+        add_group(parser)
+    return parser
+
+
+def format_arguments_block(
+    arguments: Union[argparse.Namespace, Mapping[str, object]], title: str = "arguments"
+) -> str:
+    """Render arguments as Megatron prints them at startup: a titled block, one sorted line each.
+
+    Each line is two spaces, the name, a space, `48 - len(name)` dots, a space and the value;
+    lines are sorted case-insensitively, as Megatron sorts them.
+    """
+    values = vars(arguments) if isinstance(arguments, argparse.Namespace) else dict(arguments)
+    lines = [f"  {name} {'.' * (48 - len(name))} {value}" for name, value in values.items()]
+    lines.sort(key=str.lower)
+    header = f"------------------------ {title} ------------------------"
+    footer = f"-------------------- end of {title} ---------------------"
+    return "\n".join([header, *lines, footer])
+
+
+def _add_network_size_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(title="network size")
+    group.add_argument("--num-layers", type=int, default=None, help="Number of transformer layers.")
+    group.add_argument("--hidden-size", type=int, default=None, help="Transformer hidden size.")
+    group.add_argument(
+        "--ffn-hidden-size",
+        type=int,
+        default=None,
+        help="Transformer feed-forward hidden size. Defaults to 4*hidden-size, or with --swiglu "
+        "to 2/3 of that rounded down to a multiple of 64.",
+    )
+    group.add_argument(
+        "--num-attention-heads", type=int, default=None, help="Number of attention heads."
+    )
+    group.add_argument(
+        "--group-query-attention",
+        action="store_true",
+        help="Use grouped-query attention (see --num-query-groups).",
+    )
+    group.add_argument(
+        "--num-query-groups",
+        type=int,
+        default=1,
+        help="Number of key/value head groups with --group-query-attention.",
+    )
+    group.add_argument(
+        "--max-position-embeddings",
+        type=int,
+        default=None,
+        help="Size of the learned position embedding table; must be >= --seq-length.",
+    )
+    group.add_argument(
+        "--position-embedding-type",
+        type=str,
+        default="learned_absolute",
+        choices=["learned_absolute", "rope"],
+        help="Position embedding type.",
+    )
+    group.add_argument(
+        "--rotary-percent",
+        type=float,
+        default=1.0,
+        help="Fraction of each head's channels that rotary embeddings rotate.",
+    )
+    group.add_argument(
+        "--rotary-base", type=int, default=10000, help="Base period of rotary embeddings."
+    )
+    group.add_argument(
+        "--make-vocab-size-divisible-by",
+        type=int,
+        default=128,
+        help="Pad the vocab size to a multiple of this value (times the tensor-parallel size).",
+    )
+    group.add_argument(
+        "--normalization",
+        default="LayerNorm",
+        choices=["LayerNorm", "RMSNorm"],
+        help="Normalization layer.",
+    )
+    group.add_argument(
+        "--layernorm-epsilon",
+        "--norm-epsilon",
+        dest="layernorm_epsilon",
+        type=float,
+        default=1e-5,
+        help="Epsilon of LayerNorm / RMSNorm (--norm-epsilon is the newer Megatron name).",
+    )
+    group.add_argument(
+        "--swiglu", action="store_true", help="Use a SwiGLU MLP (SiLU-gated) instead of GeLU."
+    )
+    group.add_argument(
+        "--untie-embeddings-and-output-weights",
+        action="store_true",
+        help="Give the output layer its own weights instead of sharing the input embedding.",
+    )
+    group.add_argument(
+        "--disable-bias-linear",
+        action="store_false",
+        dest="add_bias_linear",
+        help="Drop the bias of every linear layer in the transformer.",
+    )
+
+
+def _add_regularization_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(title="regularization")
+    group.add_argument(
+        "--attention-dropout", type=float, default=0.1, help="Post-attention dropout probability."
+    )
+    group.add_argument(
+        "--hidden-dropout", type=float, default=0.1, help="Hidden-state dropout probability."
+    )
+    group.add_argument(
+        "--weight-decay", type=float, default=0.01, help="Decoupled weight decay coefficient."
+    )
+    group.add_argument(
+        "--clip-grad",
+        type=float,
+        default=1.0,
+        help="Clip gradients to this global L2 norm; 0 disables clipping.",
+    )
+    group.add_argument("--adam-beta1", type=float, default=0.9, help="Adam beta1.")
+    group.add_argument("--adam-beta2", type=float, default=0.999, help="Adam beta2.")
+    group.add_argument("--adam-eps", type=float, default=1e-8, help="Adam epsilon.")
+    group.add_argument("--sgd-momentum", type=float, default=0.9, help="SGD momentum.")
+
+
+def _add_training_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(title="training")
+    group.add_argument(
+        "--micro-batch-size",
+        type=int,
+        default=None,
+        help="Samples per model replica per forward/backward pass.",
+    )
+    group.add_argument(
+        "--global-batch-size",
+        type=int,
+        default=None,
+        help="Samples per optimizer step; a multiple of micro-batch-size x data-parallel size. "
+        "Defaults to micro-batch-size x data-parallel size.",
+    )
+    group.add_argument(
+        "--rampup-batch-size",
+        nargs="*",
+        default=None,
+        help="Megatron's batch-size ramp-up (start increment samples). Not supported here.",
+    )
+    group.add_argument(
+        "--recompute-granularity",
+        type=str,
+        default=None,
+        choices=["full", "selective"],
+        help="Recompute activations in the backward pass: whole layers (full) or only the "
+        "core attention (selective).",
+    )
+    group.add_argument(
+        "--recompute-method",
+        type=str,
+        default=None,
+        choices=["uniform", "block"],
+        help="With full recompute: checkpoint every chunk of --recompute-num-layers layers "
+        "(uniform) or only the first --recompute-num-layers layers (block).",
+    )
+    group.add_argument(
+        "--recompute-num-layers",
+        type=int,
+        default=1,
+        help="Layers per recompute chunk (uniform) or layers recomputed (block).",
+    )
+    group.add_argument(
+        "--checkpoint-activations",
+        action="store_true",
+        help="Deprecated Megatron alias of --recompute-granularity full "
+        "--recompute-method uniform.",
+    )
+    group.add_argument(
+        "--train-iters",
+        type=int,
+        default=None,
+        help="Total iterations to train over all runs (exclusive with --train-samples).",
+    )
+    group.add_argument(
+        "--train-samples",
+        type=int,
+        default=None,
+        help="Total samples to train over all runs (exclusive with --train-iters).",
+    )
+    group.add_argument(
+        "--log-interval", type=int, default=100, help="Iterations between log lines."
+    )
+    group.add_argument(
+        "--exit-interval",
+        type=int,
+        default=None,
+        help="Exit once the iteration number is divisible by this value.",
+    )
+    group.add_argument(
+        "--exit-duration-in-mins",
+        type=int,
+        default=None,
+        help="Save and exit after this many minutes of training.",
+    )
+    group.add_argument(
+        "--exit-signal-handler",
+        action="store_true",
+        help="Save a checkpoint and exit when SIGTERM is received.",
+    )
+    group.add_argument(
+        "--tensorboard-dir", type=str, default=None, help="Write TensorBoard logs here."
+    )
+    group.add_argument(
+        "--no-masked-softmax-fusion",
+        action="store_false",
+        dest="masked_softmax_fusion",
+        help=_NO_EFFECT,
+    )
+    group.add_argument(
+        "--no-bias-gelu-fusion", action="store_false", dest="bias_gelu_fusion", help=_NO_EFFECT
+    )
+    group.add_argument(
+        "--no-bias-dropout-fusion",
+        action="store_false",
+        dest="bias_dropout_fusion",
+        help=_NO_EFFECT,
+    )
+    group.add_argument(
+        "--no-gradient-accumulation-fusion",
+        action="store_false",
+        dest="gradient_accumulation_fusion",
+        help=_NO_EFFECT,
+    )
+    group.add_argument(
+        "--no-async-tensor-model-parallel-allreduce",
+        action="store_false",
+        dest="async_tensor_model_parallel_allreduce",
+        help=_NO_EFFECT,
+    )
+    group.add_argument(
+        "--use-flash-attn",
+        action="store_true",
+        help="Use the FlashAttention kernel for attention.",
+    )
+    group.add_argument(
+        "--optimizer", type=str, default="adam", choices=["adam", "sgd"], help="Optimizer."
+    )
+
+
+def _add_initialization_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(title="initialization")
+    group.add_argument(
+        "--seed", type=int, default=1234, help="Random seed for python, numpy and torch."
+    )
+    group.add_argument(
+        "--init-method-std",
+        type=float,
+        default=0.02,
+        help="Standard deviation of the zero-mean normal weight initialization.",
+    )
+
+
+def _add_learning_rate_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(title="learning rate")
+    group.add_argument("--lr", type=float, default=None, help="Peak learning rate.")
+    group.add_argument(
+        "--lr-decay-style",
+        type=str,
+        default="linear",
+        choices=["constant", "linear", "cosine"],
+        help="Learning-rate decay function after warmup.",
+    )
+    group.add_argument(
+        "--lr-decay-iters",
+        type=int,
+        default=None,
+        help="Iterations to decay the learning rate over; defaults to --train-iters.",
+    )
+    group.add_argument(
+        "--lr-decay-samples",
+        type=int,
+        default=None,
+        help="Samples to decay the learning rate over; defaults to --train-samples.",
+    )
+    group.add_argument(
+        "--lr-warmup-fraction",
+        type=float,
+        default=None,
+        help="Fraction of the decay iterations (or samples) spent in linear warmup.",
+    )
+    group.add_argument(
+        "--lr-warmup-iters", type=int, default=0, help="Iterations of linear warmup."
+    )
+    group.add_argument("--lr-warmup-samples", type=int, default=0, help="Samples of linear warmup.")
+    group.add_argument(
+        "--min-lr", type=float, default=0.0, help="Floor of the learning rate after decay."
+    )
+
+
+def _add_checkpointing_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(title="checkpointing")
+    group.add_argument("--save", type=str, default=None, help="Directory to save checkpoints to.")
+    group.add_argument(
+        "--save-interval", type=int, default=None, help="Iterations between checkpoint saves."
+    )
+    group.add_argument(
+        "--no-save-optim",
+        action="store_true",
+        default=None,
+        help="Do not save the optimizer state.",
+    )
+    group.add_argument(
+        "--no-save-rng", action="store_true", default=None, help="Do not save the RNG state."
+    )
+    group.add_argument(
+        "--load",
+        type=str,
+        default=None,
+        help="Directory to load a checkpoint from; training starts from scratch if it holds none.",
+    )
+    group.add_argument(
+        "--no-load-optim",
+        action="store_true",
+        default=None,
+        help="Do not load the optimizer state.",
+    )
+    group.add_argument(
+        "--no-load-rng", action="store_true", default=None, help="Do not load the RNG state."
+    )
+    group.add_argument(
+        "--finetune",
+        action="store_true",
+        help="Load only the model weights and start at iteration 0 (no optimizer or RNG state).",
+    )
+
+
+def _add_mixed_precision_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(title="mixed precision")
+    group.add_argument("--fp16", action="store_true", help="Train in float16 with loss scaling.")
+    group.add_argument("--bf16", action="store_true", help="Train in bfloat16.")
+    group.add_argument(
+        "--loss-scale",
+        type=float,
+        default=None,
+        help="Static fp16 loss scale (a positive power of 2 is best); dynamic if unset.",
+    )
+    group.add_argument(
+        "--initial-loss-scale",
+        type=float,
+        default=2**32,
+        help="Starting dynamic loss scale.",
+    )
+    group.add_argument(
+        "--min-loss-scale", type=float, default=1.0, help="Smallest dynamic loss scale."
+    )
+    group.add_argument(
+        "--loss-scale-window",
+        type=float,
+        default=1000,
+        help="Overflow-free iterations before the dynamic loss scale grows.",
+    )
+    group.add_argument(
+        "--hysteresis",
+        type=int,
+        default=2,
+        help="Overflows tolerated before the dynamic loss scale shrinks.",
+    )
+    group.add_argument(
+        "--accumulate-allreduce-grads-in-fp32",
+        action="store_true",
+        help="Accumulate and all-reduce gradients in fp32 (always on with --bf16 and local DDP).",
+    )
+
+
+def _add_distributed_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(title="distributed")
+    group.add_argument(
+        "--tensor-model-parallel-size",
+        type=int,
+        default=1,
+        help="Tensor model-parallel degree (only 1 is available for now).",
+    )
+    group.add_argument(
+        "--pipeline-model-parallel-size",
+        type=int,
+        default=1,
+        help="Pipeline model-parallel degree (only 1 is available for now).",
+    )
+    group.add_argument(
+        "--distributed-backend",
+        default="nccl",
+        choices=["nccl", "gloo"],
+        help="torch.distributed backend.",
+    )
+    group.add_argument(
+        "--DDP-impl",
+        default="local",
+        choices=["local", "torch"],
+        help="Data-parallel implementation: Megatron's local one or torch's DDP.",
+    )
+    group.add_argument(
+        "--use-distributed-optimizer",
+        action="store_true",
+        help="Shard optimizer state across data-parallel ranks (not available yet).",
+    )
+
+
+def _add_validation_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(title="validation")
+    group.add_argument(
+        "--eval-iters", type=int, default=100, help="Iterations per validation/test run."
+    )
+    group.add_argument(
+        "--eval-interval", type=int, default=1000, help="Iterations between validation runs."
+    )
+
+
+def _add_data_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(title="data and dataloader")
+    group.add_argument(
+        "--data-path",
+        nargs="*",
+        default=None,
+        help="A dataset prefix, or 'WEIGHT PREFIX WEIGHT PREFIX ...' to blend; divided into "
+        "train/valid/test by --split. Exclusive with --train/valid/test-data-path.",
+    )
+    group.add_argument(
+        "--split",
+        type=str,
+        default="969, 30, 1",
+        help="Train, validation and test proportions of --data-path, e.g. '949,50,1'.",
+    )
+    for split in ("train", "valid", "test"):
+        group.add_argument(
+            f"--{split}-data-path",
+            nargs="*",
+            default=None,
+            help=f"The {split} dataset: a prefix or 'WEIGHT PREFIX ...' pairs.",
+        )
+    group.add_argument("--vocab-file", type=str, default=None, help="GPT-2 BPE vocab.json.")
+    group.add_argument("--merge-file", type=str, default=None, help="GPT-2 BPE merges.txt.")
+    group.add_argument("--seq-length", type=int, default=None, help="Tokens per training sample.")
+    group.add_argument("--num-workers", type=int, default=2, help="DataLoader worker processes.")
+    group.add_argument(
+        "--tokenizer-type",
+        type=str,
+        default="GPT2BPETokenizer",
+        choices=["GPT2BPETokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer"],
+        help="Tokenizer (pretrain_gpt's default is GPT2BPETokenizer).",
+    )
+    group.add_argument(
+        "--tokenizer-model",
+        type=str,
+        default=None,
+        help="SentencePiece .model file, or a HuggingFace tokenizer.json or its directory.",
+    )
+    group.add_argument(
+        "--data-impl",
+        "--dataset-impl",
+        dest="data_impl",
+        type=str,
+        default="infer",
+        choices=["lazy", "cached", "mmap", "infer"],
+        help="Indexed-dataset implementation; only mmap files are read (infer finds mmap).",
+    )
+    group.add_argument(
+        "--reset-position-ids",
+        action="store_true",
+        help="Restart position ids after each end-of-document token.",
+    )
+    group.add_argument(
+        "--reset-attention-mask",
+        action="store_true",
+        help="Stop attention across end-of-document tokens.",
+    )
+    group.add_argument(
+        "--eod-mask-loss", action="store_true", help="Exclude end-of-document tokens from the loss."
+    )
+
+
+def _add_logging_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(title="logging")
+    group.add_argument(
+        "--log-params-norm", action="store_true", help="Compute and log the parameter norm."
+    )
+    group.add_argument(
+        "--log-num-zeros-in-grad",
+        action="store_true",
+        help="Compute and log the number of zeros in the gradient.",
+    )
+    group.add_argument(
+        "--timing-log-level",
+        type=int,
+        default=0,
+        choices=range(0, 3),
+        help="0: iteration time only; 1: also once-per-iteration operations; 2: everything.",
+    )
+    group.add_argument(
+        "--tensorboard-log-interval",
+        type=int,
+        default=1,
+        help="Iterations between TensorBoard writes.",
+    )
+    group.add_argument(
+        "--tensorboard-queue-size",
+        type=int,
+        default=1000,
+        help="Pending TensorBoard events before a flush to disk.",
+    )
+    group.add_argument(
+        "--log-timers-to-tensorboard", action="store_true", help="Write timers to TensorBoard."
+    )
+    group.add_argument(
+        "--log-validation-ppl-to-tensorboard",
+        action="store_true",
+        help="Write validation perplexity to TensorBoard.",
+    )
+    group.add_argument(
+        "--log-memory-to-tensorboard",
+        action="store_true",
+        help="Write memory statistics to TensorBoard.",
+    )

@@ -1,0 +1,39 @@
+"""Typed run configuration built from Megatron-LM-compatible command-line flags.
+
+    config = parse_config(sys.argv[1:], world_size=int(os.environ.get("WORLD_SIZE", 1)))
+
+Modules with flags of their own (e.g. MoE) pass `extra_groups=[add_moe_args]`; to build their
+own config they call `parse_arguments(argv, extra_groups)` and `Config.from_args(namespace,
+world_size)`, then read their flags from the same namespace.
+"""
+
+from megatron.arguments import build_parser, format_arguments_block
+from megatron.config.sections import (
+    CheckpointConfig,
+    Config,
+    DataConfig,
+    LoggingConfig,
+    ModelConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    TrainingConfig,
+    parse_config,
+)
+from megatron.config.validation import ConfigError, parse_arguments, resolve_arguments
+
+__all__ = [
+    "CheckpointConfig",
+    "Config",
+    "ConfigError",
+    "DataConfig",
+    "LoggingConfig",
+    "ModelConfig",
+    "OptimizerConfig",
+    "ParallelConfig",
+    "TrainingConfig",
+    "build_parser",
+    "format_arguments_block",
+    "parse_arguments",
+    "parse_config",
+    "resolve_arguments",
+]

@@ -1,0 +1,254 @@
+"""Typed configuration, one dataclass per concern, built once from validated Megatron flags."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Sequence, Tuple
+
+from megatron.arguments import ArgumentGroupAdder
+from megatron.config.validation import (
+    parse_arguments,
+    resolve_arguments_with_notes,
+)
+
+
+@dataclass
+class ModelConfig:
+    """Shape and behaviour of the GPT model; what `megatron.model` is built from."""
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    ffn_hidden_size: int
+    seq_length: int
+    max_position_embeddings: int
+    padded_vocab_size: int = 0  # filled in once the tokenizer is built
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+    init_method_std: float = 0.02
+    position_embedding_type: str = "learned_absolute"  # or "rope"
+    rotary_percent: float = 1.0
+    rotary_base: int = 10000
+    normalization: str = "LayerNorm"  # or "RMSNorm"
+    layernorm_epsilon: float = 1e-5
+    swiglu: bool = False
+    untie_embeddings_and_output_weights: bool = False
+    add_bias_linear: bool = True
+    num_query_groups: int = 0  # 0 or num_attention_heads: plain multi-head attention
+    recompute_granularity: str | None = None  # None | "full" | "selective"
+    recompute_method: str | None = None  # None | "uniform" | "block"
+    recompute_num_layers: int | None = None
+
+    @property
+    def kv_channels(self) -> int:
+        """Channels per attention head."""
+        return self.hidden_size // self.num_attention_heads
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Process layout: world size, parallel degrees and the data-parallel implementation."""
+
+    world_size: int
+    data_parallel_size: int
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    distributed_backend: str = "nccl"
+    ddp_impl: str = "local"  # --DDP-impl
+    accumulate_allreduce_grads_in_fp32: bool = False
+    use_distributed_optimizer: bool = False
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    """Batch sizes, run length, precision, evaluation cadence and exit conditions."""
+
+    micro_batch_size: int
+    global_batch_size: int
+    num_micro_batches: int  # gradient-accumulation steps per optimizer step
+    train_iters: int | None = None
+    train_samples: int | None = None
+    fp16: bool = False
+    bf16: bool = False
+    use_flash_attn: bool = False
+    seed: int = 1234
+    eval_iters: int = 100
+    eval_interval: int = 1000
+    exit_interval: int | None = None
+    exit_duration_in_mins: int | None = None
+    exit_signal_handler: bool = False
+
+    @property
+    def params_dtype_name(self) -> str:
+        """torch dtype name of the model parameters: float16, bfloat16 or float32."""
+        return "float16" if self.fp16 else "bfloat16" if self.bf16 else "float32"
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """Optimizer, learning-rate schedule and fp16 loss scaler.
+
+    The warmup is kept as given: with `lr_warmup_fraction` set, the scheduler computes the
+    warmup length as that fraction of `lr_decay_iters` (or `lr_decay_samples`).
+    """
+
+    lr: float
+    optimizer: str = "adam"
+    min_lr: float = 0.0
+    weight_decay: float = 0.01
+    clip_grad: float = 1.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    sgd_momentum: float = 0.9
+    lr_decay_style: str = "linear"
+    lr_decay_iters: int | None = None
+    lr_decay_samples: int | None = None
+    lr_warmup_iters: int = 0
+    lr_warmup_samples: int = 0
+    lr_warmup_fraction: float | None = None
+    loss_scale: float | None = None  # static fp16 loss scale; None means dynamic
+    initial_loss_scale: float = 2.0**32
+    min_loss_scale: float = 1.0
+    loss_scale_window: float = 1000
+    hysteresis: int = 2
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Dataset paths and split, tokenizer files, sample length and loader workers."""
+
+    seq_length: int
+    data_path: Tuple[str, ...] | None = None
+    train_data_path: Tuple[str, ...] | None = None
+    valid_data_path: Tuple[str, ...] | None = None
+    test_data_path: Tuple[str, ...] | None = None
+    split: str = "969, 30, 1"
+    tokenizer_type: str = "GPT2BPETokenizer"
+    vocab_file: str | None = None
+    merge_file: str | None = None
+    tokenizer_model: str | None = None
+    make_vocab_size_divisible_by: int = 128
+    data_impl: str = "infer"
+    num_workers: int = 2
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
+    eod_mask_loss: bool = False
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Where and how often to save, and what to restore when loading."""
+
+    save: str | None = None
+    load: str | None = None
+    save_interval: int | None = None
+    no_save_optim: bool = False
+    no_save_rng: bool = False
+    no_load_optim: bool = False
+    no_load_rng: bool = False
+    finetune: bool = False
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    """Log-line cadence, TensorBoard output and optional diagnostics."""
+
+    log_interval: int = 100
+    tensorboard_dir: str | None = None
+    tensorboard_log_interval: int = 1
+    tensorboard_queue_size: int = 1000
+    log_timers_to_tensorboard: bool = False
+    log_validation_ppl_to_tensorboard: bool = False
+    log_memory_to_tensorboard: bool = False
+    log_params_norm: bool = False
+    log_num_zeros_in_grad: bool = False
+    timing_log_level: int = 0
+
+
+@dataclass(frozen=True)
+class Config:
+    """The whole run's configuration; `notes` are informational lines to print on rank 0."""
+
+    model: ModelConfig
+    training: TrainingConfig
+    optimizer: OptimizerConfig
+    data: DataConfig
+    checkpoint: CheckpointConfig
+    logging: LoggingConfig
+    parallel: ParallelConfig
+    notes: Tuple[str, ...] = ()
+
+    @classmethod
+    def from_args(cls, namespace: argparse.Namespace, world_size: int) -> Config:
+        """Validate `namespace` (from `parse_arguments`) for `world_size` ranks and build.
+
+        Raises `ConfigError` naming the offending flags; the namespace is not modified.
+        """
+        args, notes = resolve_arguments_with_notes(namespace, world_size)
+        return cls(
+            model=_model_config(args),
+            training=TrainingConfig(
+                num_micro_batches=args.global_batch_size
+                // (args.micro_batch_size * args.data_parallel_size),
+                **_pick(args, TrainingConfig, skip=("num_micro_batches",)),
+            ),
+            optimizer=OptimizerConfig(**_pick(args, OptimizerConfig)),
+            data=DataConfig(
+                data_path=_as_tuple(args.data_path),
+                train_data_path=_as_tuple(args.train_data_path),
+                valid_data_path=_as_tuple(args.valid_data_path),
+                test_data_path=_as_tuple(args.test_data_path),
+                **_pick(args, DataConfig, skip=_PATH_LISTS),
+            ),
+            checkpoint=CheckpointConfig(
+                save=args.save,
+                load=args.load,
+                save_interval=args.save_interval,
+                no_save_optim=bool(args.no_save_optim),
+                no_save_rng=bool(args.no_save_rng),
+                no_load_optim=bool(args.no_load_optim),
+                no_load_rng=bool(args.no_load_rng),
+                finetune=args.finetune,
+            ),
+            logging=LoggingConfig(**_pick(args, LoggingConfig)),
+            parallel=ParallelConfig(
+                ddp_impl=args.DDP_impl, **_pick(args, ParallelConfig, skip=("ddp_impl",))
+            ),
+            notes=tuple(notes),
+        )
+
+
+def parse_config(
+    argv: Sequence[str] | None = None,
+    world_size: int = 1,
+    extra_groups: Sequence[ArgumentGroupAdder] = (),
+) -> Config:
+    """Parse `argv` (default: sys.argv[1:]), validate for `world_size` ranks and build a Config.
+
+    Flags registered by `extra_groups` are accepted here; read them from `parse_arguments`.
+    """
+    return Config.from_args(parse_arguments(argv, extra_groups), world_size)
+
+
+_MODEL_DERIVED = ("padded_vocab_size", "num_query_groups", "recompute_num_layers")
+_PATH_LISTS = ("data_path", "train_data_path", "valid_data_path", "test_data_path")
+
+
+def _model_config(args: argparse.Namespace) -> ModelConfig:
+    full = args.recompute_granularity == "full"
+    return ModelConfig(
+        num_query_groups=args.num_query_groups if args.group_query_attention else 0,
+        recompute_num_layers=args.recompute_num_layers if full else None,
+        **_pick(args, ModelConfig, skip=_MODEL_DERIVED),
+    )
+
+
+def _pick(args: argparse.Namespace, section: type, skip: Sequence[str] = ()) -> dict:
+    """The namespace values for `section`'s fields (which share Megatron's attribute names)."""
+    return {name: getattr(args, name) for name in section.__dataclass_fields__ if name not in skip}
+
+
+def _as_tuple(paths: Sequence[str] | None) -> Tuple[str, ...] | None:
+    return None if paths is None else tuple(paths)

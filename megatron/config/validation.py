@@ -1,0 +1,334 @@
+"""Parse Megatron flags, check every combination up front, and fill Megatron's derived defaults.
+
+Nothing here starts work: a bad command line stops with one `ConfigError` that names the
+flags and values involved and says what to change.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import List, Optional, Sequence, Tuple
+
+from megatron.arguments import ArgumentGroupAdder, build_parser
+from megatron.data.dataset_splits import parse_data_path, parse_split_string
+
+
+class ConfigError(ValueError):
+    """An impossible or unsupported command line, reported before any work starts."""
+
+
+def parse_arguments(
+    argv: Optional[Sequence[str]] = None, extra_groups: Sequence[ArgumentGroupAdder] = ()
+) -> argparse.Namespace:
+    """Parse `argv` (default: sys.argv[1:]) with Megatron's flags plus `extra_groups`.
+
+    Unknown flags and malformed values raise `ConfigError` instead of exiting.
+    """
+    parser = build_parser(extra_groups, exit_on_error=False)
+    try:
+        namespace, unknown = parser.parse_known_args(argv)
+    except argparse.ArgumentError as error:
+        raise ConfigError(f"{error}; run with --help for the accepted flags") from None
+    if unknown:
+        raise ConfigError(
+            f"unrecognized arguments: {' '.join(unknown)}; check the spelling "
+            "(flags are never abbreviated) or run with --help"
+        )
+    return namespace
+
+
+def resolve_arguments(namespace: argparse.Namespace, world_size: int) -> argparse.Namespace:
+    """A validated copy of `namespace` with Megatron's derived values filled in.
+
+    Adds `world_size` and `data_parallel_size` and fills `global_batch_size`,
+    `ffn_hidden_size`, `lr_decay_iters`/`lr_decay_samples` and the recompute settings as
+    Megatron's validate_args does; this is what `format_arguments_block` should print.
+    """
+    return resolve_arguments_with_notes(namespace, world_size)[0]
+
+
+def resolve_arguments_with_notes(
+    namespace: argparse.Namespace, world_size: int
+) -> Tuple[argparse.Namespace, List[str]]:
+    """`resolve_arguments`, plus the informational notes Megatron would print on rank 0."""
+    args = argparse.Namespace(**vars(namespace))
+    notes: List[str] = []
+    _check_required_and_ranges(args, world_size)
+    _resolve_parallelism(args, world_size)
+    _resolve_batch_size(args, notes)
+    _resolve_precision(args, notes)
+    _resolve_iterations_and_lr(args)
+    _resolve_model_shape(args, notes)
+    _resolve_recompute(args, notes)
+    _check_data(args)
+    _check_checkpointing(args, notes)
+    return args, notes
+
+
+def _flag(name: str) -> str:
+    """The command-line spelling of a namespace attribute."""
+    return "--DDP-impl" if name == "DDP_impl" else "--" + name.replace("_", "-")
+
+
+def _check_required_and_ranges(args: argparse.Namespace, world_size: int) -> None:
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ConfigError(f"world size must be a positive integer, got {world_size!r}")
+    required = ["num_layers", "hidden_size", "num_attention_heads", "seq_length"]
+    required += ["micro_batch_size", "lr"]
+    missing = [_flag(name) for name in required if getattr(args, name) is None]
+    if missing:
+        raise ConfigError(f"missing required flags: {', '.join(missing)}")
+
+    positive = ["num_layers", "hidden_size", "num_attention_heads", "seq_length"]
+    positive += ["micro_batch_size", "tensor_model_parallel_size", "pipeline_model_parallel_size"]
+    positive += ["make_vocab_size_divisible_by", "log_interval", "eval_interval", "hysteresis"]
+    positive += ["tensorboard_log_interval", "loss_scale_window", "initial_loss_scale"]
+    positive += ["min_loss_scale", "adam_eps", "layernorm_epsilon"]
+    optional_positive = ["ffn_hidden_size", "max_position_embeddings", "global_batch_size"]
+    optional_positive += ["train_iters", "train_samples", "lr_decay_iters", "lr_decay_samples"]
+    optional_positive += ["save_interval", "exit_interval", "exit_duration_in_mins", "loss_scale"]
+    if args.group_query_attention:
+        positive.append("num_query_groups")
+    for name in positive + [n for n in optional_positive if getattr(args, n) is not None]:
+        if getattr(args, name) <= 0:
+            raise ConfigError(f"{_flag(name)} must be > 0, got {getattr(args, name)}")
+
+    non_negative = ["lr", "min_lr", "weight_decay", "clip_grad", "init_method_std"]
+    non_negative += ["num_workers", "eval_iters", "lr_warmup_iters", "lr_warmup_samples"]
+    for name in non_negative:
+        if getattr(args, name) < 0:
+            raise ConfigError(f"{_flag(name)} must be >= 0, got {getattr(args, name)}")
+
+    for name in ("hidden_dropout", "attention_dropout", "adam_beta1", "adam_beta2"):
+        if not 0.0 <= getattr(args, name) < 1.0:
+            raise ConfigError(f"{_flag(name)} must be in [0, 1), got {getattr(args, name)}")
+    if not 0.0 < args.rotary_percent <= 1.0:
+        raise ConfigError(f"--rotary-percent must be in (0, 1], got {args.rotary_percent}")
+    if args.lr_warmup_fraction is not None and not 0.0 <= args.lr_warmup_fraction < 1.0:
+        raise ConfigError(
+            f"--lr-warmup-fraction must be in [0, 1) (a fraction of the decay steps), "
+            f"got {args.lr_warmup_fraction}"
+        )
+    if args.rampup_batch_size is not None:
+        raise ConfigError(
+            f"--rampup-batch-size {' '.join(args.rampup_batch_size)} is not supported; "
+            "train with a constant --global-batch-size"
+        )
+
+
+def _resolve_parallelism(args: argparse.Namespace, world_size: int) -> None:
+    tensor, pipeline = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    model_parallel = tensor * pipeline
+    if world_size % model_parallel != 0:
+        raise ConfigError(
+            f"world size {world_size} is not divisible by --tensor-model-parallel-size "
+            f"{tensor} x --pipeline-model-parallel-size {pipeline} (= {model_parallel}); "
+            "launch a multiple of that many processes or lower the parallel sizes"
+        )
+    if model_parallel > 1:
+        raise ConfigError(
+            f"--tensor-model-parallel-size {tensor} --pipeline-model-parallel-size {pipeline}: "
+            "model parallelism is not available yet; use 1 for both (data parallelism only)"
+        )
+    if args.use_distributed_optimizer:
+        raise ConfigError(
+            "--use-distributed-optimizer is not available yet; drop the flag "
+            "(the optimizer state is replicated on every data-parallel rank)"
+        )
+    args.world_size = world_size
+    args.data_parallel_size = world_size // model_parallel
+
+
+def _resolve_batch_size(args: argparse.Namespace, notes: List[str]) -> None:
+    per_step = args.micro_batch_size * args.data_parallel_size
+    if args.global_batch_size is None:
+        args.global_batch_size = per_step
+        notes.append(f"setting global batch size to {per_step}")
+    if args.global_batch_size % per_step != 0:
+        raise ConfigError(
+            f"--global-batch-size {args.global_batch_size} is not a multiple of "
+            f"--micro-batch-size {args.micro_batch_size} x data-parallel size "
+            f"{args.data_parallel_size} (= {per_step}); change one of them"
+        )
+
+
+def _resolve_precision(args: argparse.Namespace, notes: List[str]) -> None:
+    if args.fp16 and args.bf16:
+        raise ConfigError("--fp16 and --bf16 were both given; choose one")
+    if args.DDP_impl == "torch" and args.accumulate_allreduce_grads_in_fp32:
+        raise ConfigError(
+            "--accumulate-allreduce-grads-in-fp32 needs --DDP-impl local (torch DDP reduces "
+            "gradients in the parameter dtype); drop one of them"
+        )
+    if args.bf16 and args.DDP_impl == "local" and not args.accumulate_allreduce_grads_in_fp32:
+        # bf16 gradients lose too much precision when summed over micro-batches and ranks.
+        args.accumulate_allreduce_grads_in_fp32 = True
+        notes.append("accumulate and all-reduce gradients in fp32 for bfloat16 data type.")
+
+
+def _resolve_iterations_and_lr(args: argparse.Namespace) -> None:
+    if (args.train_iters is None) == (args.train_samples is None):
+        given = "both were given" if args.train_iters is not None else "neither was given"
+        raise ConfigError(f"give exactly one of --train-iters and --train-samples; {given}")
+    if args.train_iters is not None:
+        unit, other = "iters", "samples"
+    else:
+        unit, other = "samples", "iters"
+    if getattr(args, f"lr_decay_{other}") is not None or getattr(args, f"lr_warmup_{other}"):
+        raise ConfigError(
+            f"--train-{unit} measures the run in {unit}, so the schedule must too: replace "
+            f"--lr-decay-{other}/--lr-warmup-{other} with --lr-decay-{unit}/--lr-warmup-{unit}"
+        )
+    warmup = getattr(args, f"lr_warmup_{unit}")
+    if args.lr_warmup_fraction is not None and warmup != 0:
+        raise ConfigError(
+            f"--lr-warmup-fraction {args.lr_warmup_fraction} and --lr-warmup-{unit} {warmup} "
+            "both set the warmup; give only one"
+        )
+    decay_name = f"lr_decay_{unit}"
+    if getattr(args, decay_name) is None:
+        setattr(args, decay_name, getattr(args, f"train_{unit}"))
+    decay = getattr(args, decay_name)
+    if warmup >= decay:
+        raise ConfigError(
+            f"--lr-warmup-{unit} {warmup} must be smaller than the decay length "
+            f"--lr-decay-{unit} {decay} (which defaults to --train-{unit})"
+        )
+    if args.min_lr > args.lr:
+        raise ConfigError(f"--min-lr {args.min_lr} is larger than --lr {args.lr}")
+
+
+def _resolve_model_shape(args: argparse.Namespace, notes: List[str]) -> None:
+    hidden, heads = args.hidden_size, args.num_attention_heads
+    if hidden % heads != 0:
+        raise ConfigError(
+            f"--num-attention-heads {heads} does not divide --hidden-size {hidden}; "
+            "each head needs hidden-size / heads channels"
+        )
+    if args.group_query_attention and heads % args.num_query_groups != 0:
+        raise ConfigError(
+            f"--num-query-groups {args.num_query_groups} does not divide "
+            f"--num-attention-heads {heads}; every group must hold the same number of heads"
+        )
+    if args.ffn_hidden_size is None:
+        # SwiGLU has two input projections; 2/3 of 4h keeps the MLP's parameter count.
+        ffn = int(4 * hidden * 2 / 3 / 64) * 64 if args.swiglu else 4 * hidden
+        if ffn <= 0:
+            raise ConfigError(
+                f"--swiglu with --hidden-size {hidden} gives an empty default --ffn-hidden-size "
+                "(2/3 of 4*hidden rounded down to a multiple of 64); set --ffn-hidden-size"
+            )
+        args.ffn_hidden_size = ffn
+    if args.position_embedding_type == "learned_absolute":
+        if args.max_position_embeddings is None:
+            raise ConfigError(
+                "--max-position-embeddings is required with --position-embedding-type "
+                "learned_absolute (it sizes the position table); e.g. "
+                f"--max-position-embeddings {args.seq_length}"
+            )
+        if args.seq_length > args.max_position_embeddings:
+            raise ConfigError(
+                f"--seq-length {args.seq_length} is larger than --max-position-embeddings "
+                f"{args.max_position_embeddings}; learned positions cannot index past the table"
+            )
+    else:
+        if args.max_position_embeddings is None:
+            args.max_position_embeddings = args.seq_length
+            notes.append(f"setting max position embeddings to --seq-length {args.seq_length}")
+        rotary_dim = int(hidden // heads * args.rotary_percent)
+        if rotary_dim == 0 or rotary_dim % 2 != 0:
+            raise ConfigError(
+                f"--rotary-percent {args.rotary_percent} of {hidden // heads} channels per head "
+                f"(--hidden-size {hidden} / --num-attention-heads {heads}) gives {rotary_dim} "
+                "rotary channels; rotary embeddings need a positive even number"
+            )
+
+
+def _resolve_recompute(args: argparse.Namespace, notes: List[str]) -> None:
+    if getattr(args, "checkpoint_activations", False):
+        if args.recompute_granularity not in (None, "full"):
+            raise ConfigError(
+                "--checkpoint-activations means --recompute-granularity full, but "
+                f"--recompute-granularity {args.recompute_granularity} was given; drop one"
+            )
+        args.recompute_granularity = "full"
+        args.recompute_method = args.recompute_method or "uniform"
+        notes.append(
+            "--checkpoint-activations is deprecated; using --recompute-granularity full "
+            f"--recompute-method {args.recompute_method}"
+        )
+    if hasattr(args, "checkpoint_activations"):
+        del args.checkpoint_activations  # Megatron drops the deprecated alias once applied.
+
+    granularity, method = args.recompute_granularity, args.recompute_method
+    if method is not None and granularity != "full":
+        raise ConfigError(
+            f"--recompute-method {method} needs --recompute-granularity full "
+            f"({'it was not given' if granularity is None else f'got {granularity}'}); "
+            "selective recompute takes no method"
+        )
+    if granularity == "full" and method is None:
+        raise ConfigError("--recompute-granularity full needs --recompute-method uniform or block")
+    if granularity == "full":
+        layers = args.recompute_num_layers
+        if layers < 1:
+            raise ConfigError(f"--recompute-num-layers must be >= 1, got {layers}")
+        if method == "block" and layers > args.num_layers:
+            raise ConfigError(
+                f"--recompute-num-layers {layers} is larger than --num-layers "
+                f"{args.num_layers} with --recompute-method block"
+            )
+
+
+def _check_data(args: argparse.Namespace) -> None:
+    per_split = {name: getattr(args, f"{name}_data_path") for name in ("train", "valid", "test")}
+    given_per_split = {name: paths for name, paths in per_split.items() if paths is not None}
+    if args.data_path is None and not given_per_split:
+        raise ConfigError(
+            "no training data: give --data-path (divided by --split), or "
+            "--train-data-path/--valid-data-path/--test-data-path"
+        )
+    if args.data_path is not None and given_per_split:
+        others = ", ".join(f"--{name}-data-path" for name in given_per_split)
+        raise ConfigError(f"--data-path and {others} were both given; use one data source")
+    sources = {"data": args.data_path} if args.data_path is not None else given_per_split
+    for name, paths in sources.items():
+        try:
+            parse_data_path(paths, f"--{name}-path" if name == "data" else f"--{name}-data-path")
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+    if args.data_path is not None:
+        try:
+            parse_split_string(args.split)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+    if args.data_impl in ("lazy", "cached"):
+        raise ConfigError(
+            f"--data-impl {args.data_impl} is not supported; only mmap datasets are read "
+            "(use --data-impl mmap or infer, and tools/preprocess_data.py to convert)"
+        )
+
+    tokenizer = args.tokenizer_type
+    if tokenizer == "GPT2BPETokenizer":
+        missing = [flag for flag in ("vocab_file", "merge_file") if getattr(args, flag) is None]
+        if missing:
+            raise ConfigError(
+                f"--tokenizer-type GPT2BPETokenizer needs {' and '.join(map(_flag, missing))}"
+            )
+    elif args.tokenizer_model is None:
+        raise ConfigError(f"--tokenizer-type {tokenizer} needs --tokenizer-model")
+
+
+def _check_checkpointing(args: argparse.Namespace, notes: List[str]) -> None:
+    if args.save is not None and args.save_interval is None:
+        raise ConfigError(f"--save {args.save} needs --save-interval (iterations between saves)")
+    if args.save_interval is not None and args.save is None:
+        raise ConfigError(
+            f"--save-interval {args.save_interval} was given without --save; "
+            "add --save DIR or drop --save-interval"
+        )
+    if args.load is not None and not os.path.isdir(args.load):
+        notes.append(f"--load {args.load} does not exist; training starts from scratch")
+    if args.finetune and args.load is None:
+        notes.append("--finetune without --load: there is no checkpoint to start from")

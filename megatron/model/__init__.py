@@ -1,0 +1,14 @@
+"""GPT model in plain PyTorch (batch-first); parallelism is applied to it separately."""
+
+from megatron.model.flops import num_floating_point_operations
+from megatron.model.gpt_model import GPTModel
+from megatron.model.mlp import build_mlp
+from megatron.model.parameters import count_parameters, param_groups_for_weight_decay
+
+__all__ = [
+    "GPTModel",
+    "build_mlp",
+    "count_parameters",
+    "num_floating_point_operations",
+    "param_groups_for_weight_decay",
+]

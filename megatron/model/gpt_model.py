@@ -1,0 +1,128 @@
+"""GPT: embedding -> pre-LN transformer decoder -> logits (tied or separate output layer).
+
+Tensors are batch-first: token ids [batch, seq], hidden states [batch, seq, hidden],
+logits [batch, seq, vocab]. (Megatron keeps [seq, batch, hidden] internally for its
+sequence-parallel layout; that choice belongs to the parallelization step, not the model.)
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron.model.embeddings import LanguageModelEmbedding
+from megatron.model.norms import RMSNorm
+from megatron.model.rotary import RotaryEmbedding
+from megatron.model.transformer import TransformerBlock
+
+if TYPE_CHECKING:
+    from megatron.config import ModelConfig
+
+POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
+
+# Linear layers whose output is added to the residual stream; Megatron scales their init
+# by 1 / sqrt(2 * num_layers) so the residual variance does not grow with depth.
+OUTPUT_PROJECTION_NAMES = ("linear_proj", "linear_fc2")
+
+
+class GPTModel(nn.Module):
+    """Decoder-only language model built from a ModelConfig; see the module docstring for shapes.
+
+    Parameter names follow Megatron-core's local layer spec (they are checkpoint keys):
+    embedding.word_embeddings.weight, embedding.position_embeddings.weight,
+    decoder.layers.<n>.{input_layernorm, self_attention.linear_qkv, self_attention.linear_proj,
+    pre_mlp_layernorm, mlp.linear_fc1, mlp.linear_fc2}.{weight, bias},
+    decoder.final_layernorm.{weight, bias}, output_layer.weight (untied embeddings only).
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        if config.padded_vocab_size <= 0:
+            raise ValueError(
+                f"padded_vocab_size={config.padded_vocab_size}: set it from the tokenizer's "
+                "vocab size padded to a multiple of --make-vocab-size-divisible-by before "
+                "building the model"
+            )
+        if config.position_embedding_type not in POSITION_EMBEDDING_TYPES:
+            raise ValueError(
+                f"position_embedding_type={config.position_embedding_type!r} is not supported; "
+                f"use one of {POSITION_EMBEDDING_TYPES} (--position-embedding-type)"
+            )
+        self.config = config
+        self.embedding = LanguageModelEmbedding(config)
+        self.rotary_pos_emb = None
+        if config.position_embedding_type == "rope":
+            self.rotary_pos_emb = RotaryEmbedding(
+                config.kv_channels, config.rotary_percent, config.rotary_base
+            )
+        self.decoder = TransformerBlock(config)
+        self.output_layer = None
+        if config.untie_embeddings_and_output_weights:
+            # No bias, as in Megatron; the tied case reuses the word embedding table instead.
+            self.output_layer = nn.Linear(config.hidden_size, config.padded_vocab_size, bias=False)
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Megatron's init: normal(0, std) weights, std / sqrt(2L) for output projections,
+        zero biases, unit norm weights. Deterministic given torch.manual_seed."""
+        std = self.config.init_method_std
+        scaled_std = std / math.sqrt(2.0 * self.config.num_layers)
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear):
+                is_output_projection = name.rsplit(".", 1)[-1] in OUTPUT_PROJECTION_NAMES
+                nn.init.normal_(
+                    module.weight, mean=0.0, std=scaled_std if is_output_projection else std
+                )
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+            elif isinstance(module, (nn.LayerNorm, RMSNorm)):
+                nn.init.ones_(module.weight)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+
+    def output_weight(self) -> torch.Tensor:
+        """The [vocab, hidden] matrix producing logits: the word embeddings unless untied."""
+        if self.output_layer is not None:
+            return self.output_layer.weight
+        return self.embedding.word_embeddings.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits [b, s, vocab], or with `labels` [b, s] the per-token fp32 losses [b, s].
+
+        Losses are unreduced, as Megatron returns them: the caller applies the loss mask and
+        averages. `position_ids` [b, s] default to 0..s-1 (used by learned and rotary
+        position embeddings alike). Attention is always causal over the whole sequence.
+        """
+        seq_length = input_ids.shape[1]
+        if self.embedding.position_embeddings is not None:
+            max_positions = self.config.max_position_embeddings
+            if seq_length > max_positions:
+                raise ValueError(
+                    f"sequence length {seq_length} exceeds max_position_embeddings="
+                    f"{max_positions}; raise --max-position-embeddings or shorten --seq-length"
+                )
+        hidden_states = self.embedding(input_ids, position_ids)
+        rotary_cos_sin = None
+        if self.rotary_pos_emb is not None:
+            rotary_cos_sin = self.rotary_pos_emb(seq_length, position_ids, input_ids.device)
+        hidden_states = self.decoder(hidden_states, rotary_cos_sin)
+        logits = F.linear(hidden_states, self.output_weight())
+        if labels is None:
+            return logits
+        # fp32 cross-entropy: log-softmax over a 50k vocab in bf16 is visibly inaccurate.
+        losses = F.cross_entropy(
+            logits.float().view(-1, logits.shape[-1]), labels.reshape(-1), reduction="none"
+        )
+        return losses.view_as(labels)

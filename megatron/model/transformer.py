@@ -1,0 +1,113 @@
+"""Pre-LN transformer layer and the decoder block of layers, with activation recomputation."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional, Tuple
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from megatron.model.attention import SelfAttention
+from megatron.model.mlp import build_mlp
+from megatron.model.norms import build_norm
+
+if TYPE_CHECKING:
+    from megatron.config import ModelConfig
+
+RotaryCosSin = Optional[Tuple[torch.Tensor, torch.Tensor]]
+
+
+class TransformerLayer(nn.Module):
+    """x + dropout(attention(norm(x))), then x + dropout(mlp(norm(x))), on [b, s, h]."""
+
+    def __init__(self, config: ModelConfig, layer_number: int) -> None:
+        super().__init__()
+        self.layer_number = layer_number
+        self.input_layernorm = build_norm(config)
+        self.self_attention = SelfAttention(config, layer_number)
+        self.pre_mlp_layernorm = build_norm(config)
+        self.mlp = build_mlp(config, layer_number)
+        self.hidden_dropout = nn.Dropout(config.hidden_dropout)
+
+    def forward(
+        self, hidden_states: torch.Tensor, rotary_cos_sin: RotaryCosSin = None
+    ) -> torch.Tensor:
+        """[b, s, h] -> [b, s, h]."""
+        attention_output = self.self_attention(self.input_layernorm(hidden_states), rotary_cos_sin)
+        hidden_states = hidden_states + self.hidden_dropout(attention_output)
+        mlp_output = self.mlp(self.pre_mlp_layernorm(hidden_states))
+        return hidden_states + self.hidden_dropout(mlp_output)
+
+
+RECOMPUTE_METHODS = ("uniform", "block")
+
+
+class TransformerBlock(nn.Module):
+    """`num_layers` TransformerLayers and the final norm.
+
+    Full recompute (`recompute_granularity="full"`, training only) keeps just the inputs of
+    checkpointed layers and re-runs their forward in backward:
+      "uniform": layers in chunks of `recompute_num_layers`, one checkpoint per chunk;
+      "block":   each of the first `recompute_num_layers` layers checkpointed, the rest not.
+    Selective recompute lives in SelfAttention (only the core attention is re-run).
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(TransformerLayer(config, i) for i in range(config.num_layers))
+        self.final_layernorm = build_norm(config)
+
+        self.recompute_full = config.recompute_granularity == "full"
+        self.recompute_method = config.recompute_method
+        self.recompute_num_layers = config.recompute_num_layers
+        if self.recompute_full:
+            if config.recompute_method not in RECOMPUTE_METHODS:
+                raise ValueError(
+                    f"recompute_granularity='full' needs recompute_method in {RECOMPUTE_METHODS},"
+                    f" got {config.recompute_method!r}; set --recompute-method"
+                )
+            if not config.recompute_num_layers or config.recompute_num_layers < 1:
+                raise ValueError(
+                    "recompute_granularity='full' needs recompute_num_layers >= 1, got "
+                    f"{config.recompute_num_layers!r}; set --recompute-num-layers"
+                )
+
+    def _run_layers(
+        self, start: int, end: int, hidden_states: torch.Tensor, rotary_cos_sin: RotaryCosSin
+    ) -> torch.Tensor:
+        for layer in self.layers[start:end]:
+            hidden_states = layer(hidden_states, rotary_cos_sin)
+        return hidden_states
+
+    def _checkpointed(
+        self, start: int, end: int, hidden_states: torch.Tensor, rotary_cos_sin: RotaryCosSin
+    ) -> torch.Tensor:
+        # Non-reentrant: works with inputs that do not require grad and with autograd.grad;
+        # RNG state is restored on recompute, so dropout masks match the first forward.
+        return checkpoint(
+            self._run_layers, start, end, hidden_states, rotary_cos_sin, use_reentrant=False
+        )
+
+    def forward(
+        self, hidden_states: torch.Tensor, rotary_cos_sin: RotaryCosSin = None
+    ) -> torch.Tensor:
+        """[b, s, h] -> final-normalized [b, s, h]."""
+        num_layers = len(self.layers)
+        if not (self.recompute_full and self.training):
+            hidden_states = self._run_layers(0, num_layers, hidden_states, rotary_cos_sin)
+        elif self.recompute_method == "uniform":
+            for start in range(0, num_layers, self.recompute_num_layers):
+                end = min(start + self.recompute_num_layers, num_layers)
+                hidden_states = self._checkpointed(start, end, hidden_states, rotary_cos_sin)
+        else:  # "block"
+            for index in range(num_layers):
+                if index < self.recompute_num_layers:
+                    hidden_states = self._checkpointed(
+                        index, index + 1, hidden_states, rotary_cos_sin
+                    )
+                else:
+                    hidden_states = self._run_layers(
+                        index, index + 1, hidden_states, rotary_cos_sin
+                    )
+        return self.final_layernorm(hidden_states)

@@ -1,0 +1,470 @@
+"""Megatron-compatible flags, their validation, derived defaults and the printed block."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from megatron.config import (
+    Config,
+    ConfigError,
+    ModelConfig,
+    build_parser,
+    format_arguments_block,
+    parse_arguments,
+    parse_config,
+    resolve_arguments,
+)
+
+# A small, valid command line; tests add or replace flags on top of it.
+BASE = {
+    "--num-layers": "2",
+    "--hidden-size": "64",
+    "--num-attention-heads": "4",
+    "--seq-length": "32",
+    "--max-position-embeddings": "32",
+    "--micro-batch-size": "2",
+    "--lr": "0.001",
+    "--train-iters": "10",
+    "--data-path": "corpus_text_document",
+    "--vocab-file": "vocab.json",
+    "--merge-file": "merges.txt",
+}
+
+MEGABLOCKS_125M = (
+    "--num-layers 12 --hidden-size 768 --num-attention-heads 12 --seq-length 1024 "
+    "--max-position-embeddings 1024 --micro-batch-size 8 --global-batch-size 512 "
+    "--lr 0.0006 --min-lr 0.00006 --lr-decay-style cosine --lr-warmup-fraction 0.01 "
+    "--clip-grad 1.0 --init-method-std 0.01 --bf16 --split 969,30,1 "
+    "--make-vocab-size-divisible-by 1024 --train-iters 2000 --lr-decay-iters 2000 "
+    "--data-path 1.0 pile/01_text_document 1.0 pile/02_text_document "
+    "--vocab-file gpt2-vocab.json --merge-file gpt2-merges.txt "
+    "--DDP-impl local --no-async-tensor-model-parallel-allreduce --use-flash-attn "
+    "--save-interval 2000 --save ./ckpt --eval-iters 100 --log-interval 100 --eval-interval 1000"
+).split()
+
+
+def argv(*extra: str, drop: tuple[str, ...] = (), **replace: str) -> list[str]:
+    """BASE as an argv, without the flags in `drop`, with `replace` (flag_name=value) applied."""
+    flags = {flag: value for flag, value in BASE.items() if flag not in drop}
+    for name, value in replace.items():
+        flags["--" + name.replace("_", "-")] = value
+    out: list[str] = []
+    for flag, value in flags.items():
+        out += [flag, *value.split()]
+    return out + list(extra)
+
+
+def config(*extra: str, world_size: int = 1, **kwargs) -> Config:
+    return parse_config(argv(*extra, **kwargs), world_size=world_size)
+
+
+def error_message(*extra: str, world_size: int = 1, **kwargs) -> str:
+    with pytest.raises(ConfigError) as raised:
+        config(*extra, world_size=world_size, **kwargs)
+    return str(raised.value)
+
+
+# --- a real launch line -------------------------------------------------------------------
+
+
+def test_megablocks_125m_command_line_on_8_ranks():
+    cfg = parse_config(MEGABLOCKS_125M, world_size=8)
+    model = cfg.model
+    assert (model.num_layers, model.hidden_size, model.num_attention_heads) == (12, 768, 12)
+    assert (model.seq_length, model.max_position_embeddings) == (1024, 1024)
+    assert model.ffn_hidden_size == 3072 and model.kv_channels == 64
+    assert model.init_method_std == 0.01 and model.padded_vocab_size == 0
+    assert cfg.parallel.world_size == 8 and cfg.parallel.data_parallel_size == 8
+    assert cfg.parallel.ddp_impl == "local"
+    assert cfg.parallel.accumulate_allreduce_grads_in_fp32  # implied by --bf16
+    assert cfg.training.micro_batch_size == 8 and cfg.training.global_batch_size == 512
+    assert cfg.training.num_micro_batches == 512 // (8 * 8)
+    assert cfg.training.bf16 and not cfg.training.fp16 and cfg.training.use_flash_attn
+    assert cfg.training.params_dtype_name == "bfloat16"
+    assert cfg.training.train_iters == 2000 and cfg.training.train_samples is None
+    optimizer = cfg.optimizer
+    assert (optimizer.lr, optimizer.min_lr, optimizer.clip_grad) == (0.0006, 0.00006, 1.0)
+    assert optimizer.lr_decay_style == "cosine" and optimizer.lr_decay_iters == 2000
+    assert optimizer.lr_warmup_fraction == 0.01 and optimizer.lr_warmup_iters == 0
+    assert cfg.data.data_path == ("1.0", "pile/01_text_document", "1.0", "pile/02_text_document")
+    assert cfg.data.split == "969,30,1" and cfg.data.make_vocab_size_divisible_by == 1024
+    assert cfg.data.tokenizer_type == "GPT2BPETokenizer"
+    assert cfg.checkpoint.save == "./ckpt" and cfg.checkpoint.save_interval == 2000
+    assert cfg.logging.log_interval == 100
+    assert (cfg.training.eval_iters, cfg.training.eval_interval) == (100, 1000)
+
+
+# --- defaults -------------------------------------------------------------------------------
+
+
+def test_megatron_defaults():
+    cfg = config()
+    model, optimizer, training = cfg.model, cfg.optimizer, cfg.training
+    assert model.ffn_hidden_size == 4 * 64
+    assert (model.hidden_dropout, model.attention_dropout, model.init_method_std) == (
+        0.1,
+        0.1,
+        0.02,
+    )
+    assert model.position_embedding_type == "learned_absolute"
+    assert (model.normalization, model.layernorm_epsilon) == ("LayerNorm", 1e-5)
+    assert (model.rotary_percent, model.rotary_base) == (1.0, 10000)
+    assert model.add_bias_linear and not model.swiglu
+    assert not model.untie_embeddings_and_output_weights
+    assert model.num_query_groups == 0
+    assert model.recompute_granularity is None and model.recompute_method is None
+    assert model.recompute_num_layers is None
+    assert (optimizer.optimizer, optimizer.weight_decay, optimizer.clip_grad) == ("adam", 0.01, 1.0)
+    assert (optimizer.adam_beta1, optimizer.adam_beta2, optimizer.adam_eps) == (0.9, 0.999, 1e-8)
+    assert optimizer.sgd_momentum == 0.9 and optimizer.min_lr == 0.0
+    assert optimizer.lr_decay_style == "linear"
+    assert optimizer.lr_decay_iters == 10  # defaults to --train-iters
+    assert optimizer.lr_warmup_fraction is None and optimizer.lr_warmup_iters == 0
+    assert optimizer.loss_scale is None and optimizer.initial_loss_scale == 2**32
+    assert (optimizer.min_loss_scale, optimizer.loss_scale_window, optimizer.hysteresis) == (
+        1.0,
+        1000,
+        2,
+    )
+    assert training.seed == 1234 and training.params_dtype_name == "float32"
+    assert (training.eval_iters, training.eval_interval) == (100, 1000)
+    assert training.exit_interval is None and not training.exit_signal_handler
+    assert cfg.data.split == "969, 30, 1" and cfg.data.num_workers == 2
+    assert cfg.data.make_vocab_size_divisible_by == 128 and cfg.data.data_impl == "infer"
+    assert cfg.parallel.distributed_backend == "nccl" and cfg.parallel.ddp_impl == "local"
+    assert not cfg.parallel.accumulate_allreduce_grads_in_fp32
+    assert cfg.logging.log_interval == 100 and cfg.logging.tensorboard_log_interval == 1
+    assert cfg.logging.timing_log_level == 0
+    assert not cfg.checkpoint.no_save_optim and not cfg.checkpoint.no_load_rng
+
+
+def test_global_batch_size_defaults_to_micro_times_data_parallel():
+    cfg = config(world_size=4)
+    assert cfg.training.global_batch_size == 2 * 4 and cfg.training.num_micro_batches == 1
+    assert "setting global batch size to 8" in cfg.notes
+
+
+@pytest.mark.parametrize(
+    "hidden, heads, expected",
+    [(768, 12, 2048), (4096, 32, 10880), (1024, 16, 2688)],
+)
+def test_swiglu_ffn_default_is_two_thirds_of_4h_rounded_down_to_64(hidden, heads, expected):
+    cfg = config("--swiglu", hidden_size=str(hidden), num_attention_heads=str(heads))
+    assert cfg.model.swiglu and cfg.model.ffn_hidden_size == expected
+
+
+def test_explicit_ffn_hidden_size_wins():
+    assert config("--swiglu", ffn_hidden_size="100").model.ffn_hidden_size == 100
+
+
+def test_rope_defaults_max_position_embeddings_to_seq_length():
+    cfg = config("--position-embedding-type", "rope", drop=("--max-position-embeddings",))
+    assert cfg.model.position_embedding_type == "rope"
+    assert cfg.model.max_position_embeddings == 32
+
+
+def test_rope_does_not_bound_seq_length_by_max_position_embeddings():
+    cfg = config("--position-embedding-type", "rope", max_position_embeddings="16")
+    assert cfg.model.seq_length == 32
+
+
+def test_model_flags():
+    cfg = config(
+        *"--normalization RMSNorm --norm-epsilon 1e-6 --swiglu --disable-bias-linear "
+        "--untie-embeddings-and-output-weights --group-query-attention --num-query-groups 2 "
+        "--rotary-base 500000".split()
+    )
+    model = cfg.model
+    assert (model.normalization, model.layernorm_epsilon) == ("RMSNorm", 1e-6)
+    assert not model.add_bias_linear and model.untie_embeddings_and_output_weights
+    assert model.num_query_groups == 2 and model.kv_channels == 16
+    assert model.rotary_base == 500000
+
+
+def test_num_query_groups_ignored_without_group_query_attention():
+    assert config("--num-query-groups", "2").model.num_query_groups == 0
+
+
+def test_sample_based_training_defaults_decay_samples():
+    cfg = config("--train-samples", "1000", "--lr-warmup-samples", "10", drop=("--train-iters",))
+    assert cfg.training.train_samples == 1000 and cfg.training.train_iters is None
+    assert cfg.optimizer.lr_decay_samples == 1000 and cfg.optimizer.lr_decay_iters is None
+    assert cfg.optimizer.lr_warmup_samples == 10
+
+
+def test_model_config_is_plain_and_mutable_for_vocab_padding():
+    model = ModelConfig(
+        num_layers=1,
+        hidden_size=8,
+        num_attention_heads=2,
+        ffn_hidden_size=32,
+        seq_length=4,
+        max_position_embeddings=4,
+    )
+    model.padded_vocab_size = 128
+    assert model.kv_channels == 4 and model.padded_vocab_size == 128
+
+
+def test_from_args_leaves_the_namespace_untouched():
+    namespace = parse_arguments(argv("--checkpoint-activations"))
+    before = dict(vars(namespace))
+    Config.from_args(namespace, world_size=2)
+    assert vars(namespace) == before
+
+
+# --- aliases --------------------------------------------------------------------------------
+
+
+def test_checkpoint_activations_is_full_uniform_recompute():
+    cfg = config("--checkpoint-activations")
+    assert cfg.model.recompute_granularity == "full"
+    assert cfg.model.recompute_method == "uniform" and cfg.model.recompute_num_layers == 1
+    assert any("--checkpoint-activations is deprecated" in note for note in cfg.notes)
+    resolved = resolve_arguments(parse_arguments(argv("--checkpoint-activations")), 1)
+    assert not hasattr(resolved, "checkpoint_activations")  # dropped once applied, as Megatron does
+
+
+def test_checkpoint_activations_keeps_an_explicit_method():
+    cfg = config("--checkpoint-activations", "--recompute-method", "block")
+    assert cfg.model.recompute_method == "block"
+
+
+@pytest.mark.parametrize("flag", ["--data-impl", "--dataset-impl"])
+def test_data_impl_aliases(flag):
+    assert config(flag, "mmap").data.data_impl == "mmap"
+
+
+def test_layernorm_epsilon_aliases():
+    assert config("--layernorm-epsilon", "1e-6").model.layernorm_epsilon == 1e-6
+    assert config("--norm-epsilon", "1e-6").model.layernorm_epsilon == 1e-6
+
+
+def test_no_effect_fusion_flags_are_accepted():
+    config(
+        "--no-bias-gelu-fusion",
+        "--no-masked-softmax-fusion",
+        "--no-bias-dropout-fusion",
+        "--no-gradient-accumulation-fusion",
+        "--no-async-tensor-model-parallel-allreduce",
+        "--log-num-zeros-in-grad",
+        "--log-params-norm",
+        "--timing-log-level",
+        "2",
+    )
+
+
+def test_recompute_selective_and_block():
+    assert config("--recompute-granularity", "selective").model.recompute_num_layers is None
+    cfg = config(
+        *"--recompute-granularity full --recompute-method block --recompute-num-layers 2".split()
+    )
+    assert (cfg.model.recompute_method, cfg.model.recompute_num_layers) == ("block", 2)
+
+
+# --- validation errors ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "extra, kwargs, world_size, expected",
+    [
+        ((), {"num_attention_heads": "5"}, 1, ["--num-attention-heads 5", "--hidden-size 64"]),
+        (
+            ("--group-query-attention", "--num-query-groups", "3"),
+            {},
+            1,
+            ["--num-query-groups 3", "--num-attention-heads 4"],
+        ),
+        ((), {"global_batch_size": "12"}, 4, ["--global-batch-size 12", "--micro-batch-size 2"]),
+        (
+            ("--tensor-model-parallel-size", "3"),
+            {},
+            8,
+            ["world size 8", "--tensor-model-parallel-size 3"],
+        ),
+        (("--train-samples", "100"), {}, 1, ["--train-iters", "--train-samples", "both"]),
+        ((), {"drop": ("--train-iters",)}, 1, ["--train-iters", "--train-samples", "neither"]),
+        (("--bf16", "--fp16"), {}, 1, ["--fp16", "--bf16"]),
+        ((), {"seq_length": "64"}, 1, ["--seq-length 64", "--max-position-embeddings 32"]),
+        (
+            ("--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "2"),
+            {},
+            1,
+            ["--lr-warmup-fraction 0.1", "--lr-warmup-iters 2"],
+        ),
+        ((), {"min_lr": "0.01"}, 1, ["--min-lr 0.01", "--lr 0.001"]),
+        ((), {"drop": ("--data-path",)}, 1, ["--data-path", "--train-data-path"]),
+        ((), {"data_path": "1.0 a 2.0"}, 1, ["--data-path", "3 entries", "pairs"]),
+        ((), {"data_path": "x a 2.0 b"}, 1, ["--data-path", "'x'"]),
+        (
+            ("--train-data-path", "t"),
+            {},
+            1,
+            ["--data-path", "--train-data-path", "one data source"],
+        ),
+        ((), {"split": "90,x,5"}, 1, ["--split", "'x'"]),
+        (("--recompute-method", "uniform"), {}, 1, ["--recompute-method uniform", "full"]),
+        (
+            ("--recompute-granularity", "selective", "--recompute-method", "block"),
+            {},
+            1,
+            ["--recompute-method block", "--recompute-granularity full"],
+        ),
+        (("--recompute-granularity", "full"), {}, 1, ["--recompute-method"]),
+        (
+            ("--checkpoint-activations", "--recompute-granularity", "selective"),
+            {},
+            1,
+            ["--checkpoint-activations", "--recompute-granularity selective"],
+        ),
+        (
+            "--recompute-granularity full --recompute-method block --recompute-num-layers 3".split(),
+            {},
+            1,
+            ["--recompute-num-layers 3", "--num-layers 2"],
+        ),
+        ((), {"drop": ("--vocab-file",)}, 1, ["GPT2BPETokenizer", "--vocab-file"]),
+        ((), {"drop": ("--merge-file",)}, 1, ["GPT2BPETokenizer", "--merge-file"]),
+        (
+            ("--tokenizer-type", "SentencePieceTokenizer"),
+            {},
+            1,
+            ["SentencePieceTokenizer", "--tokenizer-model"],
+        ),
+        (("--save-interval", "5"), {}, 1, ["--save-interval 5", "--save"]),
+        (("--save", "ckpt"), {}, 1, ["--save ckpt", "--save-interval"]),
+        (("--rampup-batch-size", "16", "8", "1000"), {}, 1, ["--rampup-batch-size", "supported"]),
+        (
+            ("--tensor-model-parallel-size", "2"),
+            {},
+            8,
+            ["--tensor-model-parallel-size 2", "not available yet"],
+        ),
+        (
+            ("--pipeline-model-parallel-size", "2"),
+            {},
+            8,
+            ["--pipeline-model-parallel-size 2", "not available yet"],
+        ),
+        (("--use-distributed-optimizer",), {}, 8, ["--use-distributed-optimizer", "not available"]),
+        ((), {"drop": ("--lr", "--num-layers")}, 1, ["--num-layers", "--lr"]),
+        ((), {"drop": ("--max-position-embeddings",)}, 1, ["--max-position-embeddings"]),
+        (("--data-impl", "lazy"), {}, 1, ["--data-impl lazy", "mmap"]),
+        ((), {"hidden_dropout": "1.5"}, 1, ["--hidden-dropout", "1.5"]),
+        ((), {"micro_batch_size": "0"}, 1, ["--micro-batch-size", "> 0"]),
+        (
+            ("--lr-decay-samples", "100"),
+            {},
+            1,
+            ["--train-iters", "--lr-decay-samples", "--lr-decay-iters"],
+        ),
+        (("--lr-warmup-iters", "10"), {}, 1, ["--lr-warmup-iters 10", "--lr-decay-iters 10"]),
+        (
+            ("--position-embedding-type", "rope", "--rotary-percent", "0.1"),
+            {},
+            1,
+            ["--rotary-percent 0.1", "even"],
+        ),
+        (
+            ("--DDP-impl", "torch", "--accumulate-allreduce-grads-in-fp32"),
+            {},
+            1,
+            ["--accumulate-allreduce-grads-in-fp32", "--DDP-impl local"],
+        ),
+    ],
+)
+def test_validation_errors_name_the_flags(extra, kwargs, world_size, expected):
+    message = error_message(*extra, world_size=world_size, **kwargs)
+    for fragment in expected:
+        assert fragment in message, f"{fragment!r} missing from {message!r}"
+
+
+def test_config_error_is_a_value_error():
+    assert issubclass(ConfigError, ValueError)
+
+
+def test_bad_world_size():
+    with pytest.raises(ConfigError, match="world size"):
+        config(world_size=0)
+
+
+def test_unknown_flag_is_reported():
+    with pytest.raises(ConfigError, match="unrecognized arguments: --foo"):
+        config("--foo", "3")
+
+
+def test_flags_are_not_abbreviated():
+    with pytest.raises(ConfigError, match="unrecognized arguments: --num-lay"):
+        parse_arguments(["--num-lay", "2"])
+
+
+def test_bad_choice_and_bad_type_raise_config_error():
+    with pytest.raises(ConfigError, match="--lr-decay-style"):
+        config("--lr-decay-style", "exponential")
+    with pytest.raises(ConfigError, match="--num-layers"):
+        config(num_layers="two")
+
+
+def test_load_dir_missing_is_only_a_note(tmp_path):
+    missing = tmp_path / "nothing"
+    cfg = config("--load", str(missing))
+    assert cfg.checkpoint.load == str(missing)
+    assert any("does not exist" in note and str(missing) in note for note in cfg.notes)
+    assert not any("--load" in note for note in config("--load", str(tmp_path)).notes)
+
+
+def test_per_split_data_paths():
+    cfg = config(*"--train-data-path 1 a 1 b --valid-data-path v".split(), drop=("--data-path",))
+    assert cfg.data.data_path is None
+    assert cfg.data.train_data_path == ("1", "a", "1", "b")
+    assert cfg.data.valid_data_path == ("v",) and cfg.data.test_data_path is None
+
+
+# --- extension groups -----------------------------------------------------------------------
+
+
+def _add_moe_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(title="moe")
+    group.add_argument("--moe-num-experts", type=int, default=None)
+
+
+def test_extra_argument_groups_are_accepted():
+    extended = argv("--moe-num-experts=8")
+    namespace = parse_arguments(extended, extra_groups=[_add_moe_args])
+    assert namespace.moe_num_experts == 8
+    assert parse_config(extended, 1, extra_groups=[_add_moe_args]).model.num_layers == 2
+    with pytest.raises(ConfigError, match="unrecognized arguments: --moe-num-experts=8"):
+        parse_config(extended, 1)
+    assert "--moe-num-experts" in build_parser([_add_moe_args]).format_help()
+
+
+# --- the printed block ----------------------------------------------------------------------
+
+
+def test_arguments_block_format():
+    block = format_arguments_block(argparse.Namespace(b_value=2, DDP_impl="local", a=None))
+    assert block.splitlines() == [
+        "------------------------ arguments ------------------------",
+        "  a " + "." * 47 + " None",
+        "  b_value " + "." * 41 + " 2",
+        "  DDP_impl " + "." * 40 + " local",
+        "-------------------- end of arguments ---------------------",
+    ]
+
+
+def test_arguments_block_of_resolved_arguments():
+    resolved = resolve_arguments(parse_arguments(MEGABLOCKS_125M), world_size=8)
+    lines = format_arguments_block(resolved).splitlines()
+    assert lines[0] == "------------------------ arguments ------------------------"
+    assert lines[-1] == "-------------------- end of arguments ---------------------"
+    body = lines[1:-1]
+    assert body == sorted(body, key=str.lower)
+    assert "  accumulate_allreduce_grads_in_fp32 .............. True" in body
+    assert "  data_parallel_size .............................. 8" in body
+    assert "  global_batch_size ............................... 512" in body
+    assert "  lr_decay_iters .................................. 2000" in body
+    assert "  world_size ...................................... 8" in body
+    for line in body:
+        name, dots, _ = line.strip().split(" ", 2)
+        assert dots == "." * (48 - len(name))
