@@ -1,0 +1,168 @@
+"""Write a checkpoint atomically: a temporary directory renamed into place, the tracker last."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+from typing import Any, Callable, Dict, List
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron.checkpointing.layout import (
+    CheckpointError,
+    checkpoint_file,
+    fsync_directory,
+    iteration_directory_name,
+    leftover_temporaries,
+    shard_file,
+    temporary_directory_name,
+    write_tracker,
+)
+from megatron.checkpointing.rng import data_parallel_rank, gather_rng_states
+from megatron.initialize import print_rank_0
+
+CHECKPOINT_VERSION = 3.0
+
+# Wrappers whose `.module` holds the model; matched by name as well so that a local
+# data-parallel wrapper named like Megatron's (DistributedDataParallel, Float16Module)
+# unwraps without this module importing it.
+WRAPPER_CLASS_NAMES = ("DistributedDataParallel", "Float16Module")
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The model under any data-parallel / precision wrappers, whose keys the checkpoint holds."""
+    while isinstance(model, nn.parallel.DistributedDataParallel) or (
+        type(model).__name__ in WRAPPER_CLASS_NAMES and isinstance(model.module, nn.Module)
+    ):
+        model = model.module
+    return model
+
+
+def save_checkpoint(
+    config: Any,
+    iteration: int,
+    model: nn.Module,
+    optimizer: Any = None,
+    scheduler: Any = None,
+    args: argparse.Namespace | None = None,
+    *,
+    consumed_train_samples: int = 0,
+    consumed_valid_samples: int = 0,
+    data_parallel_group: dist.ProcessGroup | None = None,
+    print_fn: Callable[[str], None] = print_rank_0,
+) -> str | None:
+    """Save `iteration` under `config.save` (a CheckpointConfig); called on every rank.
+
+    `args` is the run's argument namespace, saved (a copy, with the consumed sample counts) as
+    Megatron does. Every rank contributes its RNG state; data-parallel rank 0 writes. `--no-save-optim`
+    leaves out optimizer and scheduler state, `--no-save-rng` the RNG states. Returns the file
+    written on the writing rank, None elsewhere. Raises CheckpointError on every rank when
+    the write failed.
+    """
+    if not config.save:
+        raise CheckpointError("save_checkpoint called without --save; pass --save DIR")
+    rng_states = None if config.no_save_rng else gather_rng_states(data_parallel_group)
+    error, cause, path = None, None, None
+    if data_parallel_rank(data_parallel_group) == 0:
+        try:
+            state = _checkpoint_state(
+                iteration,
+                model,
+                None if config.no_save_optim else optimizer,
+                None if config.no_save_optim else scheduler,
+                rng_states,
+                args,
+                consumed_train_samples,
+                consumed_valid_samples,
+            )
+            path = _write_atomically(config.save, iteration, state)
+        except Exception as exc:  # reported on every rank below, so none waits forever
+            error, cause = f"saving iteration {iteration} under {config.save} failed: {exc!r}", exc
+    if dist.is_initialized():
+        # The final barrier: every rank leaves once the writer has finished, knowing its outcome.
+        outcome = [error]
+        writer = 0 if data_parallel_group is None else dist.get_global_rank(data_parallel_group, 0)
+        dist.broadcast_object_list(outcome, src=writer, group=data_parallel_group)
+        error = outcome[0]
+    if error is not None:
+        raise CheckpointError(error) from cause
+    print_fn(f"saved checkpoint at iteration {iteration:7d} to {config.save}")
+    return path
+
+
+def _checkpoint_state(
+    iteration: int,
+    model: nn.Module,
+    optimizer: Any,
+    scheduler: Any,
+    rng_states: List[Dict[str, Any]] | None,
+    args: argparse.Namespace | None,
+    consumed_train_samples: int,
+    consumed_valid_samples: int,
+) -> Dict[str, Any]:
+    # A copy, so the caller's namespace is not changed; Megatron keeps the consumed sample
+    # counts in args, and tools reading its checkpoints look for them there.
+    saved_args = argparse.Namespace(**vars(args)) if args is not None else argparse.Namespace()
+    saved_args.consumed_train_samples = consumed_train_samples
+    saved_args.consumed_valid_samples = consumed_valid_samples
+    state: Dict[str, Any] = {
+        "args": saved_args,
+        "checkpoint_version": CHECKPOINT_VERSION,
+        "iteration": iteration,
+        "consumed_train_samples": consumed_train_samples,
+        "consumed_valid_samples": consumed_valid_samples,
+        "model": unwrap_model(model).state_dict(),
+    }
+    if optimizer is not None:
+        state["optimizer"] = optimizer.state_dict()
+    if scheduler is not None:
+        state["opt_param_scheduler"] = scheduler.state_dict()
+    if rng_states is not None:
+        state["rng_state"] = rng_states
+    return state
+
+
+def _write_atomically(root: str, iteration: int, state: Dict[str, Any]) -> str:
+    """Write into a temporary directory, rename it to iter_XXXXXXX, then move the tracker.
+
+    A crash before the tracker is replaced leaves it naming the previous complete checkpoint.
+    """
+    os.makedirs(root, exist_ok=True)
+    final_directory = os.path.join(root, iteration_directory_name(iteration))
+    temporary_root = os.path.join(root, temporary_directory_name(iteration))
+    if os.path.exists(temporary_root):
+        shutil.rmtree(temporary_root)
+    temporary_file = shard_file(temporary_root)
+    os.makedirs(os.path.dirname(temporary_file))
+    with open(temporary_file, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    fsync_directory(os.path.dirname(temporary_file))
+    fsync_directory(temporary_root)
+
+    if os.path.exists(final_directory):
+        # A directory cannot be renamed over a non-empty one: move the old one aside under a
+        # temporary name (never loaded, cleaned up below), then move the new one in.
+        replaced = os.path.join(root, temporary_directory_name(iteration, ".replaced"))
+        os.replace(final_directory, replaced)
+    os.replace(temporary_root, final_directory)
+    fsync_directory(root)
+    write_tracker(root, iteration)
+    _remove_leftovers(root)
+    return checkpoint_file(root, iteration)
+
+
+def _remove_leftovers(root: str) -> None:
+    """Delete temporaries of saves that were cut off (or replaced) now that one succeeded."""
+    for path in leftover_temporaries(root):
+        if os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            try:
+                os.remove(path)
+            except OSError:
+                pass

@@ -1,0 +1,84 @@
+"""Process start-up: torch.distributed from torchrun's environment, device choice, seeds."""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistributedContext:
+    """Where this process sits: its rank among `world_size` and the device it computes on."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str | None
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+
+def world_size_from_environment() -> int:
+    """WORLD_SIZE as torchrun sets it (1 when started as a plain python process)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def initialize_distributed(
+    requested_backend: str = "nccl", timeout_minutes: int = 30
+) -> DistributedContext:
+    """Join the process group torchrun describes (RANK, WORLD_SIZE, MASTER_ADDR, ...).
+
+    On GPUs the requested backend (NCCL, which is RCCL on ROCm builds) is used; without a GPU
+    gloo is the only choice, whatever was requested. A single process without torchrun runs
+    without a process group.
+    """
+    world_size = world_size_from_environment()
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        backend = requested_backend
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+    if world_size == 1 and "MASTER_ADDR" not in os.environ:
+        return DistributedContext(0, 1, 0, device, None)
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend=backend,
+            world_size=world_size,
+            rank=rank,
+            timeout=timedelta(minutes=timeout_minutes),
+        )
+    return DistributedContext(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
+
+
+def set_random_seed(seed: int) -> None:
+    """Seed python, numpy and torch (CPU and every GPU) identically on every rank, as Megatron does."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed_all(seed)
+
+
+def print_rank_0(message: str) -> None:
+    """Print once per job, from global rank 0."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(message, flush=True)
+
+
+def barrier() -> None:
+    """Wait for every rank (no-op without a process group)."""
+    if dist.is_initialized():
+        dist.barrier()

@@ -1,0 +1,106 @@
+"""Megatron's log lines (users parse them) and TensorBoard scalars."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Dict, Optional
+
+
+@dataclass
+class IterationStats:
+    """What one `--log-interval` window of training produced, averaged where Megatron averages."""
+
+    iteration: int
+    train_iters: int
+    consumed_samples: int
+    elapsed_ms_per_iteration: float
+    learning_rate: float
+    global_batch_size: int
+    losses: Dict[str, float]
+    loss_scale: float
+    grad_norm: Optional[float]
+    skipped_iterations: int
+    nan_iterations: int
+    tokens_per_second: float
+    tokens_per_second_per_gpu: float
+    tflops_per_gpu: float
+    num_zeros_in_grad: Optional[int] = None
+    params_norm: Optional[float] = None
+
+
+def format_iteration_line(stats: IterationStats) -> str:
+    """Megatron's per-iteration line, field for field, then the throughput fields."""
+    line = f" iteration {stats.iteration:8d}/{stats.train_iters:8d} |"
+    line += f" consumed samples: {stats.consumed_samples:12d} |"
+    line += f" elapsed time per iteration (ms): {stats.elapsed_ms_per_iteration:.1f} |"
+    line += f" learning rate: {stats.learning_rate:.3E} |"
+    line += f" global batch size: {stats.global_batch_size:5d} |"
+    for name, value in stats.losses.items():
+        line += f" {name}: {value:.6E} |"
+    line += f" loss scale: {stats.loss_scale:.1f} |"
+    if stats.grad_norm is not None:
+        line += f" grad norm: {stats.grad_norm:.3f} |"
+    if stats.num_zeros_in_grad is not None:
+        line += f" num zeros: {stats.num_zeros_in_grad:.1f} |"
+    if stats.params_norm is not None:
+        line += f" params norm: {stats.params_norm:.3f} |"
+    line += f" number of skipped iterations: {stats.skipped_iterations:3d} |"
+    line += f" number of nan iterations: {stats.nan_iterations:3d} |"
+    line += f" throughput per GPU (TFLOP/s/GPU): {stats.tflops_per_gpu:.1f} |"
+    line += f" tokens per second: {stats.tokens_per_second:.0f} |"
+    line += f" tokens per second per GPU: {stats.tokens_per_second_per_gpu:.0f} |"
+    return line
+
+
+def format_validation_block(prefix: str, losses: Dict[str, float]) -> str:
+    """Megatron's validation block: `<name> value` and `<name> PPL` between dashed rules."""
+    text = f" validation loss at {prefix} | "
+    for name, value in losses.items():
+        text += f"{name} value: {value:.6E} | "
+        text += f"{name} PPL: {math.exp(min(20.0, value)):.6E} | "
+    rule = "-" * (len(text) + 1)
+    return f"{rule}\n{text}\n{rule}"
+
+
+class TensorBoardLogger:
+    """Megatron's scalar names, against iterations and (`... vs samples`) consumed samples."""
+
+    def __init__(self, log_dir: str, queue_size: int = 1000):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self._writer = SummaryWriter(log_dir=log_dir, max_queue=queue_size)
+
+    def log_training(self, stats: IterationStats) -> None:
+        scalars = {
+            "learning-rate": stats.learning_rate,
+            "batch-size": stats.global_batch_size,
+            "loss-scale": stats.loss_scale,
+            "throughput/tokens-per-second-per-gpu": stats.tokens_per_second_per_gpu,
+            "throughput/tflops-per-gpu": stats.tflops_per_gpu,
+            **stats.losses,
+        }
+        if stats.grad_norm is not None:
+            scalars["grad-norm"] = stats.grad_norm
+        for name, value in scalars.items():
+            self._writer.add_scalar(name, value, stats.iteration)
+            self._writer.add_scalar(f"{name} vs samples", value, stats.consumed_samples)
+
+    def log_validation(
+        self, losses: Dict[str, float], iteration: int, consumed_samples: int
+    ) -> None:
+        for name, value in losses.items():
+            for suffix, scalar in (
+                ("validation", value),
+                ("validation ppl", math.exp(min(20.0, value))),
+            ):
+                self._writer.add_scalar(f"{name} {suffix}", scalar, iteration)
+                self._writer.add_scalar(f"{name} {suffix} vs samples", scalar, consumed_samples)
+
+    def log_scalars(self, scalars: Dict[str, float], iteration: int) -> None:
+        for name, value in scalars.items():
+            self._writer.add_scalar(name, value, iteration)
+
+    def close(self) -> None:
+        self._writer.flush()
+        self._writer.close()

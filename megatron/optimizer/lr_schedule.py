@@ -1,0 +1,188 @@
+"""Learning-rate schedule with Megatron's semantics: steps are counted in samples.
+
+Linear warmup from 0 to `max_lr`, then constant, linear or cosine decay to `min_lr`, and
+`min_lr` once the decay is over. The weight decay is constant (Megatron's
+`--weight-decay-incr-style constant`); each param group's `wd_mult` (0.0 for biases and norm
+weights, see `build_optimizer`) scales it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, Union
+
+from megatron.config import OptimizerConfig, TrainingConfig
+
+DECAY_STYLES = ("constant", "linear", "cosine")
+
+
+class OptimizerParamScheduler:
+    """Sets every param group's `lr` and `weight_decay` from the number of samples consumed.
+
+    `optimizer` is anything with `param_groups` (a `MegatronOptimizer` or a torch optimizer).
+    On `load_state_dict` the checkpoint's sample count is always restored; for the schedule
+    values (max_lr, min_lr, warmup_steps, decay_steps, decay_style) Megatron's rule applies:
+    by default they must equal the current ones (a mismatch raises), with
+    `use_checkpoint_opt_param_scheduler` the checkpoint's are taken, with
+    `override_opt_param_scheduler` the current ones are kept.
+    """
+
+    def __init__(
+        self,
+        optimizer: Any,
+        max_lr: float,
+        min_lr: float,
+        warmup_steps: float,
+        decay_steps: float,
+        decay_style: str,
+        weight_decay: float,
+        use_checkpoint_opt_param_scheduler: bool = False,
+        override_opt_param_scheduler: bool = False,
+    ) -> None:
+        if not 0.0 <= min_lr <= max_lr:
+            raise ValueError(f"need 0 <= min_lr ({min_lr}) <= max_lr ({max_lr}): check --min-lr")
+        if decay_steps <= 0:
+            raise ValueError(f"the decay length must be positive, got {decay_steps} samples")
+        if not 0 <= warmup_steps < decay_steps:
+            raise ValueError(
+                f"the warmup ({warmup_steps} samples) must be shorter than the decay "
+                f"({decay_steps} samples): check --lr-warmup-* and --lr-decay-*"
+            )
+        if decay_style not in DECAY_STYLES:
+            raise ValueError(f"--lr-decay-style {decay_style!r} is not one of {DECAY_STYLES}")
+        if weight_decay < 0.0:
+            raise ValueError(f"--weight-decay must be non-negative, got {weight_decay}")
+        if use_checkpoint_opt_param_scheduler and override_opt_param_scheduler:
+            raise ValueError(
+                "use_checkpoint_opt_param_scheduler and override_opt_param_scheduler "
+                "contradict each other; set at most one"
+            )
+        self.optimizer = optimizer
+        self.max_lr = float(max_lr)
+        self.min_lr = float(min_lr)
+        self.warmup_steps = warmup_steps
+        self.decay_steps = decay_steps
+        self.decay_style = decay_style
+        self.weight_decay = float(weight_decay)
+        self.use_checkpoint_opt_param_scheduler = use_checkpoint_opt_param_scheduler
+        self.override_opt_param_scheduler = override_opt_param_scheduler
+        self.num_steps = 0
+        self.step(0)
+
+    def get_lr(self) -> float:
+        """The learning rate after `num_steps` samples."""
+        if self.warmup_steps > 0 and self.num_steps <= self.warmup_steps:
+            return self.max_lr * float(self.num_steps) / float(self.warmup_steps)
+        if self.decay_style == "constant":
+            return self.max_lr
+        if self.num_steps > self.decay_steps:
+            return self.min_lr
+        decay_ratio = float(self.num_steps - self.warmup_steps) / float(
+            self.decay_steps - self.warmup_steps
+        )
+        if self.decay_style == "linear":
+            coefficient = 1.0 - decay_ratio
+        else:  # cosine
+            coefficient = 0.5 * (math.cos(math.pi * decay_ratio) + 1.0)
+        return self.min_lr + coefficient * (self.max_lr - self.min_lr)
+
+    def step(self, increment: int) -> None:
+        """Advance by `increment` samples (the global batch size per iteration), then set lr/wd."""
+        self.num_steps += increment
+        lr = self.get_lr()
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+            group["weight_decay"] = self.weight_decay * group.get("wd_mult", 1.0)
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Megatron's keys: max_lr, warmup_steps, num_steps, decay_style, decay_steps, min_lr."""
+        return {
+            "max_lr": self.max_lr,
+            "warmup_steps": self.warmup_steps,
+            "num_steps": self.num_steps,
+            "decay_style": self.decay_style,
+            "decay_steps": self.decay_steps,
+            "min_lr": self.min_lr,
+        }
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Restore the sample count and reconcile the schedule values (see the class docstring).
+
+        Older Megatron key names (start_lr, warmup_iter, end_iter, num_iters) are accepted.
+        """
+        self.max_lr = self._check_and_set(
+            "max_lr", self.max_lr, _first(state_dict, "start_lr", "max_lr")
+        )
+        self.min_lr = self._check_and_set("min_lr", self.min_lr, state_dict["min_lr"])
+        self.warmup_steps = self._check_and_set(
+            "warmup_steps", self.warmup_steps, _first(state_dict, "warmup_iter", "warmup_steps")
+        )
+        self.decay_steps = self._check_and_set(
+            "decay_steps", self.decay_steps, _first(state_dict, "end_iter", "decay_steps")
+        )
+        self.decay_style = self._check_and_set(
+            "decay_style", self.decay_style, state_dict["decay_style"]
+        )
+        # Megatron adds the checkpoint's count to a fresh scheduler's 0; assigning is the same
+        # there and keeps a second load from counting twice.
+        self.num_steps = 0
+        self.step(_first(state_dict, "num_iters", "num_steps"))
+
+    def _check_and_set(
+        self, name: str, current: Union[float, str], saved: Union[float, str]
+    ) -> Union[float, str]:
+        if self.override_opt_param_scheduler:
+            return current
+        if not self.use_checkpoint_opt_param_scheduler and current != saved:
+            raise ValueError(
+                f"learning-rate schedule mismatch: the checkpoint has {name}={saved!r} but the "
+                f"current flags give {current!r}; restore the original flags, or build the "
+                "scheduler with use_checkpoint_opt_param_scheduler=True (take the checkpoint's) "
+                "or override_opt_param_scheduler=True (take the current ones)"
+            )
+        return saved
+
+
+def build_lr_scheduler(
+    optimizer: Any,
+    optimizer_config: OptimizerConfig,
+    training_config: TrainingConfig,
+    use_checkpoint_opt_param_scheduler: bool = False,
+    override_opt_param_scheduler: bool = False,
+) -> OptimizerParamScheduler:
+    """The scheduler for a run, with warmup and decay lengths converted to samples.
+
+    Runs measured in iterations multiply by the global batch size; a warmup fraction is a
+    fraction of the decay samples. A missing decay length defaults to the run length.
+    """
+    config = optimizer_config
+    if training_config.train_iters is not None:
+        decay_iters = config.lr_decay_iters
+        if decay_iters is None:
+            decay_iters = training_config.train_iters
+        decay_steps = decay_iters * training_config.global_batch_size
+        warmup_steps: float = config.lr_warmup_iters * training_config.global_batch_size
+    elif training_config.train_samples is not None:
+        decay_steps = config.lr_decay_samples
+        if decay_steps is None:
+            decay_steps = training_config.train_samples
+        warmup_steps = config.lr_warmup_samples
+    else:
+        raise ValueError("the training config has neither train_iters nor train_samples")
+    if config.lr_warmup_fraction is not None:
+        warmup_steps = config.lr_warmup_fraction * decay_steps
+    return OptimizerParamScheduler(
+        optimizer,
+        max_lr=config.lr,
+        min_lr=config.min_lr,
+        warmup_steps=warmup_steps,
+        decay_steps=decay_steps,
+        decay_style=config.lr_decay_style,
+        weight_decay=config.weight_decay,
+        use_checkpoint_opt_param_scheduler=use_checkpoint_opt_param_scheduler,
+        override_opt_param_scheduler=override_opt_param_scheduler,
+    )
+
+
+def _first(state_dict: Dict[str, Any], legacy_key: str, key: str) -> Any:
+    return state_dict[legacy_key] if legacy_key in state_dict else state_dict[key]

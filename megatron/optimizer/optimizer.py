@@ -1,0 +1,226 @@
+"""The training step's optimizer: fp16 unscaling and overflow skip, grad-norm clipping, AdamW/SGD.
+
+Parameters and gradients are fp32 (mixed precision is autocast), so the inner torch optimizer
+updates the model's own parameters: they are the fp32 master weights. Under data parallelism
+(torch DDP) the gradients are already averaged when `step` runs, so every rank holds the same
+gradients and computes the same norm; only the overflow flag is all-reduced, so that a rank
+whose own check differed cannot step alone.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections import defaultdict
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron.config import OptimizerConfig, TrainingConfig
+from megatron.model import param_groups_for_weight_decay
+from megatron.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler, GradScaler
+
+StepResult = Tuple[bool, Optional[float], Optional[int]]
+
+
+class MegatronOptimizer:
+    """Wraps a torch optimizer with loss scaling (fp16 only), overflow skip and grad clipping."""
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        grad_scaler: Optional[GradScaler],
+        clip_grad: float,
+        log_num_zeros_in_grad: bool = False,
+    ) -> None:
+        self.optimizer = optimizer
+        self.grad_scaler = grad_scaler
+        self.clip_grad = clip_grad
+        self.log_num_zeros_in_grad = log_num_zeros_in_grad
+
+    @property
+    def param_groups(self) -> List[Dict[str, Any]]:
+        """The inner optimizer's param groups (the LR scheduler writes `lr` and `weight_decay`)."""
+        return self.optimizer.param_groups
+
+    @property
+    def loss_scale(self) -> float:
+        """The current fp16 loss scale; 1.0 for bf16 and fp32."""
+        return 1.0 if self.grad_scaler is None else self.grad_scaler.scale
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """`loss` times the loss scale, to call `backward` on."""
+        return loss if self.grad_scaler is None else loss * self.grad_scaler.scale
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the gradients of every parameter this optimizer updates."""
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    @torch.no_grad()
+    def step(self) -> StepResult:
+        """One update: `(update_successful, grad_norm, num_zeros_in_grad)`.
+
+        fp16: the gradients are unscaled in place and checked for inf/nan on every rank; on an
+        overflow the update is skipped, the loss scale is updated and `(False, None, None)` is
+        returned. Otherwise the global L2 norm (before clipping) is computed, the gradients are
+        clipped to `clip_grad` when it is positive, and the inner optimizer steps. Without fp16
+        a non-finite norm does not skip the step (as in Megatron); the norm is returned so the
+        caller can count such iterations. `num_zeros_in_grad` is None unless requested.
+        """
+        grads = self._grads()
+        if self.grad_scaler is not None:
+            found_inf = _unscale_and_check_for_inf(
+                grads, self.grad_scaler.inv_scale, self._device()
+            )
+            self.grad_scaler.update(found_inf)
+            if found_inf:
+                return False, None, None
+        grad_norm = _global_grad_norm(grads)
+        if self.clip_grad > 0.0:
+            clip_coefficient = self.clip_grad / (grad_norm + 1.0e-6)
+            if clip_coefficient < 1.0:
+                for device_grads in _by_device(grads).values():
+                    torch._foreach_mul_(device_grads, clip_coefficient)
+        num_zeros_in_grad = _count_zeros(grads) if self.log_num_zeros_in_grad else None
+        self.optimizer.step()
+        return True, grad_norm, num_zeros_in_grad
+
+    def state_dict(self) -> Dict[str, Any]:
+        """`{"optimizer": ..., "grad_scaler": ...}`; the scaler entry only with fp16."""
+        state = {"optimizer": self.optimizer.state_dict()}
+        if self.grad_scaler is not None:
+            state["grad_scaler"] = self.grad_scaler.state_dict()
+        return state
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Restore from `state_dict()`; a checkpoint without a scaler keeps the current scale.
+
+        The kernel choice (fused/foreach) stays the one picked for this run's devices, so a
+        checkpoint written on GPU loads on CPU and the other way round.
+        """
+        kernel_flags = [
+            {key: group[key] for key in ("fused", "foreach") if key in group}
+            for group in self.optimizer.param_groups
+        ]
+        self.optimizer.load_state_dict(state_dict["optimizer"])
+        for group, flags in zip(self.optimizer.param_groups, kernel_flags):
+            group.update(flags)
+        if self.grad_scaler is not None and "grad_scaler" in state_dict:
+            self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
+
+    def _params(self) -> List[torch.Tensor]:
+        return [param for group in self.optimizer.param_groups for param in group["params"]]
+
+    def _grads(self) -> List[torch.Tensor]:
+        return [param.grad for param in self._params() if param.grad is not None]
+
+    def _device(self) -> torch.device:
+        return self._params()[0].device
+
+
+def build_optimizer(
+    model: nn.Module,
+    optimizer_config: OptimizerConfig,
+    training_config: TrainingConfig,
+    log_num_zeros_in_grad: bool = False,
+) -> MegatronOptimizer:
+    """AdamW (or SGD with momentum) over `model`, wrapped for loss scaling and clipping.
+
+    Weight decay applies to weight matrices and embeddings only (Megatron's grouping); the
+    groups carry `wd_mult` 1.0/0.0 so the LR scheduler keeps it that way. fp16 gets a dynamic
+    loss scaler, or a constant one with `--loss-scale`; bf16 and fp32 have none.
+    """
+    config = optimizer_config
+    decay, no_decay = param_groups_for_weight_decay(model, config.weight_decay)
+    decay["wd_mult"], no_decay["wd_mult"] = 1.0, 0.0
+    param_groups = [group for group in (decay, no_decay) if group["params"]]
+    if not param_groups:
+        raise ValueError("the model has no trainable parameters (all have requires_grad=False)")
+    params = decay["params"] + no_decay["params"]
+
+    if config.optimizer == "adam":
+        kernel: Dict[str, Any] = {}
+        if all(param.is_cuda for param in params) and _adamw_has_fused():
+            kernel["fused"] = True
+        optimizer: torch.optim.Optimizer = torch.optim.AdamW(
+            param_groups,
+            lr=config.lr,
+            weight_decay=config.weight_decay,
+            betas=(config.adam_beta1, config.adam_beta2),
+            eps=config.adam_eps,
+            **kernel,
+        )
+    elif config.optimizer == "sgd":
+        optimizer = torch.optim.SGD(
+            param_groups,
+            lr=config.lr,
+            weight_decay=config.weight_decay,
+            momentum=config.sgd_momentum,
+        )
+    else:
+        raise ValueError(f"--optimizer {config.optimizer!r} is not supported; use adam or sgd")
+
+    grad_scaler: Optional[GradScaler] = None
+    if training_config.fp16:
+        if config.loss_scale is not None:
+            grad_scaler = ConstantGradScaler(config.loss_scale)
+        else:
+            grad_scaler = DynamicGradScaler(
+                initial_scale=config.initial_loss_scale,
+                min_scale=config.min_loss_scale,
+                growth_factor=2.0,
+                backoff_factor=0.5,
+                growth_interval=int(config.loss_scale_window),
+                hysteresis=config.hysteresis,
+            )
+    return MegatronOptimizer(optimizer, grad_scaler, config.clip_grad, log_num_zeros_in_grad)
+
+
+def _adamw_has_fused() -> bool:
+    return "fused" in inspect.signature(torch.optim.AdamW.__init__).parameters
+
+
+def _by_device(tensors: List[torch.Tensor]) -> Dict[torch.device, List[torch.Tensor]]:
+    groups: Dict[torch.device, List[torch.Tensor]] = defaultdict(list)
+    for tensor in tensors:
+        groups[tensor.device].append(tensor)
+    return groups
+
+
+def _unscale_and_check_for_inf(
+    grads: List[torch.Tensor], inv_scale: float, device: torch.device
+) -> bool:
+    """Multiply `grads` by `inv_scale` in place; True if any rank saw an inf or nan."""
+    found_inf = torch.zeros(1, dtype=torch.float32, device=device)
+    for grad_device, device_grads in _by_device(grads).items():
+        device_found_inf = torch.zeros(1, dtype=torch.float32, device=grad_device)
+        device_inv_scale = torch.full((1,), inv_scale, dtype=torch.float32, device=grad_device)
+        torch._amp_foreach_non_finite_check_and_unscale_(
+            device_grads, device_found_inf, device_inv_scale
+        )
+        found_inf = torch.maximum(found_inf, device_found_inf.to(device))
+    # Every rank takes part, even one without gradients, so the collective always matches.
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
+    return bool(found_inf.item() > 0)
+
+
+def _global_grad_norm(grads: List[torch.Tensor]) -> float:
+    """L2 norm over all gradients, in fp32; a fixed reduction order makes it deterministic."""
+    if not grads:
+        return 0.0
+    per_tensor_norms = []
+    for device_grads in _by_device(grads).values():
+        per_tensor_norms.extend(torch._foreach_norm(device_grads, 2.0))
+    first_device = per_tensor_norms[0].device
+    stacked = torch.stack([norm.float().to(first_device) for norm in per_tensor_norms])
+    return float(torch.linalg.vector_norm(stacked, 2.0).item())
+
+
+def _count_zeros(grads: List[torch.Tensor]) -> int:
+    if not grads:
+        return 0
+    counts = [(grad == 0).sum() for grad in grads]
+    first_device = counts[0].device
+    return int(torch.stack([count.to(first_device) for count in counts]).sum().item())

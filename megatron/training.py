@@ -1,0 +1,453 @@
+"""The training loop: train steps with gradient accumulation, evaluation, logging, saving, exits.
+
+`pretrain` is model-agnostic: the entry point (pretrain_gpt.py) hands it a model, datasets and a
+`forward_step(model, batch) -> (loss, reported)` function, where `reported` maps log names such as
+"lm loss" to detached scalars averaged over micro-batches and data-parallel ranks for the log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import signal
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from megatron.checkpointing import load_checkpoint, save_checkpoint
+from megatron.config import Config
+from megatron.data.gpt_dataset import SPLIT_NAMES
+from megatron.data.samplers import MegatronPretrainingSampler
+from megatron.initialize import DistributedContext, print_rank_0
+from megatron.logging import (
+    IterationStats,
+    TensorBoardLogger,
+    format_iteration_line,
+    format_validation_block,
+)
+from megatron.model.flops import num_floating_point_operations
+from megatron.optimizer import build_lr_scheduler, build_optimizer
+
+ForwardStep = Callable[
+    [torch.nn.Module, Dict[str, torch.Tensor]], Tuple[torch.Tensor, Dict[str, torch.Tensor]]
+]
+
+
+@dataclass
+class TrainingResult:
+    """What a run did: per-iteration reported losses (for tests and tools) and how it ended."""
+
+    iteration: int = 0
+    consumed_train_samples: int = 0
+    losses: List[Dict[str, float]] = field(default_factory=list)
+    validation: List[Tuple[str, Dict[str, float]]] = field(default_factory=list)
+    skipped_iterations: int = 0
+    exit_reason: Optional[str] = None
+
+
+def total_train_iters(config: Config) -> int:
+    """--train-iters, or --train-samples in whole global batches (no batch-size ramp-up)."""
+    training = config.training
+    if training.train_iters is not None:
+        return training.train_iters
+    return training.train_samples // training.global_batch_size
+
+
+def _autocast(config: Config, device: torch.device):
+    if config.training.bf16:
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    if config.training.fp16:
+        return torch.autocast(device.type, dtype=torch.float16)
+    return contextlib.nullcontext()
+
+
+def _average_across_data_parallel(
+    values: Dict[str, torch.Tensor], world_size: int
+) -> Dict[str, float]:
+    if not values:
+        return {}
+    names = sorted(values)
+    stacked = torch.stack([values[name].float() for name in names])
+    if world_size > 1:
+        dist.all_reduce(stacked)
+        stacked /= world_size
+    return dict(zip(names, stacked.tolist()))
+
+
+def build_data_iterator(
+    dataset, consumed_samples: int, config: Config, context: DistributedContext
+) -> Optional[Iterator]:
+    """Micro-batches of this rank, starting `consumed_samples` into the dataset."""
+    if dataset is None:
+        return None
+    sampler = MegatronPretrainingSampler(
+        total_samples=len(dataset),
+        consumed_samples=consumed_samples,
+        micro_batch_size=config.training.micro_batch_size,
+        data_parallel_rank=context.rank,
+        data_parallel_size=context.world_size,
+    )
+    # A private generator: creating the loader must not draw from the global torch RNG,
+    # or a resumed run's dropout stream would differ from an uninterrupted one.
+    generator = torch.Generator().manual_seed(config.training.seed)
+    loader = torch.utils.data.DataLoader(
+        dataset,
+        batch_sampler=sampler,
+        num_workers=config.data.num_workers,
+        pin_memory=context.device.type == "cuda",
+        generator=generator,
+        persistent_workers=config.data.num_workers > 0,
+    )
+    return iter(loader)
+
+
+def _to_device(batch: Dict[str, torch.Tensor], device: torch.device) -> Dict[str, torch.Tensor]:
+    return {name: value.to(device, non_blocking=True) for name, value in batch.items()}
+
+
+class _ExitSignal:
+    """SIGTERM sets a flag; every rank agrees to stop at the same iteration (Megatron's handler)."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.received = False
+        if enabled:
+            signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame):
+        self.received = True
+
+    def any_rank_received(self, device: torch.device) -> bool:
+        if not self.enabled:
+            return False
+        flag = torch.tensor([1.0 if self.received else 0.0], device=device)
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+class Trainer:
+    """Owns the model, optimizer, scheduler and iterators for one run."""
+
+    def __init__(
+        self,
+        config: Config,
+        run_arguments: argparse.Namespace,
+        context: DistributedContext,
+        model: torch.nn.Module,
+        forward_step: ForwardStep,
+    ):
+        self.config = config
+        self.run_arguments = run_arguments
+        self.context = context
+        self.forward_step = forward_step
+        self.unwrapped_model = model.to(context.device)
+        self.optimizer = build_optimizer(self.unwrapped_model, config.optimizer, config.training)
+        self.scheduler = build_lr_scheduler(self.optimizer, config.optimizer, config.training)
+        if context.world_size > 1:
+            # Bucketed all-reduce that starts while backward is still running.
+            self.model = torch.nn.parallel.DistributedDataParallel(
+                self.unwrapped_model,
+                device_ids=[context.device.index] if context.device.type == "cuda" else None,
+                broadcast_buffers=False,
+                gradient_as_bucket_view=True,
+            )
+        else:
+            self.model = self.unwrapped_model
+        self.tensorboard = (
+            TensorBoardLogger(config.logging.tensorboard_dir, config.logging.tensorboard_queue_size)
+            if config.logging.tensorboard_dir and context.is_first
+            else None
+        )
+        self.iteration = 0
+        self.consumed_train_samples = 0
+        self.consumed_valid_samples = 0
+        self.last_saved_iteration: Optional[int] = None
+
+    # ------------------------------------------------------------------ steps
+    def _micro_batch_contexts(self, index: int, count: int):
+        if isinstance(self.model, torch.nn.parallel.DistributedDataParallel) and index < count - 1:
+            return self.model.no_sync()  # gradients are all-reduced once, with the last micro-batch
+        return contextlib.nullcontext()
+
+    def train_step(
+        self, data_iterator: Iterator
+    ) -> Tuple[Dict[str, float], bool, Optional[float], bool]:
+        """One optimizer step over `num_micro_batches` micro-batches.
+
+        Returns (reported losses, skipped, grad norm, got nan).
+        """
+        num_micro_batches = self.config.training.num_micro_batches
+        self.optimizer.zero_grad()
+        reported_sums: Dict[str, torch.Tensor] = defaultdict(
+            lambda: torch.zeros((), device=self.context.device)
+        )
+        for index in range(num_micro_batches):
+            batch = _to_device(next(data_iterator), self.context.device)
+            with self._micro_batch_contexts(index, num_micro_batches):
+                with _autocast(self.config, self.context.device):
+                    loss, reported = self.forward_step(self.model, batch)
+                self.optimizer.scale_loss(loss / num_micro_batches).backward()
+            for name, value in reported.items():
+                reported_sums[name] += value.detach().float()
+        update_successful, grad_norm, _ = self.optimizer.step()
+        if update_successful:
+            self.scheduler.step(increment=self.config.training.global_batch_size)
+        means = {name: value / num_micro_batches for name, value in reported_sums.items()}
+        averaged = _average_across_data_parallel(means, self.context.world_size)
+        got_nan = any(
+            value != value or value in (float("inf"), float("-inf")) for value in averaged.values()
+        )
+        return averaged, not update_successful, grad_norm, got_nan
+
+    @torch.no_grad()
+    def evaluate(self, data_iterator: Iterator, eval_iters: int) -> Dict[str, float]:
+        """Average reported losses over `eval_iters` global batches, without dropout."""
+        self.model.eval()
+        sums: Dict[str, torch.Tensor] = defaultdict(
+            lambda: torch.zeros((), device=self.context.device)
+        )
+        count = 0
+        for _ in range(eval_iters):
+            for _ in range(self.config.training.num_micro_batches):
+                batch = _to_device(next(data_iterator), self.context.device)
+                with _autocast(self.config, self.context.device):
+                    _, reported = self.forward_step(self.model, batch)
+                for name, value in reported.items():
+                    sums[name] += value.float()
+                count += 1
+        self.model.train()
+        means = {name: value / max(count, 1) for name, value in sums.items()}
+        return _average_across_data_parallel(means, self.context.world_size)
+
+    # ------------------------------------------------------------- checkpoints
+    def load(self) -> None:
+        state = load_checkpoint(
+            self.config.checkpoint,
+            self.unwrapped_model,
+            self.optimizer,
+            self.scheduler,
+            print_fn=print_rank_0,
+        )
+        self.iteration = state.iteration
+        self.consumed_train_samples = state.consumed_train_samples
+        self.consumed_valid_samples = state.consumed_valid_samples
+
+    def save(self) -> None:
+        if not self.config.checkpoint.save or self.last_saved_iteration == self.iteration:
+            return
+        self.run_arguments.consumed_train_samples = self.consumed_train_samples
+        self.run_arguments.consumed_valid_samples = self.consumed_valid_samples
+        save_checkpoint(
+            self.config.checkpoint,
+            self.iteration,
+            self.unwrapped_model,
+            self.optimizer,
+            self.scheduler,
+            self.run_arguments,
+            consumed_train_samples=self.consumed_train_samples,
+            consumed_valid_samples=self.consumed_valid_samples,
+            print_fn=print_rank_0,
+        )
+        self.last_saved_iteration = self.iteration
+
+
+def _throughput(
+    config: Config, context: DistributedContext, seconds_per_iteration: float
+) -> Tuple[float, float, float]:
+    tokens = config.training.global_batch_size * config.data.seq_length
+    tokens_per_second = tokens / seconds_per_iteration
+    flops = num_floating_point_operations(
+        config.model, config.training.global_batch_size, config.data.seq_length
+    )
+    tflops_per_gpu = flops / seconds_per_iteration / context.world_size / 1e12
+    return tokens_per_second, tokens_per_second / context.world_size, tflops_per_gpu
+
+
+def _validate(
+    trainer: Trainer, iterator, prefix: str, result: TrainingResult, advance_consumed: bool
+) -> None:
+    config = trainer.config
+    losses = trainer.evaluate(iterator, config.training.eval_iters)
+    if advance_consumed:
+        trainer.consumed_valid_samples += (
+            config.training.eval_iters * config.training.global_batch_size
+        )
+    print_rank_0(format_validation_block(prefix, losses))
+    result.validation.append((prefix, losses))
+    if trainer.tensorboard is not None:
+        trainer.tensorboard.log_validation(
+            losses, trainer.iteration, trainer.consumed_train_samples
+        )
+
+
+def train(trainer: Trainer, train_iterator, valid_iterator, result: TrainingResult) -> None:
+    """Run iterations until --train-iters or an exit condition; log, evaluate and save on schedule."""
+    config = trainer.config
+    training, logging_config = config.training, config.logging
+    exit_signal = _ExitSignal(training.exit_signal_handler)
+    start_time = time.time()
+    window_start = time.time()
+    window_iterations = 0
+    window_sums: Dict[str, float] = defaultdict(float)
+    window_advanced = 0
+    window_skipped = 0
+    window_nan = 0
+    last_grad_norm: Optional[float] = None
+    trainer.model.train()
+    print_rank_0("training ...")
+    train_iters = total_train_iters(config)
+    while trainer.iteration < train_iters:
+        losses, skipped, grad_norm, got_nan = trainer.train_step(train_iterator)
+        trainer.iteration += 1
+        trainer.consumed_train_samples += training.global_batch_size
+        window_iterations += 1
+        result.losses.append(losses)
+        if skipped:
+            window_skipped += 1
+            result.skipped_iterations += 1
+            window_nan += int(got_nan)
+        else:
+            window_advanced += 1
+            for name, value in losses.items():
+                window_sums[name] += value
+            last_grad_norm = grad_norm
+
+        if trainer.iteration % logging_config.log_interval == 0:
+            if trainer.context.device.type == "cuda":
+                torch.cuda.synchronize()
+            seconds_per_iteration = (time.time() - window_start) / window_iterations
+            tokens_per_second, tokens_per_gpu, tflops = _throughput(
+                config, trainer.context, seconds_per_iteration
+            )
+            stats = IterationStats(
+                iteration=trainer.iteration,
+                train_iters=train_iters,
+                consumed_samples=trainer.consumed_train_samples,
+                elapsed_ms_per_iteration=seconds_per_iteration * 1000.0,
+                learning_rate=trainer.optimizer.param_groups[0]["lr"],
+                global_batch_size=training.global_batch_size,
+                losses={
+                    name: value / max(window_advanced, 1) for name, value in window_sums.items()
+                },
+                loss_scale=trainer.optimizer.loss_scale,
+                grad_norm=last_grad_norm,
+                skipped_iterations=window_skipped,
+                nan_iterations=window_nan,
+                tokens_per_second=tokens_per_second,
+                tokens_per_second_per_gpu=tokens_per_gpu,
+                tflops_per_gpu=tflops,
+            )
+            print_rank_0(format_iteration_line(stats))
+            if trainer.tensorboard is not None:
+                trainer.tensorboard.log_training(stats)
+            window_start, window_iterations = time.time(), 0
+            window_sums, window_advanced, window_skipped, window_nan = defaultdict(float), 0, 0, 0
+
+        if (
+            valid_iterator is not None
+            and training.eval_interval
+            and trainer.iteration % training.eval_interval == 0
+        ):
+            _validate(
+                trainer,
+                valid_iterator,
+                f"iteration {trainer.iteration}",
+                result,
+                advance_consumed=True,
+            )
+
+        save_interval = config.checkpoint.save_interval
+        if exit_signal.any_rank_received(trainer.context.device):
+            trainer.save()
+            print_rank_0(
+                f"exiting program after receiving SIGTERM at iteration {trainer.iteration}"
+            )
+            result.exit_reason = "signal"
+            return
+        if config.checkpoint.save and save_interval and trainer.iteration % save_interval == 0:
+            trainer.save()
+        if training.exit_duration_in_mins:
+            elapsed = torch.tensor(
+                [(time.time() - start_time) / 60.0], device=trainer.context.device
+            )
+            if dist.is_initialized():
+                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            if elapsed.item() > training.exit_duration_in_mins:
+                trainer.save()
+                print_rank_0(
+                    f"exiting program after {elapsed.item():.2f} minutes at iteration {trainer.iteration}"
+                )
+                result.exit_reason = "duration"
+                return
+        if training.exit_interval and trainer.iteration % training.exit_interval == 0:
+            trainer.save()
+            print_rank_0(f"exiting program at iteration {trainer.iteration}")
+            result.exit_reason = "interval"
+            return
+
+
+def pretrain(
+    config: Config,
+    run_arguments: argparse.Namespace,
+    context: DistributedContext,
+    model: torch.nn.Module,
+    datasets,
+    forward_step: ForwardStep,
+) -> TrainingResult:
+    """Load (if asked), train, evaluate and save, as Megatron's `pretrain` does.
+
+    `datasets` maps "train"/"valid"/"test" to datasets (or None).
+    """
+    trainer = Trainer(config, run_arguments, context, model, forward_step)
+    trainer.load()
+    result = TrainingResult()
+    train_iterator = build_data_iterator(
+        datasets["train"], trainer.consumed_train_samples, config, context
+    )
+    valid_iterator = build_data_iterator(
+        datasets["valid"], trainer.consumed_valid_samples, config, context
+    )
+    test_iterator = build_data_iterator(datasets["test"], 0, config, context)
+    print_rank_0("done with setup ...")
+
+    if trainer.iteration < total_train_iters(config):
+        train(trainer, train_iterator, valid_iterator, result)
+    result.iteration = trainer.iteration
+    result.consumed_train_samples = trainer.consumed_train_samples
+    if result.exit_reason is not None:
+        _close(trainer)
+        return result
+
+    print_rank_0("after training is done ...")
+    if valid_iterator is not None and config.training.eval_iters > 0:
+        _validate(
+            trainer,
+            valid_iterator,
+            "the end of training for val data",
+            result,
+            advance_consumed=False,
+        )
+    trainer.save()
+    if test_iterator is not None and config.training.eval_iters > 0:
+        _validate(
+            trainer,
+            test_iterator,
+            "the end of training for test data",
+            result,
+            advance_consumed=False,
+        )
+    _close(trainer)
+    return result
+
+
+def _close(trainer: Trainer) -> None:
+    if trainer.tensorboard is not None:
+        trainer.tensorboard.close()
+
+
+__all__ = ["SPLIT_NAMES", "Trainer", "TrainingResult", "build_data_iterator", "pretrain", "train"]

@@ -1,0 +1,155 @@
+"""Pretrain a GPT model with Megatron-LM's flags.
+
+    torchrun --nproc_per_node 8 pretrain_gpt.py --num-layers 12 --hidden-size 768 ... \\
+        --data-path my-gpt2_text_document --vocab-file gpt2-vocab.json --merge-file gpt2-merges.txt
+
+Builds the config, the tokenizer (for the padded vocabulary), the model and the datasets, and
+hands them to `megatron.training.pretrain`.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from megatron.config import (
+    Config,
+    ConfigError,
+    format_arguments_block,
+    parse_arguments,
+    resolve_arguments,
+)
+from megatron.data.dataset_splits import get_train_valid_test_num_samples
+from megatron.data.gpt_dataset import SPLIT_NAMES, build_train_valid_test_datasets
+from megatron.initialize import (
+    barrier,
+    initialize_distributed,
+    print_rank_0,
+    set_random_seed,
+    world_size_from_environment,
+)
+from megatron.model import GPTModel
+from megatron.tokenizer import build_tokenizer, vocab_size_with_padding
+from megatron.training import TrainingResult, pretrain
+
+
+def get_batch(
+    batch: Dict[str, torch.Tensor], eod_token: int, eod_mask_loss: bool
+) -> Dict[str, torch.Tensor]:
+    """Inputs, shifted labels and the loss mask from a batch of `seq_length + 1` tokens."""
+    tokens_and_next = batch["text"].long()
+    tokens = tokens_and_next[:, :-1].contiguous()
+    labels = tokens_and_next[:, 1:].contiguous()
+    loss_mask = torch.ones_like(labels, dtype=torch.float32)
+    if eod_mask_loss:
+        loss_mask[tokens == eod_token] = 0.0
+    return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask}
+
+
+def make_forward_step(eod_token: int, eod_mask_loss: bool):
+    """forward_step(model, batch) -> (loss, {"lm loss": loss}) with Megatron's masked mean."""
+
+    def forward_step(
+        model: torch.nn.Module, batch: Dict[str, torch.Tensor]
+    ) -> Tuple[torch.Tensor, Dict]:
+        inputs = get_batch(batch, eod_token, eod_mask_loss)
+        per_token_losses = model(inputs["tokens"], labels=inputs["labels"])
+        loss_mask = inputs["loss_mask"]
+        loss = torch.sum(per_token_losses.float() * loss_mask) / loss_mask.sum()
+        return loss, {"lm loss": loss.detach()}
+
+    return forward_step
+
+
+def build_datasets(config: Config) -> Dict[str, Optional[torch.utils.data.Dataset]]:
+    """Train/valid/test GPT datasets with Megatron's sample counts."""
+    training, data = config.training, config.data
+    num_samples = get_train_valid_test_num_samples(
+        global_batch_size=training.global_batch_size,
+        eval_interval=training.eval_interval,
+        eval_iters=training.eval_iters,
+        train_iters=training.train_iters,
+        train_samples=training.train_samples,
+    )
+    print_rank_0("> building train, validation, and test datasets ...")
+    datasets = build_train_valid_test_datasets(
+        data.data_path,
+        data.split,
+        num_samples,
+        data.seq_length,
+        training.seed,
+        train_data_path=data.train_data_path,
+        valid_data_path=data.valid_data_path,
+        test_data_path=data.test_data_path,
+    )
+    for name, dataset, requested in zip(SPLIT_NAMES, datasets, num_samples):
+        size = len(dataset) if dataset is not None else 0
+        print_rank_0(f"    {name}: {size} samples (requested {requested})")
+    return dict(zip(SPLIT_NAMES, datasets))
+
+
+def main(argv: Optional[List[str]] = None) -> TrainingResult:
+    """Parse flags, set up, and train; bad flags raise SystemExit(2) with one message, before any work."""
+    world_size = world_size_from_environment()
+    try:
+        namespace = parse_arguments(argv)
+        run_arguments = resolve_arguments(namespace, world_size)
+        config = Config.from_args(namespace, world_size)
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+    unsupported = [
+        flag
+        for flag, value in (
+            ("--reset-position-ids", config.data.reset_position_ids),
+            ("--reset-attention-mask", config.data.reset_attention_mask),
+        )
+        if value
+    ]
+    if unsupported:
+        print(f"error: {', '.join(unsupported)} are not supported yet", file=sys.stderr)
+        raise SystemExit(2)
+
+    context = initialize_distributed(config.parallel.distributed_backend)
+    print_rank_0(
+        f"using world size: {context.world_size}, data-parallel size: {config.parallel.data_parallel_size}, "
+        f"tensor-model-parallel size: 1, pipeline-model-parallel size: 1"
+    )
+    print_rank_0(format_arguments_block(run_arguments))
+    for note in config.notes:
+        print_rank_0(f"note: {note}")
+
+    data = config.data
+    print_rank_0(f"> building {data.tokenizer_type} tokenizer ...")
+    tokenizer = build_tokenizer(
+        data.tokenizer_type,
+        vocab_file=data.vocab_file,
+        merge_file=data.merge_file,
+        tokenizer_model=data.tokenizer_model,
+    )
+    config.model.padded_vocab_size = vocab_size_with_padding(
+        tokenizer.vocab_size,
+        data.make_vocab_size_divisible_by,
+        config.parallel.tensor_model_parallel_size,
+        log=print_rank_0,
+    )
+    print_rank_0(f"> setting random seeds to {config.training.seed} ...")
+    set_random_seed(config.training.seed)
+
+    print_rank_0("building GPT model ...")
+    model = GPTModel(config.model)
+    parameter_count = sum(parameter.numel() for parameter in model.parameters())
+    print_rank_0(
+        f" > number of parameters on (tensor, pipeline) model parallel rank (0, 0): {parameter_count}"
+    )
+
+    datasets = build_datasets(config)
+    barrier()
+    forward_step = make_forward_step(tokenizer.eod, data.eod_mask_loss)
+    return pretrain(config, run_arguments, context, model, datasets, forward_step)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,237 @@
+"""pretrain_gpt.py end to end on the sample corpus: learning, data parallel, exact resume, fp16, errors."""
+
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import pretrain_gpt
+from tools import preprocess_data
+
+REPO = Path(__file__).resolve().parents[1]
+SAMPLE = REPO / "data" / "sample"
+LOSS_PATTERN = re.compile(r" iteration +(\d+)/ +\d+ \|.* lm loss: ([0-9.E+-]+) \|")
+
+
+@pytest.fixture(scope="module")
+def data_prefix(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("owt")
+    prefix = directory / "owt"
+    args = ["--input", str(SAMPLE / "openwebtext-1000.jsonl.xz"), "--output-prefix", str(prefix)]
+    args += [
+        "--vocab-file",
+        str(SAMPLE / "gpt2-vocab.json"),
+        "--merge-file",
+        str(SAMPLE / "gpt2-merges.txt"),
+    ]
+    args += ["--tokenizer-type", "GPT2BPETokenizer", "--append-eod", "--workers", "2"]
+    assert preprocess_data.main(args) == 0
+    return f"{prefix}_text_document"
+
+
+def tiny_gpt_args(data_prefix, *extra, train_iters=20, micro_batch=4, global_batch=8, dropout=0.0):
+    args = [
+        "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+        "--seq-length", "64", "--max-position-embeddings", "64",
+        "--micro-batch-size", str(micro_batch), "--global-batch-size", str(global_batch),
+        "--train-iters", str(train_iters), "--lr", "0.003", "--min-lr", "0.0003",
+        "--lr-decay-style", "cosine", "--lr-warmup-iters", "2", "--clip-grad", "1.0",
+        "--weight-decay", "0.01", "--init-method-std", "0.02",
+        "--hidden-dropout", str(dropout), "--attention-dropout", str(dropout),
+        "--data-path", data_prefix, "--split", "949,50,1",
+        "--vocab-file", str(SAMPLE / "gpt2-vocab.json"), "--merge-file", str(SAMPLE / "gpt2-merges.txt"),
+        "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "1",
+        "--num-workers", "0", "--seed", "1234",
+    ]  # fmt: skip
+    return args + list(extra)
+
+
+def _losses(result):
+    return [losses["lm loss"] for losses in result.losses]
+
+
+def test_loss_falls_on_the_sample_corpus(data_prefix):
+    result = pretrain_gpt.main(tiny_gpt_args(data_prefix, train_iters=30))
+    losses = _losses(result)
+    assert len(losses) == 30
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 1.0, losses
+    final_validation = dict(result.validation)["the end of training for val data"]["lm loss"]
+    assert final_validation < losses[0] - 1.0
+
+
+def _final_parameters(save_dir):
+    latest = (Path(save_dir) / "latest_checkpointed_iteration.txt").read_text().strip()
+    path = Path(save_dir) / f"iter_{int(latest):07d}" / "mp_rank_00" / "model_optim_rng.pt"
+    return int(latest), torch.load(path, map_location="cpu", weights_only=False)
+
+
+def test_resume_is_bit_exact(data_prefix, tmp_path):
+    """20 iterations straight == 10, save, a new process-like start with --load, 10 more."""
+    straight_dir, split_dir = tmp_path / "straight", tmp_path / "split"
+    common = [
+        "--hidden-dropout",
+        "0.1",
+        "--attention-dropout",
+        "0.1",
+        "--eval-interval",
+        "5",
+        "--eval-iters",
+        "1",
+    ]
+    straight = pretrain_gpt.main(
+        tiny_gpt_args(data_prefix, *common, "--save", str(straight_dir), "--save-interval", "10")
+    )
+    first = pretrain_gpt.main(
+        tiny_gpt_args(
+            data_prefix,
+            *common,
+            "--save",
+            str(split_dir),
+            "--save-interval",
+            "10",
+            "--exit-interval",
+            "10",
+        )
+    )
+    assert first.exit_reason == "interval" and first.iteration == 10
+    torch.manual_seed(999)  # the resumed run must not depend on the state the process was left in
+    second = pretrain_gpt.main(
+        tiny_gpt_args(
+            data_prefix,
+            *common,
+            "--save",
+            str(split_dir),
+            "--save-interval",
+            "10",
+            "--load",
+            str(split_dir),
+        )
+    )
+    assert _losses(first) + _losses(second) == _losses(straight)
+    assert straight.validation[-2:] == second.validation[-2:]
+    straight_iteration, straight_state = _final_parameters(straight_dir)
+    split_iteration, split_state = _final_parameters(split_dir)
+    assert straight_iteration == split_iteration == 20
+    assert straight_state["model"].keys() == split_state["model"].keys()
+    for name, tensor in straight_state["model"].items():
+        assert torch.equal(tensor, split_state["model"][name]), name
+
+
+def test_fp16_overflow_is_skipped_and_counted(data_prefix, tmp_path):
+    # Megatron's first fp16 steps overflow at a huge initial scale and are skipped while it halves.
+    # Run as a user would, in its own process: CPU half-precision matmuls inside pytest's process
+    # took a slow fallback path (about 50x slower) on the machine this was written on.
+    args = tiny_gpt_args(
+        data_prefix,
+        "--fp16", "--initial-loss-scale", str(2**24), "--hysteresis", "1",
+        "--seq-length", "16", "--eval-iters", "0",
+        train_iters=16, micro_batch=1, global_batch=1,
+    )  # fmt: skip
+    completed = subprocess.run(
+        [sys.executable, str(REPO / "pretrain_gpt.py"), *args],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        timeout=600,
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    output = completed.stdout
+    skipped_counts = [
+        int(count) for count in re.findall(r"number of skipped iterations: +(\d+)", output)
+    ]
+    assert len(skipped_counts) == 16 and 0 < sum(skipped_counts) < 16, skipped_counts
+    scales = [float(scale) for scale in re.findall(r"loss scale: ([0-9.]+)", output)]
+    assert scales[0] == 2.0**23, scales  # halved once by the first overflow (hysteresis 1)
+    assert all(later <= earlier for earlier, later in zip(scales, scales[1:]))
+    # Once the scale fits, steps succeed and report finite losses; skipped ones report none.
+    losses = [float(loss) for _, loss in LOSS_PATTERN.findall(output)]
+    assert len(losses) == 16 - sum(skipped_counts)
+    assert all(loss == loss and loss < 20 for loss in losses)
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--num-attention-heads", "5"], "--num-attention-heads"),
+        (["--global-batch-size", "6"], "--global-batch-size"),
+        (["--bf16", "--fp16"], "--fp16"),
+        (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    ],
+)
+def test_bad_flags_are_rejected_before_work(data_prefix, capsys, extra, message):
+    with pytest.raises(SystemExit) as exit_info:
+        pretrain_gpt.main(tiny_gpt_args(data_prefix, *extra))
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert error.startswith("error: ") and message in error
+
+
+def test_checkpoint_cut_mid_save_is_ignored(data_prefix, tmp_path, monkeypatch):
+    save_dir = tmp_path / "ckpt"
+    args = tiny_gpt_args(
+        data_prefix, "--save", str(save_dir), "--save-interval", "5", train_iters=10
+    )
+    original_save = torch.save
+    calls = {"count": 0}
+
+    def save_that_dies_on_the_second_checkpoint(obj, f, *a, **k):
+        calls["count"] += 1
+        if calls["count"] == 2:
+            original_save(obj, f, *a, **k)
+            if hasattr(f, "truncate"):  # a partly written file, then the process dies
+                f.flush()
+                f.truncate(100)
+            else:
+                with open(f, "r+b") as handle:
+                    handle.truncate(100)
+            raise KeyboardInterrupt("simulated kill during save")
+        return original_save(obj, f, *a, **k)
+
+    monkeypatch.setattr(torch, "save", save_that_dies_on_the_second_checkpoint)
+    with pytest.raises(KeyboardInterrupt):
+        pretrain_gpt.main(args)
+    monkeypatch.setattr(torch, "save", original_save)
+    assert (save_dir / "latest_checkpointed_iteration.txt").read_text().strip() == "5"
+    resumed = pretrain_gpt.main(args + ["--load", str(save_dir)])
+    assert len(resumed.losses) == 5 and resumed.iteration == 10
+
+
+def _free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _torchrun_losses(nproc, args, log_path):
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}"]
+    command += [
+        "--master_addr=127.0.0.1",
+        f"--master_port={_free_port()}",
+        str(REPO / "pretrain_gpt.py"),
+        *args,
+    ]
+    environment = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    completed = subprocess.run(
+        command, capture_output=True, text=True, env=environment, timeout=600
+    )
+    log_path.write_text(completed.stdout + completed.stderr)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    return [
+        (int(iteration), float(loss)) for iteration, loss in LOSS_PATTERN.findall(completed.stdout)
+    ]
+
+
+def test_data_parallel_matches_single_process(data_prefix, tmp_path):
+    """2 gloo ranks x micro batch 4 == 1 rank x 2 micro-batches of 4, at global batch 8, in fp32."""
+    args = tiny_gpt_args(data_prefix, train_iters=8)
+    single = _torchrun_losses(1, args, tmp_path / "single.log")
+    parallel = _torchrun_losses(2, args, tmp_path / "parallel.log")
+    assert [iteration for iteration, _ in single] == list(range(1, 9))
+    assert [iteration for iteration, _ in parallel] == list(range(1, 9))
+    for (_, one), (_, two) in zip(single, parallel):
+        assert abs(one - two) <= 1e-5 * abs(one), (single, parallel)
