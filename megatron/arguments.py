@@ -285,7 +285,15 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--use-flash-attn",
         action="store_true",
-        help="Use the FlashAttention kernel for attention.",
+        help="Accepted for Megatron compatibility: attention always runs through torch SDPA, "
+        "which picks the flash kernels on GPUs that have them.",
+    )
+    group.add_argument(
+        "--no-torch-compile",
+        action="store_false",
+        dest="torch_compile",
+        help="Run the model eagerly on GPUs (by default it is compiled with torch.compile, "
+        "which fuses its elementwise work; on CPU it always runs eagerly).",
     )
     group.add_argument(
         "--optimizer", type=str, default="adam", choices=["adam", "sgd"], help="Optimizer."

@@ -158,6 +158,9 @@ class Trainer:
             )
         else:
             self.model = self.unwrapped_model
+        if config.training.torch_compile and context.device.type == "cuda":
+            # Fuses the elementwise work (norms, GELU, dropout, the loss) around the matmuls.
+            self.model = torch.compile(self.model)
         self.tensorboard = (
             TensorBoardLogger(config.logging.tensorboard_dir, config.logging.tensorboard_queue_size)
             if config.logging.tensorboard_dir and context.is_first
@@ -170,8 +173,9 @@ class Trainer:
 
     # ------------------------------------------------------------------ steps
     def _micro_batch_contexts(self, index: int, count: int):
-        if isinstance(self.model, torch.nn.parallel.DistributedDataParallel) and index < count - 1:
-            return self.model.no_sync()  # gradients are all-reduced once, with the last micro-batch
+        ddp = getattr(self.model, "_orig_mod", self.model)  # see through torch.compile
+        if isinstance(ddp, torch.nn.parallel.DistributedDataParallel) and index < count - 1:
+            return ddp.no_sync()  # gradients are all-reduced once, with the last micro-batch
         return contextlib.nullcontext()
 
     def train_step(

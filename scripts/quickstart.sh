@@ -1,17 +1,44 @@
 #!/usr/bin/env bash
-# Set up a fresh machine and run the main job on the bundled sample corpus.
+# Set up a fresh machine and run the main job on the bundled sample corpus:
+# preprocess 1,000 OpenWebText documents, train a small GPT for 100 iterations, stop and save,
+# resume from that checkpoint for 100 more, and print validation and test perplexity.
+# Runs on the CPU in a few minutes, or on a GPU when torch sees one.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/setup_env.sh
 out=runs/quickstart
+rm -rf "$out"
 mkdir -p "$out/data"
+
+echo "== 1/3 preprocessing the bundled corpus"
 python tools/preprocess_data.py \
     --input data/sample/openwebtext-1000.jsonl.xz \
     --output-prefix "$out/data/owt" \
     --vocab-file data/sample/gpt2-vocab.json --merge-file data/sample/gpt2-merges.txt \
-    --tokenizer-type GPT2BPETokenizer --append-eod --workers "$(python -c 'import os; print(min(os.cpu_count(), 16))')" \
-    --log-interval 250
-python tools/dataset_info.py \
-    --data-path "$out/data/owt_text_document" --split 949,50,1 --seq-length 1024 \
-    --train-samples 800 --valid-samples 40 --test-samples 8 \
-    --vocab-file data/sample/gpt2-vocab.json --merge-file data/sample/gpt2-merges.txt
+    --tokenizer-type GPT2BPETokenizer --append-eod \
+    --workers "$(python -c 'import os; print(min(os.cpu_count() or 1, 16))')" --log-interval 250
+
+precision=()
+if python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    precision=(--bf16)
+fi
+train() {
+    python pretrain_gpt.py \
+        --num-layers 4 --hidden-size 128 --num-attention-heads 4 \
+        --seq-length 128 --max-position-embeddings 128 \
+        --micro-batch-size 4 --global-batch-size 8 --train-iters 200 \
+        --lr 0.002 --min-lr 0.0002 --lr-decay-style cosine --lr-warmup-iters 10 \
+        --clip-grad 1.0 --weight-decay 0.01 --init-method-std 0.02 \
+        --data-path "$out/data/owt_text_document" --split 949,50,1 \
+        --vocab-file data/sample/gpt2-vocab.json --merge-file data/sample/gpt2-merges.txt \
+        --log-interval 20 --eval-interval 100 --eval-iters 10 --num-workers 1 \
+        --save "$out/checkpoints" --load "$out/checkpoints" --save-interval 100 \
+        --tensorboard-dir "$out/tensorboard" "${precision[@]}" "$@" 2>&1 |
+        grep -v -E '^  [a-zA-Z0-9_]+ \.+ ' # the long arguments block stays in the checkpoint's args
+}
+
+echo "== 2/3 training iterations 1-100, then stopping with a checkpoint (--exit-interval 100)"
+train --exit-interval 100
+echo "== 3/3 resuming from $(cat "$out/checkpoints/latest_checkpointed_iteration.txt") and training to 200"
+train
+echo "== done: checkpoints in $out/checkpoints, TensorBoard logs in $out/tensorboard"

@@ -2,6 +2,7 @@
 
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -235,3 +236,30 @@ def test_data_parallel_matches_single_process(data_prefix, tmp_path):
     assert [iteration for iteration, _ in parallel] == list(range(1, 9))
     for (_, one), (_, two) in zip(single, parallel):
         assert abs(one - two) <= 1e-5 * abs(one), (single, parallel)
+
+
+def test_sigterm_saves_and_exits(data_prefix, tmp_path):
+    save_dir = tmp_path / "ckpt"
+    args = tiny_gpt_args(
+        data_prefix, "--save", str(save_dir), "--exit-signal-handler", train_iters=100000
+    )
+    args += ["--save-interval", "100000", "--tensorboard-dir", str(tmp_path / "tb")]
+    process = subprocess.Popen(
+        [sys.executable, str(REPO / "pretrain_gpt.py"), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1"),
+    )
+    seen = []
+    for line in process.stdout:
+        seen.append(line)
+        if LOSS_PATTERN.search(line) and int(LOSS_PATTERN.search(line).group(1)) >= 3:
+            process.send_signal(signal.SIGTERM)
+            break
+    output = "".join(seen) + process.communicate(timeout=300)[0]
+    assert process.returncode == 0, output[-3000:]
+    match = re.search(r"exiting program after receiving SIGTERM at iteration (\d+)", output)
+    assert match, output[-3000:]
+    assert (save_dir / "latest_checkpointed_iteration.txt").read_text().strip() == match.group(1)
+    assert list((tmp_path / "tb").glob("events.out.tfevents.*")), "no TensorBoard event file"

@@ -72,6 +72,7 @@ class TrainingConfig:
     fp16: bool = False
     bf16: bool = False
     use_flash_attn: bool = False
+    torch_compile: bool = True  # on GPUs only; --no-torch-compile turns it off
     seed: int = 1234
     eval_iters: int = 100
     eval_interval: int = 1000
