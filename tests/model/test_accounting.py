@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import torch
-from megatron.config import ModelConfig
 
+from megatron.config import ModelConfig
 from megatron.model import GPTModel, count_parameters, num_floating_point_operations
 
 

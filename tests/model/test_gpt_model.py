@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from megatron.config import ModelConfig
 
+from megatron.config import ModelConfig
 from megatron.model import GPTModel, param_groups_for_weight_decay
 
 

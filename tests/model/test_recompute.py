@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from megatron.config import ModelConfig
 
+from megatron.config import ModelConfig
 from megatron.model import GPTModel
 
 RECOMPUTE_SETTINGS = {
