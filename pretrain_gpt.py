@@ -10,7 +10,7 @@ hands them to `megatron.training.pretrain`.
 from __future__ import annotations
 
 import sys
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -33,6 +33,9 @@ from megatron.initialize import (
 from megatron.model import GPTModel
 from megatron.tokenizer import build_tokenizer, vocab_size_with_padding
 from megatron.training import TrainingResult, pretrain
+from moe.arguments import add_moe_args
+from moe.config import MoEConfig
+from moe.layers import MoEAuxiliaryLosses
 
 
 def get_batch(
@@ -48,8 +51,16 @@ def get_batch(
     return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask}
 
 
-def make_forward_step(eod_token: int, eod_mask_loss: bool):
-    """forward_step(model, batch) -> (loss, {"lm loss": loss}) with Megatron's masked mean."""
+def make_forward_step(
+    eod_token: int,
+    eod_mask_loss: bool,
+    auxiliary_losses: Optional[Callable[[], Dict[str, torch.Tensor]]] = None,
+):
+    """forward_step(model, batch) -> (loss, {"lm loss": loss, ...}) with Megatron's masked mean.
+
+    `auxiliary_losses` (MoE: `MoEAuxiliaryLosses(model)`) returns the latest forward's extra
+    loss terms, e.g. {"load balancing loss": ...}; each is added to the loss and reported.
+    """
 
     def forward_step(
         model: torch.nn.Module, batch: Dict[str, torch.Tensor]
@@ -57,8 +68,13 @@ def make_forward_step(eod_token: int, eod_mask_loss: bool):
         inputs = get_batch(batch, eod_token, eod_mask_loss)
         per_token_losses = model(inputs["tokens"], labels=inputs["labels"])
         loss_mask = inputs["loss_mask"]
-        loss = torch.sum(per_token_losses.float() * loss_mask) / loss_mask.sum()
-        return loss, {"lm loss": loss.detach()}
+        lm_loss = torch.sum(per_token_losses.float() * loss_mask) / loss_mask.sum()
+        reported = {"lm loss": lm_loss.detach()}
+        loss = lm_loss
+        for name, value in (auxiliary_losses() if auxiliary_losses else {}).items():
+            loss = loss + value
+            reported[name] = value.detach()
+        return loss, reported
 
     return forward_step
 
@@ -94,9 +110,10 @@ def main(argv: Optional[List[str]] = None) -> TrainingResult:
     """Parse flags, set up, and train; bad flags raise SystemExit(2) with one message, before any work."""
     world_size = world_size_from_environment()
     try:
-        namespace = parse_arguments(argv)
+        namespace = parse_arguments(argv, extra_groups=[add_moe_args])
         run_arguments = resolve_arguments(namespace, world_size)
         config = Config.from_args(namespace, world_size)
+        config.model.moe = MoEConfig.from_args(namespace, config.model)
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -118,7 +135,8 @@ def main(argv: Optional[List[str]] = None) -> TrainingResult:
         f"tensor-model-parallel size: 1, pipeline-model-parallel size: 1"
     )
     print_rank_0(format_arguments_block(run_arguments))
-    for note in config.notes:
+    moe_notes = config.model.moe.notes() if config.model.moe is not None else []
+    for note in [*config.notes, *moe_notes]:
         print_rank_0(f"note: {note}")
 
     data = config.data
@@ -147,7 +165,8 @@ def main(argv: Optional[List[str]] = None) -> TrainingResult:
 
     datasets = build_datasets(config)
     barrier()
-    forward_step = make_forward_step(tokenizer.eod, data.eod_mask_loss)
+    auxiliary_losses = MoEAuxiliaryLosses(model) if config.model.moe is not None else None
+    forward_step = make_forward_step(tokenizer.eod, data.eod_mask_loss, auxiliary_losses)
     return pretrain(config, run_arguments, context, model, datasets, forward_step)
 
 

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
-from typing import Sequence, Tuple
+from typing import TYPE_CHECKING, Sequence, Tuple
 
 from megatron.arguments import ArgumentGroupAdder
 from megatron.config.validation import (
     parse_arguments,
     resolve_arguments_with_notes,
 )
+
+if TYPE_CHECKING:
+    from moe.config import MoEConfig
 
 
 @dataclass
@@ -39,6 +42,7 @@ class ModelConfig:
     recompute_granularity: str | None = None  # None | "full" | "selective"
     recompute_method: str | None = None  # None | "uniform" | "block"
     recompute_num_layers: int | None = None
+    moe: MoEConfig | None = None  # set by the entry point from the --moe-* flags (moe.config)
 
     @property
     def kv_channels(self) -> int:
@@ -233,7 +237,7 @@ def parse_config(
     return Config.from_args(parse_arguments(argv, extra_groups), world_size)
 
 
-_MODEL_DERIVED = ("padded_vocab_size", "num_query_groups", "recompute_num_layers")
+_MODEL_DERIVED = ("padded_vocab_size", "num_query_groups", "recompute_num_layers", "moe")
 _PATH_LISTS = ("data_path", "train_data_path", "valid_data_path", "test_data_path")
 
 

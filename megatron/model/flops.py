@@ -33,4 +33,16 @@ def num_floating_point_operations(config: ModelConfig, batch_size: int, seq_leng
     per_layer = attention_projections + attention_scores_and_context + mlp
     logits = 2 * hidden * config.padded_vocab_size
     forward_per_token = config.num_layers * per_layer + logits
+    moe = config.moe
+    if moe is not None:
+        # An MoE layer runs top_k expert MLPs per token (gated when mlp_type is glu), plus
+        # the router and the optional shared expert, instead of the dense MLP.
+        expert_fc1 = 2 * ffn if moe.mlp_type == "glu" else ffn
+        expert_mlp = 2 * hidden * expert_fc1 + 2 * ffn * hidden
+        moe_mlp = moe.top_k * expert_mlp + 2 * hidden * moe.num_experts
+        if moe.shared_expert:
+            shared_ffn = moe.shared_expert_ffn_hidden_size or ffn
+            shared_fc1 = 2 * shared_ffn if config.swiglu else shared_ffn
+            moe_mlp += 2 * hidden * shared_fc1 + 2 * shared_ffn * hidden
+        forward_per_token += moe.num_moe_layers(config.num_layers) * (moe_mlp - mlp)
     return 3 * batch_size * seq_length * forward_per_token

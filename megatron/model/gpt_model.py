@@ -37,6 +37,8 @@ class GPTModel(nn.Module):
     decoder.layers.<n>.{input_layernorm, self_attention.linear_qkv, self_attention.linear_proj,
     pre_mlp_layernorm, mlp.linear_fc1, mlp.linear_fc2}.{weight, bias},
     decoder.final_layernorm.{weight, bias}, output_layer.weight (untied embeddings only).
+    MoE layers (config.moe) hold mlp.router.layer.weight, mlp.experts.{w1, v1, w2}, mlp.bias
+    and optionally mlp.shared_expert.{linear_fc1, linear_fc2}.
     """
 
     def __init__(self, config: ModelConfig) -> None:
@@ -80,6 +82,8 @@ class GPTModel(nn.Module):
                 )
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
+            elif callable(getattr(module, "init_expert_weights", None)):
+                module.init_expert_weights(std, scaled_std)  # MoE experts (moe.experts)
             elif isinstance(module, nn.Embedding):
                 nn.init.normal_(module.weight, mean=0.0, std=std)
             elif isinstance(module, (nn.LayerNorm, RMSNorm)):

@@ -1,8 +1,8 @@
 """Dense feed-forward block, and `build_mlp`, the one place a layer gets its MLP from.
 
-An MoE layer replaces the dense MLP by being returned from `build_mlp`: it must map
-hidden states [b, s, h] -> [b, s, h], and name its output projection weights `linear_fc2`
-so that `GPTModel.init_weights` gives them the scaled init.
+An MoE layer (moe.layers) replaces the dense MLP by being returned from `build_mlp` when
+`config.moe` is set: it maps hidden states [b, s, h] -> [b, s, h] and gets its Megatron init
+from `GPTModel.init_weights` (`init_expert_weights` on its experts).
 """
 
 from __future__ import annotations
@@ -48,7 +48,11 @@ class MLP(nn.Module):
 def build_mlp(config: ModelConfig, layer_number: int) -> nn.Module:
     """The feed-forward module of layer `layer_number` (0-based, as in `decoder.layers.<n>`).
 
-    Dense for every layer today; the MoE integration decides here which layers get experts.
+    With `config.moe` set, every `--moe-layer-freq`-th layer (0, freq, 2 freq, ...) gets an
+    MoE layer (dMoE or MoE with capacity, per `config.moe.dropless`); the others stay dense.
     """
-    del layer_number  # every layer is dense until MoE layers exist
+    if config.moe is not None and config.moe.is_moe_layer(layer_number):
+        from moe.layers import build_moe_layer  # moe depends on megatron, not the reverse
+
+        return build_moe_layer(config, config.moe)
     return MLP(config)

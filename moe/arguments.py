@@ -1,0 +1,118 @@
+"""The `--moe-*` flags, MegaBlocks' names and defaults; pass `add_moe_args` to `build_parser`.
+
+namespace = parse_arguments(argv, extra_groups=[add_moe_args])
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from moe.config import MLP_IMPLS, MLP_TYPES, ROUTER_SCORES
+
+
+def add_moe_args(parser: argparse.ArgumentParser) -> None:
+    """Register the mixture-of-experts argument group on `parser`."""
+    group = parser.add_argument_group(title="mixture of experts")
+    group.add_argument(
+        "--moe-num-experts",
+        type=int,
+        default=None,
+        help="Experts per MoE layer; unset: every layer keeps its dense MLP.",
+    )
+    group.add_argument("--moe-top-k", type=int, default=1, help="Experts each token is routed to.")
+    group.add_argument(
+        "--moe-dropless",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Dropless dMoE (default). --no-moe-dropless builds MegaBlocks' MoE, whose "
+        "experts drop assignments beyond --moe-capacity-factor.",
+    )
+    group.add_argument(
+        "--moe-capacity-factor",
+        type=float,
+        default=1.0,
+        help="With --no-moe-dropless: expert capacity is int(factor * top_k * tokens / "
+        "experts) assignments; 0 means no limit. Unused by the dropless dMoE.",
+    )
+    group.add_argument(
+        "--moe-loss-weight",
+        type=float,
+        default=0.1,
+        help="Weight of the load-balancing loss (averaged over MoE layers).",
+    )
+    group.add_argument(
+        "--moe-zloss-weight",
+        type=float,
+        default=0.0,
+        help="Weight of the router z-loss mean(logsumexp(logits)^2) (1e-3 is typical); 0: off.",
+    )
+    group.add_argument(
+        "--moe-jitter-eps",
+        type=float,
+        default=None,
+        help="In training, multiply router inputs by U(1-eps, 1+eps) noise.",
+    )
+    group.add_argument(
+        "--moe-normalize-expert-weights",
+        type=float,
+        default=None,
+        help="Divide each token's top-k weights by their p-norm with this p (1: sum to 1).",
+    )
+    group.add_argument(
+        "--moe-layer-freq",
+        type=int,
+        default=1,
+        help="Every this-many-th layer is an MoE layer, starting with layer 0.",
+    )
+    group.add_argument(
+        "--moe-impl",
+        "--mlp-impl",
+        dest="mlp_impl",
+        default="grouped",
+        choices=MLP_IMPLS,
+        help="Expert computation: grouped GEMM (default), block-sparse (dropless only), or "
+        "a per-expert loop (reference, for testing).",
+    )
+    group.add_argument(
+        "--mlp-type",
+        default=None,
+        choices=MLP_TYPES,
+        help="Expert MLP: mlp (GELU) or glu (gated; SwiGLU with --swiglu, else GeGLU). "
+        "Defaults to glu with --swiglu, mlp otherwise.",
+    )
+    group.add_argument(
+        "--moe-expert-model-parallelism",
+        action="store_true",
+        help="Shard experts across data-parallel ranks (not available yet).",
+    )
+    group.add_argument(
+        "--moe-router-score",
+        default="softmax",
+        choices=ROUTER_SCORES,
+        help="Router score function: softmax over experts, or per-expert sigmoid.",
+    )
+    group.add_argument(
+        "--moe-router-bias-update-rate",
+        type=float,
+        default=0.0,
+        help="DeepSeek-V3 auxiliary-loss-free balancing: a per-expert bias added to the "
+        "scores for expert selection only, moved by this rate toward balance after each "
+        "micro-batch. 0: off.",
+    )
+    group.add_argument(
+        "--moe-shared-expert",
+        action="store_true",
+        help="Add a dense MLP every token goes through to the experts' output.",
+    )
+    group.add_argument(
+        "--moe-shared-expert-ffn-hidden-size",
+        type=int,
+        default=None,
+        help="Hidden size of the shared expert; defaults to --ffn-hidden-size.",
+    )
+    group.add_argument(
+        "--moe-memory-optimized-mlp",
+        action="store_true",
+        help="Recompute the expert activation (and second projection) in backward instead "
+        "of storing them.",
+    )

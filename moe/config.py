@@ -1,0 +1,156 @@
+"""Typed MoE configuration (MegaBlocks' `Arguments`, MoE part), built from the `--moe-*` flags.
+
+`MoEConfig.from_args(namespace, model_config)` validates the flags against the model and
+raises `megatron.config.ConfigError` naming the flag, the value and what to change.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import List, Optional
+
+from megatron.config import ConfigError, ModelConfig
+
+MLP_IMPLS = ("grouped", "sparse", "reference")
+MLP_TYPES = ("mlp", "glu")
+ROUTER_SCORES = ("softmax", "sigmoid")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """What an MoE layer is built from; field names follow MegaBlocks' `moe_*` arguments.
+
+    dropless=True builds MegaBlocks' dMoE (every token reaches its experts, capacity_factor
+    unused); dropless=False builds MegaBlocks' MoE, whose experts take at most
+    `int(capacity_factor * top_k * tokens / num_experts)` assignments each (0: no limit).
+    """
+
+    num_experts: int
+    top_k: int = 1
+    dropless: bool = True
+    capacity_factor: float = 1.0
+    loss_weight: float = 0.1
+    zloss_weight: float = 0.0
+    jitter_eps: Optional[float] = None
+    normalize_expert_weights: Optional[float] = None  # p of the p-norm; None: no normalization
+    layer_freq: int = 1
+    mlp_impl: str = "grouped"
+    mlp_type: str = "mlp"
+    router_score: str = "softmax"
+    router_bias_update_rate: float = 0.0  # DeepSeek-V3 aux-loss-free bias; 0 disables it
+    shared_expert: bool = False
+    shared_expert_ffn_hidden_size: Optional[int] = None
+    memory_optimized_mlp: bool = False
+
+    def is_moe_layer(self, layer_number: int) -> bool:
+        """Whether layer `layer_number` (0-based) gets experts: every `layer_freq`-th, from 0."""
+        return layer_number % self.layer_freq == 0
+
+    def num_moe_layers(self, num_layers: int) -> int:
+        """How many of `num_layers` layers are MoE layers."""
+        return sum(self.is_moe_layer(index) for index in range(num_layers))
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, model: ModelConfig) -> Optional[MoEConfig]:
+        """The MoE config of a parsed command line, or None when --moe-num-experts is unset."""
+        if getattr(args, "moe_num_experts", None) is None:
+            return None
+        mlp_type = args.mlp_type or ("glu" if model.swiglu else "mlp")
+        config = cls(
+            num_experts=args.moe_num_experts,
+            top_k=args.moe_top_k,
+            dropless=args.moe_dropless,
+            capacity_factor=args.moe_capacity_factor,
+            loss_weight=args.moe_loss_weight,
+            zloss_weight=args.moe_zloss_weight,
+            jitter_eps=args.moe_jitter_eps,
+            normalize_expert_weights=args.moe_normalize_expert_weights,
+            layer_freq=args.moe_layer_freq,
+            mlp_impl=args.mlp_impl,
+            mlp_type=mlp_type,
+            router_score=args.moe_router_score,
+            router_bias_update_rate=args.moe_router_bias_update_rate,
+            shared_expert=args.moe_shared_expert,
+            shared_expert_ffn_hidden_size=args.moe_shared_expert_ffn_hidden_size,
+            memory_optimized_mlp=args.moe_memory_optimized_mlp,
+        )
+        if args.moe_expert_model_parallelism:
+            raise ConfigError(
+                "--moe-expert-model-parallelism is not available yet; drop the flag "
+                "(every rank holds all experts and data parallelism replicates them)"
+            )
+        if args.mlp_type == "mlp" and model.swiglu:
+            raise ConfigError(
+                "--swiglu asks for gated experts but --mlp-type mlp was given; "
+                "use --mlp-type glu (SwiGLU experts) or drop --swiglu"
+            )
+        config.validate(model)
+        return config
+
+    def notes(self) -> List[str]:
+        """Informational lines for rank 0 about how the flags were read."""
+        if self.dropless and self.capacity_factor != 1.0:
+            return [
+                f"--moe-capacity-factor {self.capacity_factor} is unused by the dropless dMoE; "
+                "pass --no-moe-dropless for MoE with capacity"
+            ]
+        return []
+
+    def validate(self, model: ModelConfig) -> None:
+        """Raise ConfigError for a combination the MoE layers cannot build."""
+        if self.num_experts < 1:
+            raise ConfigError(f"--moe-num-experts must be >= 1, got {self.num_experts}")
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ConfigError(
+                f"--moe-top-k {self.top_k} must be between 1 and --moe-num-experts "
+                f"{self.num_experts}; a token cannot pick more experts than exist"
+            )
+        if self.capacity_factor < 0:
+            raise ConfigError(
+                f"--moe-capacity-factor must be >= 0 (0: no token dropping), "
+                f"got {self.capacity_factor}"
+            )
+        for flag, value in (
+            ("--moe-loss-weight", self.loss_weight),
+            ("--moe-zloss-weight", self.zloss_weight),
+            ("--moe-router-bias-update-rate", self.router_bias_update_rate),
+        ):
+            if value < 0:
+                raise ConfigError(f"{flag} must be >= 0, got {value}")
+        if self.jitter_eps is not None and not 0.0 <= self.jitter_eps < 1.0:
+            raise ConfigError(
+                f"--moe-jitter-eps must be in [0, 1) (router inputs are scaled by "
+                f"U(1-eps, 1+eps)), got {self.jitter_eps}"
+            )
+        if self.normalize_expert_weights is not None and self.normalize_expert_weights <= 0:
+            raise ConfigError(
+                "--moe-normalize-expert-weights is the p of a p-norm and must be > 0, "
+                f"got {self.normalize_expert_weights}"
+            )
+        if not 1 <= self.layer_freq <= model.num_layers:
+            raise ConfigError(
+                f"--moe-layer-freq {self.layer_freq} must be between 1 and --num-layers "
+                f"{model.num_layers}"
+            )
+        if self.mlp_impl not in MLP_IMPLS:
+            raise ConfigError(f"--moe-impl {self.mlp_impl!r} is not one of {MLP_IMPLS}")
+        if self.mlp_type not in MLP_TYPES:
+            raise ConfigError(f"--mlp-type {self.mlp_type!r} is not one of {MLP_TYPES}")
+        if self.router_score not in ROUTER_SCORES:
+            raise ConfigError(
+                f"--moe-router-score {self.router_score!r} is not one of {ROUTER_SCORES}"
+            )
+        if self.mlp_impl == "sparse" and not self.dropless:
+            raise ConfigError(
+                "--moe-impl sparse is the dropless dMoE's block-sparse backend; with "
+                "--no-moe-dropless use --moe-impl grouped or reference"
+            )
+        if self.shared_expert_ffn_hidden_size is not None:
+            if not self.shared_expert:
+                raise ConfigError("--moe-shared-expert-ffn-hidden-size needs --moe-shared-expert")
+            if self.shared_expert_ffn_hidden_size < 1:
+                raise ConfigError(
+                    "--moe-shared-expert-ffn-hidden-size must be >= 1, got "
+                    f"{self.shared_expert_ffn_hidden_size}"
+                )

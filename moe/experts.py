@@ -1,0 +1,106 @@
+"""The experts' weights and their MLP (GELU) or GLU computation, on three token layouts.
+
+Weights are stored per expert as matmul operands: w1 (and v1 for GLU) [E, h, f], w2 [E, f, h],
+so one expert is `act(x @ w1[e]) @ w2[e]` (GLU: `(act(x @ w1[e]) * (x @ v1[e])) @ w2[e]`),
+a batch of capacity-padded experts is a `torch.bmm`, and sorted rows are a `grouped_mm`.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+Projection = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GELU, tanh approximation (Megatron's and MegaBlocks' default activation)."""
+    return F.gelu(x, approximate="tanh")
+
+
+class Experts(nn.Module):
+    """E expert MLPs without biases (MegaBlocks' experts have none; the layer adds one).
+
+    `activation` is "gelu" (tanh approximation) or "silu"; mlp_type "glu" gates it
+    (SwiGLU with silu, GeGLU with gelu). With `memory_optimized`, the activation and the second
+    projection are recomputed in backward, so only the first projection's output is kept.
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        mlp_type: str = "mlp",
+        activation: str = "gelu",
+        memory_optimized: bool = False,
+        init_std: float = 0.02,
+        output_init_std: float = 0.02,
+    ) -> None:
+        super().__init__()
+        if mlp_type not in ("mlp", "glu"):
+            raise ValueError(f"mlp_type must be 'mlp' or 'glu', got {mlp_type!r}")
+        if activation not in ("gelu", "silu"):
+            raise ValueError(f"activation must be 'gelu' or 'silu', got {activation!r}")
+        self.num_experts = num_experts
+        self.mlp_type = mlp_type
+        self.activation = gelu_tanh if activation == "gelu" else F.silu
+        self.memory_optimized = memory_optimized
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_hidden_size))
+        if mlp_type == "glu":
+            self.v1 = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_hidden_size))
+        else:
+            self.register_parameter("v1", None)
+        self.w2 = nn.Parameter(torch.empty(num_experts, ffn_hidden_size, hidden_size))
+        self.init_expert_weights(init_std, output_init_std)
+
+    @torch.no_grad()
+    def init_expert_weights(self, std: float, output_std: float) -> None:
+        """Megatron's init: normal(0, std) input projections, normal(0, output_std) for w2
+        (the scaled init of layers that add to the residual stream)."""
+        nn.init.normal_(self.w1, mean=0.0, std=std)
+        if self.v1 is not None:
+            nn.init.normal_(self.v1, mean=0.0, std=std)
+        nn.init.normal_(self.w2, mean=0.0, std=output_std)
+
+    def _mlp(self, x: torch.Tensor, project: Projection) -> torch.Tensor:
+        """The expert MLP on x with `project(input, weight)` as the matmul of each projection."""
+        hidden = project(x, self.w1)
+        gate_input = project(x, self.v1) if self.v1 is not None else None
+
+        def activation_and_output(hidden, gate_input, w2):
+            intermediate = self.activation(hidden)
+            if gate_input is not None:
+                intermediate = intermediate * gate_input
+            return project(intermediate, w2)
+
+        if self.memory_optimized and torch.is_grad_enabled():
+            return checkpoint(
+                activation_and_output, hidden, gate_input, self.w2, use_reentrant=False
+            )
+        return activation_and_output(hidden, gate_input, self.w2)
+
+    def forward_expert(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert `expert` alone on its tokens x [n, h] (the per-expert loop's building block)."""
+
+        def project(inputs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+            return inputs @ weight[expert]
+
+        return self._mlp(x, project)
+
+    def forward_batched(self, x: torch.Tensor) -> torch.Tensor:
+        """Every expert on its capacity-padded slot block: x [E, C, h] -> [E, C, h] (bmm)."""
+        return self._mlp(x, torch.bmm)
+
+    def forward_grouped(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """Rows sorted by expert, x [N, h], expert e owning the next tokens_per_expert[e] rows."""
+        from moe.kernels.grouped_gemm import grouped_mm
+
+        def project(inputs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+            return grouped_mm(inputs, weight, tokens_per_expert)
+
+        return self._mlp(x, project)

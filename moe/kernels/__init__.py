@@ -1,0 +1,1 @@
+"""Triton kernels for MoE, each file holding the kernel, its autograd wrapper and a PyTorch reference."""

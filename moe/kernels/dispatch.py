@@ -1,0 +1,25 @@
+"""When the public ops run their Triton kernels and when their pure-PyTorch references.
+
+Kernels run on GPU tensors when Triton is importable. `MOE_KERNELS=triton` forces the kernels
+(tests do this with `TRITON_INTERPRET=1` to run them on the CPU through Triton's interpreter);
+`MOE_KERNELS=reference` forces the references everywhere.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
+
+
+def use_triton(*tensors: torch.Tensor) -> bool:
+    """True when the op should run its Triton kernel for these tensors."""
+    mode = os.environ.get("MOE_KERNELS", "auto")
+    if mode == "reference" or not TRITON_AVAILABLE:
+        return False
+    if mode == "triton":
+        return True
+    return all(tensor.is_cuda for tensor in tensors)

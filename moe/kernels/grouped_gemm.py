@@ -1,0 +1,549 @@
+"""Grouped GEMM for dropless MoE: rows grouped by expert, each group times its own expert weight.
+
+`grouped_mm(x, weight, tokens_per_expert)` multiplies rows `bins[e-1]:bins[e]` of `x` by
+`weight[e]`, where `bins = cumsum(tokens_per_expert)`. Each of the three products (forward,
+input gradient, weight gradient) picks one backend at run time:
+
+1. `torch._grouped_mm` (CUTLASS, no host sync) for bf16 CUDA tensors on sm90/sm100 whose
+   layout it accepts (see `_grouped_mm_supported`);
+2. otherwise the Triton kernels below, when `use_triton(...)` says so;
+3. otherwise the pure-PyTorch reference, a loop over experts.
+
+`MOE_KERNELS=triton` / `MOE_KERNELS=reference` (see `moe.kernels.dispatch`) force the Triton
+kernels / the references for every product.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from moe.kernels.dispatch import TRITON_AVAILABLE, use_triton
+
+if TRITON_AVAILABLE:
+    import triton
+    import triton.language as tl
+
+    from moe.kernels.aot import AotSpec
+else:  # pragma: no cover - the reference still works without Triton
+    triton = None
+    tl = None
+
+_TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+# torch._grouped_mm's CUTLASS kernel uses TMA: every non-unit stride and every base pointer
+# must be a multiple of 16 bytes, and it launches one thread per group (fewer than 1024).
+_GROUPED_MM_ALIGNMENT_BYTES = 16
+_GROUPED_MM_MAX_GROUPS = 1024
+
+
+@dataclass(frozen=True)
+class TileSizes:
+    """Tile sizes of the Triton kernels; each must be a power of two and at least 16 (tl.dot)."""
+
+    block_m: int = 64
+    block_n: int = 64
+    block_k: int = 32
+
+
+DEFAULT_TILE_SIZES = TileSizes()
+
+
+def grouped_mm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    tokens_per_expert: torch.Tensor,
+    *,
+    tile_sizes: TileSizes = DEFAULT_TILE_SIZES,
+) -> torch.Tensor:
+    """Per-expert matmul of contiguous row groups: `out[bins[e-1]:bins[e]] = x[...] @ weight[e]`.
+
+    x: [N_total, K]; weight: [E, K, N]; tokens_per_expert: integer [E] summing to N_total.
+    Returns [N_total, N] in x's dtype; differentiable w.r.t. x and weight.
+    """
+    _check_shapes(x, weight, tokens_per_expert)
+    return _GroupedMM.apply(x, weight, tokens_per_expert, tile_sizes)
+
+
+def grouped_mm_reference(
+    x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch.Tensor
+) -> torch.Tensor:
+    """Pure-PyTorch grouped_mm: a loop of torch.matmul over experts (autograd through torch)."""
+    _check_shapes(x, weight, tokens_per_expert)
+    row_groups = x.split(tokens_per_expert.tolist(), dim=0)
+    outputs = [rows @ weight[expert] for expert, rows in enumerate(row_groups)]
+    if not outputs:
+        return x.new_empty(x.shape[0], weight.shape[2])
+    return torch.cat(outputs, dim=0)
+
+
+def _weight_grad_reference(
+    x: torch.Tensor, grad_out: torch.Tensor, tokens_per_expert: torch.Tensor
+) -> torch.Tensor:
+    """dweight[e] = x_e^T @ grad_out_e by a loop over experts; zeros for experts without rows."""
+    x_groups = x.split(tokens_per_expert.tolist(), dim=0)
+    grad_groups = grad_out.split(tokens_per_expert.tolist(), dim=0)
+    grads = [rows.t() @ grads for rows, grads in zip(x_groups, grad_groups)]
+    return torch.stack(grads) if grads else x.new_empty(0, x.shape[1], grad_out.shape[1])
+
+
+def _check_shapes(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch.Tensor) -> None:
+    if x.dim() != 2 or weight.dim() != 3 or x.shape[1] != weight.shape[1]:
+        raise ValueError(
+            f"grouped_mm expects x [N_total, K] and weight [E, K, N]; got x {tuple(x.shape)} "
+            f"and weight {tuple(weight.shape)} (moe/kernels/grouped_gemm.py)"
+        )
+    if tokens_per_expert.dim() != 1 or tokens_per_expert.shape[0] != weight.shape[0]:
+        raise ValueError(
+            f"grouped_mm expects tokens_per_expert of shape [E={weight.shape[0]}]; got "
+            f"{tuple(tokens_per_expert.shape)} (moe/kernels/grouped_gemm.py)"
+        )
+    if tokens_per_expert.is_floating_point() or tokens_per_expert.is_complex():
+        raise ValueError(
+            f"grouped_mm expects an integer tokens_per_expert; got {tokens_per_expert.dtype}"
+        )
+    if x.dtype != weight.dtype:
+        raise ValueError(
+            f"grouped_mm expects x and weight of one dtype; got {x.dtype} and {weight.dtype}: "
+            "cast one of them before the call (moe/kernels/grouped_gemm.py)"
+        )
+
+
+class _GroupedMM(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, tokens_per_expert, tile_sizes):
+        x = x.contiguous()
+        weight = weight.contiguous()
+        tokens_per_expert = tokens_per_expert.to(device=x.device, dtype=torch.int32)
+        ctx.save_for_backward(x, weight, tokens_per_expert)
+        ctx.tile_sizes = tile_sizes
+        return _forward_product(x, weight, tokens_per_expert, tile_sizes)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight, tokens_per_expert = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        grad_x = grad_weight = None
+        if ctx.needs_input_grad[0]:
+            grad_x = _input_grad(grad_out, weight, tokens_per_expert, ctx.tile_sizes)
+        if ctx.needs_input_grad[1]:
+            grad_weight = _weight_grad(x, grad_out, weight, tokens_per_expert, ctx.tile_sizes)
+        return grad_x, grad_weight, None, None
+
+
+def _backend(weight: torch.Tensor, *row_operands: torch.Tensor) -> str:
+    """'torch', 'triton' or 'reference' for one product of contiguous row-grouped operands.
+
+    Every row operand ([N_total, K] or [N_total, N]) must pass `_grouped_mm_supported` with the
+    weight for torch._grouped_mm: their row strides are the strides the product will use.
+    """
+    # MOE_KERNELS is owned by moe.kernels.dispatch; read here only to let a forced mode also
+    # skip the torch._grouped_mm path (so the Triton kernels can be tested and timed on GPU).
+    mode = os.environ.get("MOE_KERNELS", "auto")
+    if mode == "auto" and all(_grouped_mm_supported(rows, weight) for rows in row_operands):
+        return "torch"
+    tensors = (weight, *row_operands)
+    if use_triton(*tensors) and all(tensor.dtype in _TRITON_DTYPES for tensor in tensors):
+        return "triton"
+    return "reference"
+
+
+def _forward_product(x, weight, tokens_per_expert, tile_sizes):
+    backend = _backend(weight, x)
+    if backend == "torch":
+        return torch._grouped_mm(
+            x, weight, offs=torch.cumsum(tokens_per_expert, 0, dtype=torch.int32)
+        )
+    if backend == "triton":
+        return _grouped_mm_triton(
+            x, weight, tokens_per_expert, transpose_weight=False, tile_sizes=tile_sizes
+        )
+    with torch.no_grad():
+        return grouped_mm_reference(x, weight, tokens_per_expert)
+
+
+def _input_grad(grad_out, weight, tokens_per_expert, tile_sizes):
+    """grad_x_e = grad_out_e @ weight[e]^T."""
+    backend = _backend(weight, grad_out)
+    if backend == "torch":
+        offsets = torch.cumsum(tokens_per_expert, 0, dtype=torch.int32)
+        # A column-major view of weight[e]^T is a layout torch._grouped_mm accepts as is.
+        return torch._grouped_mm(grad_out, weight.transpose(1, 2), offs=offsets)
+    if backend == "triton":
+        return _grouped_mm_triton(
+            grad_out, weight, tokens_per_expert, transpose_weight=True, tile_sizes=tile_sizes
+        )
+    return grouped_mm_reference(grad_out, weight.transpose(1, 2), tokens_per_expert)
+
+
+def _weight_grad(x, grad_out, weight, tokens_per_expert, tile_sizes):
+    """grad_weight[e] = x_e^T @ grad_out_e; zero for experts without rows."""
+    backend = _backend(weight, x, grad_out)
+    if backend == "torch":
+        offsets = torch.cumsum(tokens_per_expert, 0, dtype=torch.int32)
+        grad_weight = torch._grouped_mm(x.t(), grad_out, offs=offsets)
+        # Empty groups are not written by every CUTLASS build (pytorch/pytorch#172439, sm100):
+        # zero them on the device, without a host sync.
+        empty = (tokens_per_expert == 0).view(-1, 1, 1)
+        return grad_weight.masked_fill(empty, 0)
+    if backend == "triton":
+        return _weight_grad_triton(x, grad_out, tokens_per_expert, tile_sizes)
+    return _weight_grad_reference(x, grad_out, tokens_per_expert)
+
+
+def _grouped_mm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """True when torch._grouped_mm runs x [M, K] (rows grouped) times weight [E, K, N] on its fast path.
+
+    Also holds for the backward products (grad_out @ weight[e]^T, x^T @ grad_out) when both
+    x and grad_out pass with weight: they use the same strides, transposed. Never raises.
+    """
+    try:
+        return _grouped_mm_supported_or_raise(x, weight)
+    except Exception:
+        return False
+
+
+def _grouped_mm_supported_or_raise(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    # Constraints from aten/src/ATen/native/cuda/GroupedBlas.cpp (_grouped_mm_cuda),
+    # GroupedMMUtils.h (_grouped_mm_validate_inputs) and cuda/GroupMM.cu (bf16 CUTLASS kernel).
+    if not hasattr(torch, "_grouped_mm") or torch.version.hip is not None:
+        # On ROCm only gfx942/gfx950 builds with CK have a fast path; the others loop on the host.
+        return False
+    if not (x.is_cuda and weight.is_cuda) or x.device != weight.device:
+        return False
+    # Any other dtype (or arch) goes to a fallback that copies the offsets to the host and
+    # loops over torch.mm: a device sync per call, slower than the Triton kernel.
+    if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
+        return False
+    major, _ = torch.cuda.get_device_capability(x.device)
+    if major not in (9, 10):
+        return False
+    if x.dim() != 2 or weight.dim() != 3:
+        return False
+    # With zero rows the weight-gradient operand x^T [K, 0] has no stride the checks accept
+    # (pytorch/pytorch#192497); and groups are capped by the one-block setup kernel.
+    if x.shape[0] == 0 or not 0 < weight.shape[0] < _GROUPED_MM_MAX_GROUPS:
+        return False
+    element_size = x.element_size()
+    for operand in (x, weight):
+        if operand.numel() == 0 or operand.data_ptr() % _GROUPED_MM_ALIGNMENT_BYTES:
+            return False
+        if not _tma_compatible_strides(operand, element_size):
+            return False
+    return True
+
+
+def _tma_compatible_strides(operand: torch.Tensor, element_size: int) -> bool:
+    """Row- or column-major in the last two dims, with the other stride a multiple of 16 bytes."""
+    rows, cols = operand.shape[-2:]
+    row_stride, col_stride = operand.stride()[-2:]
+    alignment = _GROUPED_MM_ALIGNMENT_BYTES // element_size
+    if col_stride == 1 and row_stride >= max(1, cols):
+        return row_stride % alignment == 0
+    if row_stride == 1 and col_stride >= max(1, rows):
+        return col_stride % alignment == 0
+    return False
+
+
+# --------------------------------------------------------------------------------------------
+# Triton kernels
+# --------------------------------------------------------------------------------------------
+
+
+def _dot_input_precision(dtype: torch.dtype) -> str:
+    """Match torch.matmul: TF32 for fp32 only where torch allows it (NVIDIA only)."""
+    if dtype == torch.float32 and torch.version.hip is None:
+        return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
+    return "ieee"
+
+
+def _grouped_mm_triton(x, weight, tokens_per_expert, *, transpose_weight, tile_sizes):
+    """out_e = x_e @ weight[e] (or @ weight[e]^T) in one launch over all groups."""
+    num_experts = weight.shape[0]
+    rows = x.shape[0]
+    reduce_size = x.shape[1]
+    out_cols = weight.shape[1] if transpose_weight else weight.shape[2]
+    out = torch.empty(rows, out_cols, device=x.device, dtype=x.dtype)
+    if num_experts == 0 or rows == 0 or out_cols == 0:
+        return out
+    block_m = tile_sizes.block_m
+    row_offsets = _exclusive_cumsum(tokens_per_expert)
+    tile_offsets = _exclusive_cumsum((tokens_per_expert + block_m - 1) // block_m)
+    stride_be, stride_bk, stride_bn = weight.stride()
+    if transpose_weight:
+        # weight[e]^T: its reduction index is weight's last dim, its output column the middle one.
+        stride_bk, stride_bn = stride_bn, stride_bk
+    # Each group wastes at most one partial row tile, so this bounds the tile count without
+    # reading tokens_per_expert on the host; the surplus programs find no expert and return.
+    grid = (triton.cdiv(rows, block_m) + num_experts, triton.cdiv(out_cols, tile_sizes.block_n))
+    _grouped_mm_kernel[grid](
+        x,
+        weight,
+        out,
+        row_offsets,
+        tile_offsets,
+        num_experts,
+        reduce_size,
+        out_cols,
+        x.stride(0),
+        x.stride(1),
+        stride_be,
+        stride_bk,
+        stride_bn,
+        out.stride(0),
+        out.stride(1),
+        BLOCK_M=block_m,
+        BLOCK_N=tile_sizes.block_n,
+        BLOCK_K=tile_sizes.block_k,
+        BLOCK_E=max(16, triton.next_power_of_2(num_experts)),
+        INPUT_PRECISION=_dot_input_precision(x.dtype),
+    )
+    return out
+
+
+def _weight_grad_triton(x, grad_out, tokens_per_expert, tile_sizes):
+    """grad_weight[e] = x_e^T @ grad_out_e, one program per (expert, K tile, N tile)."""
+    num_experts = tokens_per_expert.shape[0]
+    in_features, out_features = x.shape[1], grad_out.shape[1]
+    grad_weight = torch.empty(
+        num_experts, in_features, out_features, device=x.device, dtype=x.dtype
+    )
+    if grad_weight.numel() == 0:
+        return grad_weight
+    # Tiles of K play the row role here, tiles of the tokens the reduction: reuse block_m for K
+    # and block_k for the tokens so that one TileSizes fits both kernels.
+    grid = (
+        num_experts,
+        triton.cdiv(in_features, tile_sizes.block_m),
+        triton.cdiv(out_features, tile_sizes.block_n),
+    )
+    _grouped_weight_grad_kernel[grid](
+        x,
+        grad_out,
+        grad_weight,
+        _exclusive_cumsum(tokens_per_expert),
+        in_features,
+        out_features,
+        x.stride(0),
+        x.stride(1),
+        grad_out.stride(0),
+        grad_out.stride(1),
+        grad_weight.stride(0),
+        grad_weight.stride(1),
+        grad_weight.stride(2),
+        BLOCK_K=tile_sizes.block_m,
+        BLOCK_N=tile_sizes.block_n,
+        BLOCK_T=tile_sizes.block_k,
+        INPUT_PRECISION=_dot_input_precision(x.dtype),
+    )
+    return grad_weight
+
+
+def _exclusive_cumsum(counts: torch.Tensor) -> torch.Tensor:
+    """[0, c0, c0+c1, ...] as int32 on counts' device (E+1 entries)."""
+    offsets = torch.zeros(counts.shape[0] + 1, device=counts.device, dtype=torch.int32)
+    torch.cumsum(counts, 0, dtype=torch.int32, out=offsets[1:])
+    return offsets
+
+
+if TRITON_AVAILABLE:
+
+    @triton.jit
+    def _grouped_mm_kernel(
+        a_ptr,
+        b_ptr,
+        out_ptr,
+        row_offsets_ptr,
+        tile_offsets_ptr,
+        num_experts,
+        reduce_size,
+        out_cols,
+        stride_am,
+        stride_ak,
+        stride_be,
+        stride_bk,
+        stride_bn,
+        stride_om,
+        stride_on,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        BLOCK_E: tl.constexpr,
+        INPUT_PRECISION: tl.constexpr,
+    ):
+        """out[rows of e] = a[rows of e] @ B_e, B_e[k, n] = b[e*stride_be + k*stride_bk + n*stride_bn]."""
+        tile = tl.program_id(0)
+        col_block = tl.program_id(1)
+        # The expert owning this row tile: how many experts' tiles end at or before it.
+        experts = tl.arange(0, BLOCK_E)
+        tile_ends = tl.load(
+            tile_offsets_ptr + 1 + experts, mask=experts < num_experts, other=2147483647
+        )
+        expert = tl.sum((tile_ends <= tile).to(tl.int32), axis=0)
+        if expert >= num_experts:
+            return
+        first_tile = tl.load(tile_offsets_ptr + expert)
+        row_begin = tl.load(row_offsets_ptr + expert)
+        row_end = tl.load(row_offsets_ptr + expert + 1)
+
+        rows = row_begin + (tile - first_tile) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_mask = rows < row_end
+        col_mask = cols < out_cols
+        rows = rows.to(tl.int64)
+        a_rows = a_ptr + rows[:, None] * stride_am
+        b_cols = b_ptr + expert.to(tl.int64) * stride_be + cols[None, :] * stride_bn
+
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k_start in range(0, reduce_size, BLOCK_K):
+            ks = k_start + tl.arange(0, BLOCK_K)
+            k_mask = ks < reduce_size
+            a = tl.load(
+                a_rows + ks[None, :] * stride_ak,
+                mask=row_mask[:, None] & k_mask[None, :],
+                other=0.0,
+            )
+            b = tl.load(
+                b_cols + ks[:, None] * stride_bk,
+                mask=k_mask[:, None] & col_mask[None, :],
+                other=0.0,
+            )
+            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+
+        out_ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :] * stride_on
+        tl.store(
+            out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :]
+        )
+
+    @triton.jit
+    def _grouped_weight_grad_kernel(
+        x_ptr,
+        grad_out_ptr,
+        grad_weight_ptr,
+        row_offsets_ptr,
+        in_features,
+        out_features,
+        stride_xm,
+        stride_xk,
+        stride_gm,
+        stride_gn,
+        stride_we,
+        stride_wk,
+        stride_wn,
+        BLOCK_K: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+        INPUT_PRECISION: tl.constexpr,
+    ):
+        """grad_weight[e, k tile, n tile] = sum over the rows t of expert e of x[t, k] * grad_out[t, n]."""
+        expert = tl.program_id(0)
+        ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+        ns = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+        k_mask = ks < in_features
+        n_mask = ns < out_features
+        row_begin = tl.load(row_offsets_ptr + expert)
+        row_end = tl.load(row_offsets_ptr + expert + 1)
+
+        # An expert without rows runs no iteration and stores zeros, the gradient it must get.
+        acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
+        for t_start in range(row_begin, row_end, BLOCK_T):
+            ts = t_start + tl.arange(0, BLOCK_T)
+            t_mask = ts < row_end
+            ts = ts.to(tl.int64)
+            x_t = tl.load(
+                x_ptr + ts[None, :] * stride_xm + ks[:, None] * stride_xk,
+                mask=k_mask[:, None] & t_mask[None, :],
+                other=0.0,
+            )
+            grads = tl.load(
+                grad_out_ptr + ts[:, None] * stride_gm + ns[None, :] * stride_gn,
+                mask=t_mask[:, None] & n_mask[None, :],
+                other=0.0,
+            )
+            acc = tl.dot(x_t, grads, acc, input_precision=INPUT_PRECISION)
+
+        out_ptrs = (
+            grad_weight_ptr
+            + expert.to(tl.int64) * stride_we
+            + ks[:, None] * stride_wk
+            + ns[None, :] * stride_wn
+        )
+        tl.store(
+            out_ptrs,
+            acc.to(grad_weight_ptr.dtype.element_ty),
+            mask=k_mask[:, None] & n_mask[None, :],
+        )
+
+
+def _grouped_mm_spec(dtype: str, tile_sizes: TileSizes = DEFAULT_TILE_SIZES) -> AotSpec:
+    return AotSpec(
+        kernel=_grouped_mm_kernel,
+        signature={
+            **{name: f"*{dtype}" for name in ("a_ptr", "b_ptr", "out_ptr")},
+            **{name: "*i32" for name in ("row_offsets_ptr", "tile_offsets_ptr")},
+            **{
+                name: "i32"
+                for name in (
+                    "num_experts",
+                    "reduce_size",
+                    "out_cols",
+                    "stride_am",
+                    "stride_ak",
+                    "stride_be",
+                    "stride_bk",
+                    "stride_bn",
+                    "stride_om",
+                    "stride_on",
+                )
+            },
+        },
+        constexprs={
+            "BLOCK_M": tile_sizes.block_m,
+            "BLOCK_N": tile_sizes.block_n,
+            "BLOCK_K": tile_sizes.block_k,
+            "BLOCK_E": 64,
+            "INPUT_PRECISION": "ieee",
+        },
+    )
+
+
+def _weight_grad_spec(dtype: str, tile_sizes: TileSizes = DEFAULT_TILE_SIZES) -> AotSpec:
+    return AotSpec(
+        kernel=_grouped_weight_grad_kernel,
+        signature={
+            **{name: f"*{dtype}" for name in ("x_ptr", "grad_out_ptr", "grad_weight_ptr")},
+            "row_offsets_ptr": "*i32",
+            **{
+                name: "i32"
+                for name in (
+                    "in_features",
+                    "out_features",
+                    "stride_xm",
+                    "stride_xk",
+                    "stride_gm",
+                    "stride_gn",
+                    "stride_we",
+                    "stride_wk",
+                    "stride_wn",
+                )
+            },
+        },
+        constexprs={
+            "BLOCK_K": tile_sizes.block_m,
+            "BLOCK_N": tile_sizes.block_n,
+            "BLOCK_T": tile_sizes.block_k,
+            "INPUT_PRECISION": "ieee",
+        },
+    )
+
+
+# What `python -m moe.kernels.aot` builds: both kernels (forward and input gradient share the
+# first) for each dtype the Triton path takes.
+AOT_SPECS = (
+    [_grouped_mm_spec(dtype) for dtype in ("bf16", "fp16", "fp32")]
+    + [_weight_grad_spec(dtype) for dtype in ("bf16", "fp16", "fp32")]
+    if TRITON_AVAILABLE
+    else []
+)

@@ -1,0 +1,308 @@
+"""MegaBlocks' MoE (experts with a capacity; extra assignments dropped) and dMoE (dropless).
+
+Both map hidden states [b, s, h] -> [b, s, h] like the dense MLP they replace. Each forward
+leaves on the layer, for the training step to collect:
+  `load_balancing_loss`, `router_z_loss`: this layer's unweighted losses (see moe.router);
+  `tokens_per_expert`: a buffer with this forward's assignments per expert (before drops).
+`MoEAuxiliaryLosses(model)()` turns them into the weighted terms added to the LM loss.
+
+Backends (`--moe-impl`): "grouped" permutes with moe.kernels.permute and multiplies with
+torch.bmm over capacity slots (MoE) or grouped_mm over sorted rows (dMoE); "sparse" uses the
+block-sparse kernels (dMoE only); "reference" is the per-expert loop of moe.reference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from megatron.config import ModelConfig
+from megatron.model.mlp import MLP
+from moe.config import MoEConfig
+from moe.experts import Experts
+from moe.reference import reference_moe
+from moe.router import (
+    Router,
+    Routing,
+    balancing_probabilities,
+    load_balancing_loss,
+    router_z_loss,
+    update_expert_bias,
+)
+
+SPARSE_UNAVAILABLE = (
+    "--moe-impl sparse: block-sparse kernels are not available yet "
+    "(moe/kernels/block_sparse with sparse_mlp); use --moe-impl grouped"
+)
+
+
+def _permute_ops():
+    """moe.kernels.permute, with a message saying what to do when it is missing."""
+    try:
+        from moe.kernels import permute
+    except ImportError as error:
+        raise RuntimeError(
+            "--moe-impl grouped needs the permutation kernels in moe/kernels/permute.py, which "
+            "could not be imported; use --moe-impl reference"
+        ) from error
+    return permute
+
+
+def _in_backward() -> bool:
+    """True while autograd runs a backward pass, i.e. when a checkpointed forward is being
+    recomputed; such a re-run must not count tokens or move the expert bias again."""
+    graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
+    return graph_task_id is not None and graph_task_id() != -1
+
+
+class MoELayer(nn.Module):
+    """Router + experts (+ output bias, + optional shared expert); subclasses say how tokens
+    reach the experts (`compute_experts`)."""
+
+    def __init__(self, model_config: ModelConfig, moe_config: MoEConfig) -> None:
+        super().__init__()
+        self.config = moe_config
+        self.hidden_size = model_config.hidden_size
+        std = model_config.init_method_std
+        output_std = std / math.sqrt(2.0 * model_config.num_layers)
+        self.router = Router(model_config.hidden_size, moe_config, init_std=std)
+        self.experts = Experts(
+            moe_config.num_experts,
+            model_config.hidden_size,
+            model_config.ffn_hidden_size,
+            mlp_type=moe_config.mlp_type,
+            activation="silu" if model_config.swiglu else "gelu",
+            memory_optimized=moe_config.memory_optimized_mlp,
+            init_std=std,
+            output_init_std=output_std,
+        )
+        # MegaBlocks' experts have no biases; the layer adds one output bias (--bias).
+        if model_config.add_bias_linear:
+            self.bias = nn.Parameter(torch.zeros(model_config.hidden_size))
+        else:
+            self.register_parameter("bias", None)
+        self.shared_expert: Optional[MLP] = None
+        if moe_config.shared_expert:
+            shared_config = dataclasses.replace(
+                model_config,
+                ffn_hidden_size=moe_config.shared_expert_ffn_hidden_size
+                or model_config.ffn_hidden_size,
+                moe=None,
+            )
+            self.shared_expert = MLP(shared_config)
+        self.register_buffer(
+            "tokens_per_expert", torch.zeros(moe_config.num_experts, dtype=torch.long), False
+        )
+        if moe_config.router_bias_update_rate > 0:
+            # Counts since the last bias update; persistent so that a resumed run is exact.
+            self.register_buffer("pending_tokens_per_expert", torch.zeros(moe_config.num_experts))
+        self.load_balancing_loss: Optional[torch.Tensor] = None
+        self.router_z_loss: Optional[torch.Tensor] = None
+
+    def compute_experts(
+        self, tokens: torch.Tensor, routing: Routing
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(output [T, h], tokens_per_expert [E]) for tokens [T, h] routed by `routing`."""
+        raise NotImplementedError
+
+    def update_expert_bias(self) -> None:
+        """Apply the DeepSeek-V3 bias update for the tokens counted since the last one.
+
+        Called by `forward` at the start of each training forward, so the bias moves once per
+        micro-batch and never between a forward and its recomputation in backward.
+        """
+        pending = getattr(self, "pending_tokens_per_expert", None)
+        if pending is None or not bool(pending.any()):
+            return
+        update_expert_bias(self.router.expert_bias, pending, self.config.router_bias_update_rate)
+        pending.zero_()
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """[b, s, h] -> [b, s, h]."""
+        recomputing = _in_backward()
+        bias_update = self.training and self.config.router_bias_update_rate > 0
+        if bias_update and not recomputing:
+            self.update_expert_bias()
+        tokens = hidden_states.reshape(-1, self.hidden_size)
+        if tokens.is_cuda and torch.is_autocast_enabled("cuda"):
+            # Permute in the compute dtype, as MegaBlocks does: half the bytes moved.
+            tokens = tokens.to(torch.get_autocast_dtype("cuda"))
+        routing = self.router(tokens)
+        output, tokens_per_expert = self.compute_experts(tokens, routing)
+        # Computed on recomputation too: a checkpointed re-run must save the same tensors.
+        probabilities = balancing_probabilities(routing, self.config.router_score)
+        balance_loss = load_balancing_loss(tokens_per_expert, probabilities, self.config.top_k)
+        z_loss = router_z_loss(routing.logits)
+        if not recomputing:
+            self.load_balancing_loss, self.router_z_loss = balance_loss, z_loss
+            with torch.no_grad():
+                self.tokens_per_expert.copy_(tokens_per_expert)
+                if bias_update:
+                    self.pending_tokens_per_expert += tokens_per_expert.float()
+        if self.bias is not None:
+            output = output + self.bias
+        if self.shared_expert is not None:
+            output = output + self.shared_expert(tokens)
+        return output.view(hidden_states.shape)
+
+    def _reference(
+        self, tokens: torch.Tensor, routing: Routing, capacity: Optional[int]
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        return reference_moe(
+            tokens,
+            routing.expert_weights,
+            routing.expert_indices,
+            self.experts.forward_expert,
+            self.config.num_experts,
+            capacity,
+        )
+
+    def _sort(self, routing: Routing):
+        """(flat weights, indices, bins, tokens_per_expert) of the stable sort by expert."""
+        permute = _permute_ops()
+        flat_indices = routing.expert_indices.reshape(-1).int()
+        with torch.no_grad():
+            tokens_per_expert = permute.expert_histogram(flat_indices, self.config.num_experts)
+            _, indices = permute.sort_by_expert(flat_indices, self.config.num_experts)
+            bins = torch.cumsum(tokens_per_expert, 0).int()
+        return routing.expert_weights.reshape(-1), indices, bins, tokens_per_expert
+
+
+class MoE(MoELayer):
+    """MegaBlocks' MoE: each expert takes at most `expert_capacity(T)` assignments, the first
+    ones in token order (assignment t * k + j); the rest contribute nothing."""
+
+    def expert_capacity(self, num_tokens: int) -> int:
+        """int(capacity_factor * top_k * T / E), MegaBlocks' rule; 0 means no limit."""
+        config = self.config
+        return int(config.capacity_factor * config.top_k * num_tokens / config.num_experts)
+
+    def compute_experts(
+        self, tokens: torch.Tensor, routing: Routing
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        capacity = self.expert_capacity(tokens.shape[0])
+        if self.config.mlp_impl == "reference":
+            return self._reference(tokens, routing, capacity or None)
+        permute = _permute_ops()
+        weights, indices, bins, tokens_per_expert = self._sort(routing)
+        if capacity == 0:
+            capacity = int(tokens_per_expert.max())
+        top_k = self.config.top_k
+        expert_inputs = permute.binned_gather(tokens, indices, bins, capacity, top_k)
+        expert_outputs = self.experts.forward_batched(expert_inputs)
+        output = permute.binned_scatter(expert_outputs, indices, weights, bins, top_k)
+        return output, tokens_per_expert
+
+
+class DroplessMoE(MoELayer):
+    """MegaBlocks' dMoE: every assignment reaches its expert, whatever the imbalance."""
+
+    def __init__(self, model_config: ModelConfig, moe_config: MoEConfig) -> None:
+        super().__init__(model_config, moe_config)
+        self.sparse_block_size = 0
+        if moe_config.mlp_impl == "sparse":
+            try:
+                from moe.kernels.block_sparse import sparse_mlp  # noqa: F401
+            except ImportError as error:
+                raise RuntimeError(SPARSE_UNAVAILABLE) from error
+            ffn = model_config.ffn_hidden_size
+            # MegaBlocks uses 128; smaller blocks let tiny models run the same kernels.
+            self.sparse_block_size = next((b for b in (128, 64, 32, 16) if ffn % b == 0), 0)
+
+    def compute_experts(
+        self, tokens: torch.Tensor, routing: Routing
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        impl = self.config.mlp_impl
+        if impl == "reference":
+            return self._reference(tokens, routing, None)
+        permute = _permute_ops()
+        weights, indices, bins, tokens_per_expert = self._sort(routing)
+        top_k = self.config.top_k
+        if impl == "sparse":
+            return self._sparse(
+                tokens, weights, indices, bins, tokens_per_expert
+            ), tokens_per_expert
+        expert_inputs = permute.gather(tokens, indices, bins, top_k)
+        expert_outputs = self.experts.forward_grouped(expert_inputs, tokens_per_expert)
+        output = permute.scatter(expert_outputs, indices, weights, bins, top_k)
+        return output, tokens_per_expert
+
+    def _sparse(self, tokens, weights, indices, bins, tokens_per_expert) -> torch.Tensor:
+        from moe.kernels.block_sparse import Topology, sparse_mlp
+
+        permute = _permute_ops()
+        top_k, block = self.config.top_k, self.sparse_block_size
+        experts = self.experts
+        num_experts, hidden, ffn = experts.w1.shape
+        with torch.no_grad():
+            padded_bins = permute.padded_bins(tokens_per_expert, block)
+            topology = Topology.from_padded_bins(padded_bins, ffn, block)
+        expert_inputs = permute.padded_gather(tokens, indices, bins, padded_bins, top_k)
+        # [E, h, f] -> [h, E*f] and [E, f, h] -> [E*f, h]: the block-sparse operand layouts.
+        w1 = experts.w1.permute(1, 0, 2).reshape(hidden, num_experts * ffn)
+        w2 = experts.w2.reshape(num_experts * ffn, hidden)
+        expert_outputs = sparse_mlp(expert_inputs, w1, w2, topology)
+        return permute.padded_scatter(expert_outputs, indices, weights, bins, padded_bins, top_k)
+
+
+def build_moe_layer(model_config: ModelConfig, moe_config: MoEConfig) -> MoELayer:
+    """The dMoE when `moe_config.dropless`, else the MoE with capacity."""
+    if moe_config.mlp_impl == "sparse":
+        if moe_config.mlp_type != "mlp" or model_config.swiglu:
+            raise ValueError(
+                "--moe-impl sparse supports --mlp-type mlp with GELU only; use --moe-impl grouped"
+            )
+        if model_config.ffn_hidden_size % 16 != 0:
+            raise ValueError(
+                f"--moe-impl sparse needs --ffn-hidden-size divisible by 16, got "
+                f"{model_config.ffn_hidden_size}; use --moe-impl grouped"
+            )
+    layer_class = DroplessMoE if moe_config.dropless else MoE
+    return layer_class(model_config, moe_config)
+
+
+def moe_layers(model: nn.Module) -> List[Tuple[str, MoELayer]]:
+    """(name, layer) of every MoE layer in `model`, in module order."""
+    return [
+        (name, module) for name, module in model.named_modules() if isinstance(module, MoELayer)
+    ]
+
+
+def tokens_per_expert_by_layer(model: nn.Module) -> Dict[str, torch.Tensor]:
+    """Assignments per expert of each MoE layer's latest forward, keyed by module name."""
+    return {name: layer.tokens_per_expert.clone() for name, layer in moe_layers(model)}
+
+
+class MoEAuxiliaryLosses:
+    """Collects the weighted auxiliary losses of a model's MoE layers after each forward.
+
+    "load balancing loss": --moe-loss-weight * mean over MoE layers of each layer's loss
+    (MegaBlocks' batched_load_balancing_loss when every layer is an MoE layer);
+    "router z loss" (only with --moe-zloss-weight > 0): --moe-zloss-weight * mean over layers.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.layers = [layer for _, layer in moe_layers(model)]
+
+    def __call__(self) -> Dict[str, torch.Tensor]:
+        """The losses of the latest forward; clears them from the layers. {} for a dense model."""
+        if not self.layers:
+            return {}
+        config = self.layers[0].config
+        if any(layer.load_balancing_loss is None for layer in self.layers):
+            raise RuntimeError(
+                "MoEAuxiliaryLosses called before every MoE layer ran a forward; call it once "
+                "after each model forward"
+            )
+        balance = torch.stack([layer.load_balancing_loss for layer in self.layers]).mean()
+        losses = {"load balancing loss": config.loss_weight * balance}
+        if config.zloss_weight > 0:
+            z_loss = torch.stack([layer.router_z_loss for layer in self.layers]).mean()
+            losses["router z loss"] = config.zloss_weight * z_loss
+        for layer in self.layers:
+            layer.load_balancing_loss = layer.router_z_loss = None
+        return losses

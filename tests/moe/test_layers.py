@@ -1,0 +1,315 @@
+"""MoE and dMoE layers against the dense MLP and the loop-over-experts reference."""
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron.config import ConfigError, ModelConfig
+from megatron.model import GPTModel, build_mlp
+from megatron.model.mlp import MLP
+from moe.config import MoEConfig
+from moe.layers import DroplessMoE, MoE, MoEAuxiliaryLosses, build_moe_layer
+from moe.reference import kept_assignments
+
+REPO = Path(__file__).resolve().parents[2]
+HIDDEN, FFN = 16, 32
+
+
+@pytest.fixture(autouse=True)
+def reference_kernels(monkeypatch):
+    # The pure-PyTorch references of the kernels: no Triton on the CPU.
+    monkeypatch.setenv("MOE_KERNELS", "reference")
+
+
+def model_config(**overrides) -> ModelConfig:
+    base = dict(
+        num_layers=2,
+        hidden_size=HIDDEN,
+        num_attention_heads=2,
+        ffn_hidden_size=FFN,
+        seq_length=8,
+        max_position_embeddings=8,
+        add_bias_linear=False,
+    )
+    return ModelConfig(**{**base, **overrides})
+
+
+def make_layer(seed=0, model=None, **moe):
+    torch.manual_seed(seed)
+    config = MoEConfig(**{"num_experts": 4, **moe})
+    return build_moe_layer(model or model_config(), config)
+
+
+def run(layer, x, extra_loss=True):
+    """Output and gradients of (input, router, every expert weight) for a fixed loss."""
+    x = x.detach().clone().requires_grad_(True)
+    layer.zero_grad()
+    output = layer(x)
+    loss = (output * torch.linspace(-1, 1, output.numel()).view_as(output)).sum()
+    if extra_loss:
+        loss = loss + layer.load_balancing_loss + layer.router_z_loss
+    loss.backward()
+    grads = {"input": x.grad}
+    grads.update({name: p.grad for name, p in layer.named_parameters()})
+    return output.detach(), grads
+
+
+def assert_same(first, second, atol=1e-5):
+    out_a, grads_a = first
+    out_b, grads_b = second
+    torch.testing.assert_close(out_a, out_b, atol=atol, rtol=1e-4)
+    assert grads_a.keys() == grads_b.keys()
+    for name in grads_a:
+        torch.testing.assert_close(grads_a[name], grads_b[name], atol=atol, rtol=1e-4, msg=name)
+
+
+def same_weights(reference, other):
+    other.load_state_dict(reference.state_dict())
+    return other
+
+
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_one_expert_top1_dmoe_is_the_dense_mlp(swiglu):
+    config = model_config(swiglu=swiglu)
+    layer = make_layer(model=config, num_experts=1, mlp_type="glu" if swiglu else "mlp")
+    dense = MLP(config)
+    with torch.no_grad():
+        fc1 = dense.linear_fc1.weight  # [F or 2F, h]
+        if swiglu:
+            gate, up = fc1.chunk(2, dim=0)
+            layer.experts.w1[0].copy_(gate.t())
+            layer.experts.v1[0].copy_(up.t())
+        else:
+            layer.experts.w1[0].copy_(fc1.t())
+        layer.experts.w2[0].copy_(dense.linear_fc2.weight.t())
+    x = torch.randn(2, 8, HIDDEN)
+    torch.testing.assert_close(layer(x), dense(x), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("top_k", [1, 2, 4])
+@pytest.mark.parametrize("mlp_type", ["mlp", "glu"])
+def test_grouped_dmoe_matches_reference_loop(top_k, mlp_type):
+    reference = make_layer(num_experts=6, top_k=top_k, mlp_impl="reference", mlp_type=mlp_type)
+    grouped = same_weights(
+        reference, make_layer(num_experts=6, top_k=top_k, mlp_impl="grouped", mlp_type=mlp_type)
+    )
+    assert isinstance(grouped, DroplessMoE)
+    x = torch.randn(3, 8, HIDDEN)
+    assert_same(run(reference, x), run(grouped, x))
+
+
+def test_dmoe_output_is_the_weighted_sum_of_chosen_experts():
+    layer = make_layer(top_k=2, mlp_impl="grouped")
+    x = torch.randn(5, HIDDEN)
+    routing = layer.router(x)
+    expected = torch.zeros_like(x)
+    for t in range(5):
+        for j in range(2):
+            expert = int(routing.expert_indices[t, j])
+            expected[t] += (
+                routing.expert_weights[t, j] * layer.experts.forward_expert(expert, x[t : t + 1])[0]
+            )
+    torch.testing.assert_close(layer(x.view(1, 5, HIDDEN)).view(5, HIDDEN), expected)
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_moe_with_ample_capacity_equals_dmoe(top_k):
+    dmoe = make_layer(top_k=top_k, mlp_impl="grouped")
+    moe = same_weights(
+        dmoe,
+        make_layer(top_k=top_k, mlp_impl="grouped", dropless=False, capacity_factor=4.0 / top_k),
+    )
+    assert isinstance(moe, MoE)
+    x = torch.randn(2, 8, HIDDEN)
+    assert_same(run(dmoe, x), run(moe, x))
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_small_capacity_drops_exactly_the_reference_assignments(top_k):
+    kwargs = dict(top_k=top_k, dropless=False, capacity_factor=0.5)
+    reference = make_layer(mlp_impl="reference", **kwargs)
+    grouped = same_weights(reference, make_layer(mlp_impl="grouped", **kwargs))
+    x = torch.randn(2, 8, HIDDEN)
+    assert_same(run(reference, x), run(grouped, x))
+
+    tokens = x.view(-1, HIDDEN)
+    capacity = grouped.expert_capacity(tokens.shape[0])
+    assert capacity == int(0.5 * top_k * 16 / 4)
+    routing = grouped.router(tokens)
+    kept = kept_assignments(routing.expert_indices, 4, capacity)
+    assert not kept.all(), "the test should drop some assignments"
+    # Each expert keeps its first `capacity` assignments in token order (t * k + j).
+    flat = routing.expert_indices.reshape(-1)
+    for expert in range(4):
+        positions = torch.nonzero(flat == expert).squeeze(1)
+        assert kept.reshape(-1)[positions].tolist() == [i < capacity for i in range(len(positions))]
+    # Outputs equal the sum over kept assignments only; all-dropped tokens output zero.
+    expected = torch.zeros_like(tokens)
+    for t in range(tokens.shape[0]):
+        for j in range(top_k):
+            if kept[t, j]:
+                expert = int(routing.expert_indices[t, j])
+                expected[t] += (
+                    routing.expert_weights[t, j]
+                    * grouped.experts.forward_expert(expert, tokens[t : t + 1])[0]
+                )
+    with torch.no_grad():
+        torch.testing.assert_close(grouped(x).view(-1, HIDDEN), expected)
+
+
+def test_capacity_zero_means_no_drops():
+    dmoe = make_layer(top_k=2, mlp_impl="grouped")
+    moe = same_weights(dmoe, make_layer(top_k=2, dropless=False, capacity_factor=0.0))
+    x = torch.randn(2, 8, HIDDEN)
+    assert_same(run(dmoe, x), run(moe, x))
+
+
+@pytest.mark.parametrize("mlp_type", ["mlp", "glu"])
+@pytest.mark.parametrize("dropless", [True, False])
+def test_memory_optimized_mlp_matches_plain(mlp_type, dropless):
+    kwargs = dict(top_k=2, mlp_type=mlp_type, dropless=dropless)
+    plain = make_layer(**kwargs)
+    optimized = same_weights(plain, make_layer(memory_optimized_mlp=True, **kwargs))
+    x = torch.randn(2, 8, HIDDEN)
+    assert_same(run(plain, x), run(optimized, x))
+
+
+def test_shared_expert_and_output_bias_are_added():
+    config = model_config(add_bias_linear=True)
+    layer = make_layer(model=config, top_k=2, shared_expert=True, shared_expert_ffn_hidden_size=8)
+    assert layer.shared_expert.linear_fc1.out_features == 8
+    x = torch.randn(1, 4, HIDDEN)
+    with torch.no_grad():
+        layer.bias.fill_(0.5)
+        expected = (
+            layer.compute_experts(x.view(-1, HIDDEN), layer.router(x.view(-1, HIDDEN)))[0]
+            + 0.5
+            + layer.shared_expert(x.view(-1, HIDDEN))
+        )
+        torch.testing.assert_close(layer(x).view(-1, HIDDEN), expected)
+
+
+def test_tokens_per_expert_stats_and_auxiliary_losses():
+    layer = make_layer(top_k=2, loss_weight=0.1, zloss_weight=0.01)
+    x = torch.randn(2, 8, HIDDEN)
+    layer(x)
+    assert layer.tokens_per_expert.sum().item() == 2 * 16
+    losses = MoEAuxiliaryLosses(layer)()
+    assert set(losses) == {"load balancing loss", "router z loss"}
+    assert losses["load balancing loss"].item() >= 0.1 * 0.99  # >= weight at balance
+    with pytest.raises(RuntimeError, match="before every MoE layer ran"):
+        MoEAuxiliaryLosses(layer)()
+
+
+def test_expert_bias_update_moves_load_toward_balance():
+    layer = make_layer(top_k=1, router_bias_update_rate=0.05, loss_weight=0.0)
+    with torch.no_grad():
+        layer.router.layer.weight[0] += 1.0  # expert 0 attracts tokens whose sum is positive
+    x = torch.randn(4, 16, HIDDEN).abs()
+    layer.train()
+    layer(x)
+    first_max = layer.tokens_per_expert.max().item()
+    for _ in range(60):
+        layer(x)
+    assert layer.router.expert_bias[0] < 0
+    assert layer.tokens_per_expert.max().item() < first_max
+    layer.eval()  # no updates outside training
+    bias = layer.router.expert_bias.clone()
+    layer(x)
+    layer(x)
+    assert torch.equal(bias, layer.router.expert_bias)
+
+
+def test_recomputed_forward_does_not_count_twice():
+    from torch.utils.checkpoint import checkpoint
+
+    layer = make_layer(top_k=2, router_bias_update_rate=0.01)
+    layer.train()
+    x = torch.randn(2, 8, HIDDEN, requires_grad=True)
+    checkpoint(layer, x, use_reentrant=False).sum().backward()
+    assert layer.pending_tokens_per_expert.sum().item() == 2 * 16
+
+
+def test_build_mlp_every_layer_freq_th_layer():
+    moe = MoEConfig(num_experts=4, layer_freq=2)
+    config = model_config(num_layers=4, moe=moe)
+    kinds = [type(build_mlp(config, index)) for index in range(4)]
+    assert kinds == [DroplessMoE, MLP, DroplessMoE, MLP]
+    config = dataclasses.replace(config, moe=dataclasses.replace(moe, dropless=False))
+    assert isinstance(build_mlp(config, 0), MoE)
+
+
+def test_gpt_model_with_moe_inits_experts_and_trains_one_step():
+    moe = MoEConfig(num_experts=4, top_k=2)
+    config = model_config(padded_vocab_size=64, moe=moe, init_method_std=0.02)
+    torch.manual_seed(0)
+    model = GPTModel(config)
+    w2 = model.decoder.layers[0].mlp.experts.w2
+    assert abs(w2.std().item() - 0.02 / 2.0) < 0.003  # scaled init: std / sqrt(2 L)
+    tokens = torch.randint(0, 64, (2, 8))
+    losses = model(tokens, labels=tokens)
+    assert losses.shape == (2, 8)
+    auxiliary = MoEAuxiliaryLosses(model)()
+    (losses.mean() + auxiliary["load balancing loss"]).backward()
+    assert model.decoder.layers[1].mlp.router.layer.weight.grad.abs().sum() > 0
+
+
+def test_sparse_backend_matches_reference_or_says_unavailable():
+    try:
+        sparse = make_layer(top_k=2, mlp_impl="sparse")
+    except RuntimeError as error:
+        assert "block-sparse kernels are not available yet" in str(error)
+        return
+    reference = same_weights(sparse, make_layer(top_k=2, mlp_impl="reference"))
+    x = torch.randn(2, 8, HIDDEN)
+    assert_same(run(reference, x), run(sparse, x))
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(top_k=5), "--moe-top-k 5"),
+        (dict(num_experts=0), "--moe-num-experts"),
+        (dict(capacity_factor=-1.0), "--moe-capacity-factor"),
+        (dict(layer_freq=3), "--moe-layer-freq 3"),
+        (dict(jitter_eps=1.5), "--moe-jitter-eps"),
+        (dict(normalize_expert_weights=0.0), "--moe-normalize-expert-weights"),
+        (dict(mlp_impl="sparse", dropless=False), "--moe-impl sparse"),
+        (dict(shared_expert_ffn_hidden_size=8), "--moe-shared-expert"),
+    ],
+)
+def test_config_errors_name_the_flag(overrides, message):
+    config = MoEConfig(**{"num_experts": 4, **overrides})
+    with pytest.raises(ConfigError, match=message.replace("-", r"\-")):
+        config.validate(model_config())
+
+
+def test_grouped_dmoe_with_triton_kernels_under_the_interpreter(triton_kernels, monkeypatch):
+    """The grouped backend on the real Triton kernels (permute + grouped_mm) == the loop reference."""
+    from moe.kernels import grouped_gemm, permute
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a reference ran instead of the Triton kernel")
+
+    for module, name in ((grouped_gemm, "grouped_mm_reference"), (grouped_gemm, "_weight_grad_reference"),
+                         (permute, "gather_reference"), (permute, "scatter_reference")):  # fmt: skip
+        monkeypatch.setattr(module, name, refuse)
+
+    model = ModelConfig(
+        num_layers=2, hidden_size=16, num_attention_heads=2, ffn_hidden_size=32,
+        seq_length=8, max_position_embeddings=8, add_bias_linear=False,
+    )  # fmt: skip
+    results = []
+    for impl in ("reference", "grouped"):
+        torch.manual_seed(0)
+        layer = build_moe_layer(model, MoEConfig(num_experts=4, top_k=2, mlp_impl=impl))
+        x = torch.randn(1, 8, 16, requires_grad=True)
+        output = layer(x)
+        output.square().sum().backward()
+        results.append(
+            [output.detach(), x.grad, layer.experts.w1.grad, layer.router.layer.weight.grad]
+        )
+    for reference, kernel in zip(*results):
+        torch.testing.assert_close(kernel, reference, atol=1e-4, rtol=1e-3)
