@@ -1,0 +1,170 @@
+"""Forward + backward of one dMoE layer in bf16 on one GPU, per backend, next to a dense MLP of
+the same FLOPs (hidden -> top_k * ffn -> hidden through cuBLAS), timed in the same run.
+
+    python bench/moe_layer.py [--backends grouped sparse] [--check]
+
+TFLOP/s counts 3 x 2 x tokens x top_k x 2 x hidden x ffn (the expert matmuls, forward and
+backward). `--check` first compares each backend with the loop-over-experts reference at a real
+shape on the GPU (outputs and gradients, relative error against an fp32 run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron.config import ModelConfig  # noqa: E402
+from moe.config import MoEConfig  # noqa: E402
+from moe.layers import build_moe_layer  # noqa: E402
+
+# (hidden, ffn per expert, experts, top_k, tokens): the issue's configurations.
+CONFIGS = [
+    (768, 3072, 64, 1, 16384),
+    (1024, 4096, 64, 1, 16384),
+    (2048, 1024, 64, 8, 16384),
+    (4096, 14336, 8, 2, 8192),
+]
+
+
+def build_layer(hidden, ffn, experts, top_k, backend, dtype=torch.bfloat16):
+    model = ModelConfig(
+        num_layers=1, hidden_size=hidden, num_attention_heads=max(1, hidden // 64),
+        ffn_hidden_size=ffn, seq_length=1024, max_position_embeddings=1024,
+        add_bias_linear=False, init_method_std=0.02,
+    )  # fmt: skip
+    moe = MoEConfig(num_experts=experts, top_k=top_k, mlp_impl=backend)
+    torch.manual_seed(0)
+    layer = build_moe_layer(model, moe).cuda().to(dtype)
+    return layer
+
+
+class DenseSameFlops(nn.Module):
+    def __init__(self, hidden, width):
+        super().__init__()
+        self.fc1 = nn.Linear(hidden, width, bias=False)
+        self.fc2 = nn.Linear(width, hidden, bias=False)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+
+
+def time_fwd_bwd(module, x, grad, warmup=3, repeats=10):
+    """Median ms of forward + backward, and the peak memory of one step (GiB)."""
+    for _ in range(warmup):
+        module(x).backward(grad)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        module(x).backward(grad)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    times.sort()
+    return times[len(times) // 2], peak
+
+
+def check(backend):
+    """Backend vs the loop reference at a real shape; returns the worst relative error."""
+    hidden, ffn, experts, top_k, tokens = 1024, 2048, 16, 2, 4096
+    errors = []
+    results = {}
+    for name in ("reference", backend):
+        layer = build_layer(hidden, ffn, experts, top_k, name, dtype=torch.float32)
+        torch.manual_seed(1)
+        x = torch.randn(1, tokens, hidden, device="cuda", requires_grad=True)
+        out = layer(x)
+        out.square().mean().backward()
+        results[name] = [
+            out.detach(),
+            x.grad,
+            layer.experts.w1.grad,
+            layer.router.layer.weight.grad,
+        ]
+    for got, want in zip(results[backend], results["reference"]):
+        errors.append(((got - want).norm() / want.norm()).item())
+    return max(errors)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--backends", nargs="+", default=["grouped", "sparse"])
+    parser.add_argument("--check", action="store_true")
+    parser.add_argument(
+        "--profile", action="store_true", help="top CUDA kernels of the first config"
+    )
+    args = parser.parse_args()
+    if args.profile:
+        hidden, ffn, experts, top_k, tokens = CONFIGS[0]
+        x = torch.randn(1, tokens, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        grad = torch.randn_like(x)
+        for backend in args.backends:
+            layer = build_layer(hidden, ffn, experts, top_k, backend)
+            time_fwd_bwd(layer, x, grad)
+            with torch.profiler.profile(
+                activities=[torch.profiler.ProfilerActivity.CUDA]
+            ) as profile:
+                for _ in range(5):
+                    layer(x).backward(grad)
+                torch.cuda.synchronize()
+            print(f"== {backend}, config {CONFIGS[0]}, 5 steps")
+            print(
+                profile.key_averages().table(
+                    sort_by="cuda_time_total", row_limit=22, max_name_column_width=60
+                )
+            )
+        return
+    if args.check:
+        for backend in args.backends:
+            print(f"check {backend} vs reference (fp32, 4096 tokens, 16 experts, top-2): "
+                  f"max relative error {check(backend):.2e}", flush=True)  # fmt: skip
+    rows = []
+    for hidden, ffn, experts, top_k, tokens in CONFIGS:
+        flops = 3 * 2 * tokens * top_k * 2 * hidden * ffn
+        torch.manual_seed(0)
+        x = torch.randn(1, tokens, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        grad = torch.randn_like(x)
+        dense = DenseSameFlops(hidden, top_k * ffn).cuda().to(torch.bfloat16)
+        dense_ms, dense_peak = time_fwd_bwd(dense, x, grad)
+        del dense
+        row = [
+            (hidden, ffn, experts, top_k, tokens),
+            ("dense same-FLOPs", dense_ms, flops / dense_ms / 1e9, dense_peak),
+        ]
+        for backend in args.backends:
+            torch.cuda.empty_cache()
+            try:
+                layer = build_layer(hidden, ffn, experts, top_k, backend)
+                ms, peak = time_fwd_bwd(layer, x, grad)
+                row.append((backend, ms, flops / ms / 1e9, peak))
+                del layer
+            except Exception as error:  # report, keep measuring the others
+                row.append((backend, float("nan"), float("nan"), float("nan")))
+                print(f"{backend} failed on {row[0]}: {error!r}"[:400], flush=True)
+        rows.append(row)
+        print(row, flush=True)
+    print(
+        f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, forward + backward of one layer"
+    )
+    print("| hidden, ffn, experts, top-k, tokens | impl | ms | TFLOP/s | peak GiB | x dense time |")
+    print("|---|---|---:|---:|---:|---:|")
+    for row in rows:
+        dense_ms = row[1][1]
+        for name, ms, tflops, peak in row[1:]:
+            print(
+                f"| {row[0]} | {name} | {ms:.2f} | {tflops:.0f} | {peak:.2f} | {ms / dense_ms:.2f} |"
+            )
+
+
+if __name__ == "__main__":
+    main()
