@@ -12,10 +12,9 @@ import pytest
 import torch
 
 import pretrain_gpt
+from tests.sample_data import CORPUS, REPO, SAMPLE, gpt2_preprocess_args
 from tools import preprocess_data
 
-REPO = Path(__file__).resolve().parents[1]
-SAMPLE = REPO / "data" / "sample"
 LOSS_PATTERN = re.compile(r" iteration +(\d+)/ +\d+ \|.* lm loss: ([0-9.E+-]+) \|")
 
 
@@ -23,14 +22,7 @@ LOSS_PATTERN = re.compile(r" iteration +(\d+)/ +\d+ \|.* lm loss: ([0-9.E+-]+) \
 def data_prefix(tmp_path_factory):
     directory = tmp_path_factory.mktemp("owt")
     prefix = directory / "owt"
-    args = ["--input", str(SAMPLE / "openwebtext-1000.jsonl.xz"), "--output-prefix", str(prefix)]
-    args += [
-        "--vocab-file",
-        str(SAMPLE / "gpt2-vocab.json"),
-        "--merge-file",
-        str(SAMPLE / "gpt2-merges.txt"),
-    ]
-    args += ["--tokenizer-type", "GPT2BPETokenizer", "--append-eod", "--workers", "2"]
+    args = gpt2_preprocess_args(CORPUS, prefix)
     assert preprocess_data.main(args) == 0
     return f"{prefix}_text_document"
 

@@ -18,6 +18,8 @@ from typing import Dict, List, Sequence
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
+from megatron.tokenizer.base import TokenizerBase
+
 EOD_TOKEN = "<|endoftext|>"
 
 
@@ -33,7 +35,7 @@ def build_gpt2_hf_tokenizer(vocab_file: str, merge_file: str) -> Tokenizer:
     return tokenizer
 
 
-class GPT2BPETokenizer:
+class GPT2BPETokenizer(TokenizerBase):
     """GPT-2 BPE tokenizer with Megatron's AbstractTokenizer surface (tokenize, detokenize, eod)."""
 
     def __init__(self, vocab_file: str, merge_file: str) -> None:
@@ -59,21 +61,6 @@ class GPT2BPETokenizer:
     def vocab_size(self) -> int:
         """Number of tokens in the vocab file (50,257 for GPT-2), before padding."""
         return len(self._vocab)
-
-    @property
-    def vocab(self) -> Dict[str, int]:
-        """Token string (byte-level form, e.g. "Ġthe") to id."""
-        return self._vocab
-
-    @property
-    def inv_vocab(self) -> Dict[int, str]:
-        """Id to token string (byte-level form)."""
-        return self._inv_vocab
-
-    @property
-    def eod(self) -> int:
-        """Id of "<|endoftext|>", appended after each document by data preprocessing."""
-        return self._eod
 
     def tokenize(self, text: str) -> List[int]:
         """Token ids of one text."""

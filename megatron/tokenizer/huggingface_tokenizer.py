@@ -17,6 +17,8 @@ from typing import Dict, List, Sequence
 
 from tokenizers import Tokenizer
 
+from megatron.tokenizer.base import TokenizerBase
+
 # End-of-text tokens of common model families (GPT-2/Qwen, Llama 3, Llama 2/Mistral, Gemma),
 # tried in this order among the file's added special tokens when nothing names the EOD token.
 KNOWN_END_TOKENS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
@@ -35,7 +37,7 @@ def _read_config_eos_token(config_file: str) -> str | None:
     return eos_token if isinstance(eos_token, str) and eos_token else None
 
 
-class HuggingFaceTokenizer:
+class HuggingFaceTokenizer(TokenizerBase):
     """`tokenizer.json` (or a directory holding one) with Megatron's AbstractTokenizer surface.
 
     `eod` comes from `eod_token`, else `eos_token` in the tokenizer_config.json beside the
@@ -98,21 +100,6 @@ class HuggingFaceTokenizer:
     def vocab_size(self) -> int:
         """Vocab size including added tokens (at least the largest id + 1), before padding."""
         return max(self._tokenizer.get_vocab_size(with_added_tokens=True), max(self._inv_vocab) + 1)
-
-    @property
-    def vocab(self) -> Dict[str, int]:
-        """Token string to id, added tokens included."""
-        return self._vocab
-
-    @property
-    def inv_vocab(self) -> Dict[int, str]:
-        """Id to token string."""
-        return self._inv_vocab
-
-    @property
-    def eod(self) -> int:
-        """Id appended after each document by data preprocessing."""
-        return self._eod
 
     def tokenize(self, text: str) -> List[int]:
         """Token ids of one text, with whatever the file's post-processor adds."""

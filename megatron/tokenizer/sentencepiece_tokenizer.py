@@ -6,8 +6,10 @@ from typing import Dict, List, Sequence
 
 import sentencepiece
 
+from megatron.tokenizer.base import TokenizerBase
 
-class SentencePieceTokenizer:
+
+class SentencePieceTokenizer(TokenizerBase):
     """Wraps a SentencePiece `.model`: no BOS/EOS added per text, `eod` is the model's EOS id."""
 
     def __init__(self, model_file: str) -> None:
@@ -30,21 +32,6 @@ class SentencePieceTokenizer:
     def vocab_size(self) -> int:
         """Number of pieces in the model, before padding."""
         return len(self._inv_vocab)
-
-    @property
-    def vocab(self) -> Dict[str, int]:
-        """Piece string (e.g. "▁the") to id."""
-        return self._vocab
-
-    @property
-    def inv_vocab(self) -> Dict[int, str]:
-        """Id to piece string."""
-        return self._inv_vocab
-
-    @property
-    def eod(self) -> int:
-        """The model's EOS id, appended after each document by data preprocessing."""
-        return self._eod
 
     def tokenize(self, text: str) -> List[int]:
         """Token ids of one text."""

@@ -8,10 +8,9 @@ import numpy as np
 
 from megatron.data.indexed_dataset import MMapIndexedDataset
 from megatron.tokenizer import build_tokenizer
+from tests.sample_data import REPO, SAMPLE, gpt2_preprocess_args
 from tools import preprocess_data
 
-REPO = Path(__file__).resolve().parents[2]
-SAMPLE = REPO / "data" / "sample"
 MEGATRON_WRITTEN = REPO / "tests" / "fixtures" / "megatron_written" / "owt20_text_document"
 
 
@@ -39,14 +38,7 @@ def test_our_preprocessing_writes_megatrons_bytes(tmp_path):
     source = tmp_path / "owt20.jsonl"
     source.write_text("".join(_first_documents(20)), encoding="utf-8")
     prefix = tmp_path / "owt20"
-    args = ["--input", str(source), "--output-prefix", str(prefix)]
-    args += [
-        "--vocab-file",
-        str(SAMPLE / "gpt2-vocab.json"),
-        "--merge-file",
-        str(SAMPLE / "gpt2-merges.txt"),
-    ]
-    args += ["--tokenizer-type", "GPT2BPETokenizer", "--append-eod", "--workers", "2"]
+    args = gpt2_preprocess_args(source, prefix)
     assert preprocess_data.main(args) == 0
     for suffix in (".bin", ".idx"):
         ours = Path(f"{prefix}_text_document{suffix}").read_bytes()

@@ -15,33 +15,9 @@ import pytest
 
 from megatron.data.indexed_dataset import MMapIndexedDataset
 from megatron.tokenizer import build_tokenizer
+from tests.sample_data import CORPUS, EOD, MERGES, REPO, VOCAB
+from tests.sample_data import gpt2_preprocess_args as _gpt2_args
 from tools import preprocess_data
-
-REPO = Path(__file__).resolve().parents[2]
-SAMPLE = REPO / "data" / "sample"
-CORPUS = SAMPLE / "openwebtext-1000.jsonl.xz"
-VOCAB = SAMPLE / "gpt2-vocab.json"
-MERGES = SAMPLE / "gpt2-merges.txt"
-EOD = 50256
-
-
-def _gpt2_args(input_path, output_prefix, *extra, workers=2):
-    return [
-        "--input",
-        str(input_path),
-        "--output-prefix",
-        str(output_prefix),
-        "--vocab-file",
-        str(VOCAB),
-        "--merge-file",
-        str(MERGES),
-        "--tokenizer-type",
-        "GPT2BPETokenizer",
-        "--append-eod",
-        "--workers",
-        str(workers),
-        *extra,
-    ]
 
 
 def _documents():

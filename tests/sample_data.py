@@ -1,0 +1,20 @@
+"""The bundled sample corpus and GPT-2 vocabulary, and the preprocessing command line tests share."""
+
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SAMPLE = REPO / "data" / "sample"
+CORPUS = SAMPLE / "openwebtext-1000.jsonl.xz"
+VOCAB = SAMPLE / "gpt2-vocab.json"
+MERGES = SAMPLE / "gpt2-merges.txt"
+EOD = 50256
+
+
+def gpt2_preprocess_args(input_path, output_prefix, *extra, workers=2):
+    """tools/preprocess_data.py flags for GPT-2 BPE with --append-eod, then `extra`."""
+    return [
+        "--input", str(input_path), "--output-prefix", str(output_prefix),
+        "--vocab-file", str(VOCAB), "--merge-file", str(MERGES),
+        "--tokenizer-type", "GPT2BPETokenizer", "--append-eod", "--workers", str(workers),
+        *extra,
+    ]  # fmt: skip
