@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# dMoE (dropless MoE) 125m (12 layers, hidden 768, 12 heads, 64 experts of ffn 3072, top-1) on 1 GPU(s),
+# MegaBlocks' recipe: global batch 512 x 1024 tokens, micro batch 8, load-balancing loss weight 0.1.
+# Usage: examples/dmoe_125m_1gpu.sh [DATA_PATH [VOCAB_FILE [MERGE_FILE [OUTPUT_DIR]]]] [pretrain_gpt.py flags...]
+# (details in examples/common.sh, docs/examples.md and docs/moe.md)
+set -euo pipefail
+
+NPROC_PER_NODE=${NPROC_PER_NODE:-1}
+MODEL_ARGS=(--num-layers 12 --hidden-size 768 --num-attention-heads 12 --init-method-std 0.01
+    --moe-num-experts 64 --moe-top-k 1 --moe-loss-weight 0.1 --moe-impl grouped)
+BATCH_ARGS=(--micro-batch-size 8 --lr 0.0006 --min-lr 0.00006)
+
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+launch_pretraining dmoe_125m_1gpu "$@"
