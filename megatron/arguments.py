@@ -292,8 +292,9 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
         "--no-torch-compile",
         action="store_false",
         dest="torch_compile",
-        help="Run the model eagerly on GPUs (by default it is compiled with torch.compile, "
-        "which fuses its elementwise work; on CPU it always runs eagerly).",
+        help="Run the model eagerly on GPUs (by default dense models are compiled with "
+        "torch.compile, which fuses their elementwise work; MoE models and the CPU always run "
+        "eagerly).",
     )
     group.add_argument(
         "--optimizer", type=str, default="adam", choices=["adam", "sgd"], help="Optimizer."

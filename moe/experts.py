@@ -101,6 +101,8 @@ class Experts(nn.Module):
         from moe.kernels.grouped_gemm import grouped_mm
 
         def project(inputs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-            return grouped_mm(inputs, weight, tokens_per_expert)
+            # Under autocast the inputs arrive in the compute dtype while the (fp32 master)
+            # weights do not: grouped_mm is an autograd Function autocast does not cast for.
+            return grouped_mm(inputs, weight.to(inputs.dtype), tokens_per_expert)
 
         return self._mlp(x, project)

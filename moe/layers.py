@@ -128,9 +128,11 @@ class MoELayer(nn.Module):
         if bias_update and not recomputing:
             self.update_expert_bias()
         tokens = hidden_states.reshape(-1, self.hidden_size)
-        if tokens.is_cuda and torch.is_autocast_enabled("cuda"):
-            # Permute in the compute dtype, as MegaBlocks does: half the bytes moved.
-            tokens = tokens.to(torch.get_autocast_dtype("cuda"))
+        device_type = tokens.device.type
+        if torch.is_autocast_enabled(device_type):
+            # Permute in the compute dtype, as MegaBlocks does: half the bytes moved. The expert
+            # kernels are autograd Functions autocast does not see; Experts casts their weights.
+            tokens = tokens.to(torch.get_autocast_dtype(device_type))
         routing = self.router(tokens)
         output, tokens_per_expert = self.compute_experts(tokens, routing)
         # Computed on recomputation too: a checkpointed re-run must save the same tensors.
@@ -243,8 +245,9 @@ class DroplessMoE(MoELayer):
             topology = Topology.from_padded_bins(padded_bins, ffn, block)
         expert_inputs = permute.padded_gather(tokens, indices, bins, padded_bins, top_k)
         # [E, h, f] -> [h, E*f] and [E, f, h] -> [E*f, h]: the block-sparse operand layouts.
-        w1 = experts.w1.permute(1, 0, 2).reshape(hidden, num_experts * ffn)
-        w2 = experts.w2.reshape(num_experts * ffn, hidden)
+        compute_dtype = expert_inputs.dtype  # autocast's dtype: weights cast like autocast would
+        w1 = experts.w1.to(compute_dtype).permute(1, 0, 2).reshape(hidden, num_experts * ffn)
+        w2 = experts.w2.to(compute_dtype).reshape(num_experts * ffn, hidden)
         expert_outputs = sparse_mlp(expert_inputs, w1, w2, topology)
         return permute.padded_scatter(expert_outputs, indices, weights, bins, padded_bins, top_k)
 

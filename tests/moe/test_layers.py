@@ -313,3 +313,25 @@ def test_grouped_dmoe_with_triton_kernels_under_the_interpreter(triton_kernels, 
         )
     for reference, kernel in zip(*results):
         torch.testing.assert_close(kernel, reference, atol=1e-4, rtol=1e-3)
+
+
+@pytest.mark.parametrize("impl", ["grouped", "sparse"])
+def test_dmoe_under_bf16_autocast_with_fp32_weights(monkeypatch, impl):
+    """As in training: fp32 parameters, bf16 autocast. Close to the fp32 layer, weights get fp32 grads."""
+    monkeypatch.setenv("MOE_KERNELS", "reference")
+    model = ModelConfig(
+        num_layers=2, hidden_size=32, num_attention_heads=2, ffn_hidden_size=64,
+        seq_length=16, max_position_embeddings=16, add_bias_linear=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    # top_k == experts: every token reaches every expert, so bf16 router logits cannot flip a
+    # close top-k choice and the comparison measures precision only.
+    layer = build_moe_layer(model, MoEConfig(num_experts=4, top_k=4, mlp_impl=impl))
+    x = torch.randn(2, 16, 32)
+    exact = layer(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mixed = layer(x)
+    mixed.float().square().sum().backward()
+    assert mixed.dtype == torch.bfloat16
+    assert ((mixed.float() - exact).norm() / exact.norm()).item() < 2e-2
+    assert layer.experts.w1.grad.dtype == torch.float32
