@@ -41,10 +41,33 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--skip-profile", action="store_true")
     parser.add_argument("--skip-dropout-variants", action="store_true")
+    parser.add_argument(
+        "--compile-variants",
+        action="store_true",
+        help="only time Megatron's default dropout under other torch.compile settings",
+    )
     args = parser.parse_args()
     batch, seq = args.micro_batch_size, args.seq_length
     tokens = torch.randint(0, 50257, (batch, seq + 1), device="cuda")
     data = (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+    if args.compile_variants:
+        import torch._inductor.config as inductor_config
+
+        print("\n| torch.compile setting (dropout 0.1) | ms per micro-batch step | tokens/s |")
+        print("|---|---:|---:|")
+        for name, mode, coordinate_descent in (
+            ("default", None, False),
+            ("coordinate_descent_tuning", None, True),
+            ("max-autotune-no-cudagraphs", "max-autotune-no-cudagraphs", False),
+        ):
+            inductor_config.coordinate_descent_tuning = coordinate_descent
+            torch._dynamo.reset()
+            model = torch.compile(build(seq, 0.1, 0.1), mode=mode)
+            seconds = time_steps(model, loss_of, data, args.steps)
+            print(f"| {name} | {seconds * 1000:.1f} | {batch * seq / seconds:,.0f} |", flush=True)
+            del model
+            torch.cuda.empty_cache()
+        return
     rows = []
     variants = (
         ((0.1, 0.1),)
