@@ -20,7 +20,6 @@ import torch.distributed as dist
 
 from megatron.checkpointing import load_checkpoint, save_checkpoint
 from megatron.config import Config
-from megatron.data.gpt_dataset import SPLIT_NAMES
 from megatron.data.samplers import MegatronPretrainingSampler
 from megatron.initialize import DistributedContext, print_rank_0
 from megatron.logging import (
@@ -459,4 +458,4 @@ def _close(trainer: Trainer) -> None:
         trainer.tensorboard.close()
 
 
-__all__ = ["SPLIT_NAMES", "Trainer", "TrainingResult", "build_data_iterator", "pretrain", "train"]
+__all__ = ["Trainer", "TrainingResult", "build_data_iterator", "pretrain", "train"]

@@ -15,9 +15,14 @@ import torch
 TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
 
 
+def kernel_mode() -> str:
+    """MOE_KERNELS: "auto" (default), "triton" or "reference"."""
+    return os.environ.get("MOE_KERNELS", "auto")
+
+
 def use_triton(*tensors: torch.Tensor) -> bool:
     """True when the op should run its Triton kernel for these tensors."""
-    mode = os.environ.get("MOE_KERNELS", "auto")
+    mode = kernel_mode()
     if mode == "reference" or not TRITON_AVAILABLE:
         return False
     if mode == "triton":

@@ -15,12 +15,11 @@ kernels / the references for every product.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
-from moe.kernels.dispatch import TRITON_AVAILABLE, use_triton
+from moe.kernels.dispatch import TRITON_AVAILABLE, kernel_mode, use_triton
 
 if TRITON_AVAILABLE:
     import triton
@@ -139,9 +138,9 @@ def _backend(weight: torch.Tensor, *row_operands: torch.Tensor) -> str:
     Every row operand ([N_total, K] or [N_total, N]) must pass `_grouped_mm_supported` with the
     weight for torch._grouped_mm: their row strides are the strides the product will use.
     """
-    # MOE_KERNELS is owned by moe.kernels.dispatch; read here only to let a forced mode also
-    # skip the torch._grouped_mm path (so the Triton kernels can be tested and timed on GPU).
-    mode = os.environ.get("MOE_KERNELS", "auto")
+    # A forced mode (MOE_KERNELS=triton or reference) also skips torch._grouped_mm, so the Triton
+    # kernels can be tested and timed on GPUs that have it.
+    mode = kernel_mode()
     if mode == "auto" and all(_grouped_mm_supported(rows, weight) for rows in row_operands):
         return "torch"
     tensors = (weight, *row_operands)
