@@ -33,7 +33,14 @@ CONFIGS = [
 ]
 
 
+COMPILED_SUFFIX = "+compile"
+
+
 def build_layer(hidden, ffn, experts, top_k, backend, dtype=torch.bfloat16):
+    """The layer for `backend`; "grouped+compile" is the grouped layer under torch.compile, as
+    training runs it (one graph: moe.kernels.traceable)."""
+    compiled = backend.endswith(COMPILED_SUFFIX)
+    backend = backend.removesuffix(COMPILED_SUFFIX)
     model = ModelConfig(
         num_layers=1, hidden_size=hidden, num_attention_heads=max(1, hidden // 64),
         ffn_hidden_size=ffn, seq_length=1024, max_position_embeddings=1024,
@@ -42,7 +49,9 @@ def build_layer(hidden, ffn, experts, top_k, backend, dtype=torch.bfloat16):
     moe = MoEConfig(num_experts=experts, top_k=top_k, mlp_impl=backend)
     torch.manual_seed(0)
     layer = build_moe_layer(model, moe).cuda().to(dtype)
-    return layer
+    # One shape per layer, as in training; dynamic=False keeps the later configs from being
+    # compiled for symbolic shapes after the first.
+    return torch.compile(layer, dynamic=False) if compiled else layer
 
 
 class DenseSameFlops(nn.Module):
@@ -79,26 +88,35 @@ def check(backend):
     hidden, ffn, experts, top_k, tokens = 1024, 2048, 16, 2, 4096
     errors = []
     results = {}
-    for name in ("reference", backend):
-        layer = build_layer(hidden, ffn, experts, top_k, name, dtype=torch.float32)
+    # The compiled path is bf16-only (torch._grouped_mm): checked against the eager grouped
+    # layer in bf16; the others against the loop reference in fp32.
+    compiled = backend.endswith(COMPILED_SUFFIX)
+    baseline = backend.removesuffix(COMPILED_SUFFIX) if compiled else "reference"
+    dtype = torch.bfloat16 if compiled else torch.float32
+    for name in (baseline, backend):
+        layer = build_layer(hidden, ffn, experts, top_k, name, dtype=dtype)
         torch.manual_seed(1)
-        x = torch.randn(1, tokens, hidden, device="cuda", requires_grad=True)
+        x = torch.randn(1, tokens, hidden, device="cuda", dtype=dtype, requires_grad=True)
         out = layer(x)
-        out.square().mean().backward()
+        out.float().square().mean().backward()
         results[name] = [
             out.detach(),
             x.grad,
             layer.experts.w1.grad,
             layer.router.layer.weight.grad,
         ]
-    for got, want in zip(results[backend], results["reference"]):
+    for got, want in zip(results[backend], results[baseline]):
+        got, want = got.float(), want.float()
         errors.append(((got - want).norm() / want.norm()).item())
     return max(errors)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--backends", nargs="+", default=["grouped", "sparse"])
+    parser.add_argument(
+        "--backends", nargs="+", default=["grouped", "grouped+compile", "sparse"],
+        help="grouped, sparse, reference, or any of them with +compile",
+    )  # fmt: skip
     parser.add_argument("--check", action="store_true")
     parser.add_argument(
         "--profile", action="store_true", help="top CUDA kernels of the first config"
@@ -126,8 +144,9 @@ def main() -> None:
         return
     if args.check:
         for backend in args.backends:
-            print(f"check {backend} vs reference (fp32, 4096 tokens, 16 experts, top-2): "
-                  f"max relative error {check(backend):.2e}", flush=True)  # fmt: skip
+            print(f"check {backend} (4096 tokens, 16 experts, top-2; compiled: bf16 vs eager, "
+                  f"else fp32 vs reference): max relative error {check(backend):.2e}",
+                  flush=True)  # fmt: skip
     rows = []
     for hidden, ffn, experts, top_k, tokens in CONFIGS:
         flops = 3 * 2 * tokens * top_k * 2 * hidden * ffn

@@ -106,3 +106,13 @@ class Experts(nn.Module):
             return grouped_mm(inputs, weight.to(inputs.dtype), tokens_per_expert)
 
         return self._mlp(x, project)
+
+    def forward_sorted_rows(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """forward_grouped for torch.compile: rows sorted by expert, expert e's rows ending at
+        offsets[e] (int32, inclusive cumulative counts), through torch._grouped_mm directly."""
+        from moe.kernels.traceable import grouped_projection
+
+        def project(inputs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+            return grouped_projection(inputs, weight, offsets)
+
+        return self._mlp(x, project)

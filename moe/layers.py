@@ -52,9 +52,21 @@ def _permute_ops():
     return permute
 
 
+def _compiling() -> bool:
+    """True while torch.compile traces the layer (never on a torch without torch.compiler)."""
+    compiler = getattr(torch, "compiler", None)
+    return compiler is not None and compiler.is_compiling()
+
+
 def _in_backward() -> bool:
     """True while autograd runs a backward pass, i.e. when a checkpointed forward is being
-    recomputed; such a re-run must not count tokens or move the expert bias again."""
+    recomputed; such a re-run must not count tokens or move the expert bias again.
+
+    Under torch.compile the forward's Python runs once, when traced: a recomputation inside the
+    compiled backward does not re-run these side effects, so the answer there is False.
+    """
+    if _compiling():
+        return False
     graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
     return graph_task_id is not None and graph_task_id() != -1
 
@@ -221,6 +233,9 @@ class DroplessMoE(MoELayer):
         impl = self.config.mlp_impl
         if impl == "reference":
             return self._reference(tokens, routing, None)
+        # torch._grouped_mm takes bf16 only; other dtypes keep the Triton path (graph breaks).
+        if impl == "grouped" and _compiling() and tokens.dtype == torch.bfloat16:
+            return self._grouped_traceable(tokens, routing)
         permute = _permute_ops()
         weights, indices, bins, tokens_per_expert = self._sort(routing)
         top_k = self.config.top_k
@@ -231,6 +246,25 @@ class DroplessMoE(MoELayer):
         expert_inputs = permute.gather(tokens, indices, bins, top_k)
         expert_outputs = self.experts.forward_grouped(expert_inputs, tokens_per_expert)
         output = permute.scatter(expert_outputs, indices, weights, bins, top_k)
+        return output, tokens_per_expert
+
+    def _grouped_traceable(
+        self, tokens: torch.Tensor, routing: Routing
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The grouped backend as torch.compile sees it: same function, one graph (see
+        moe.kernels.traceable), the permutation kernels generated and fused by Inductor."""
+        from moe.kernels import traceable
+
+        top_k = self.config.top_k
+        order, slot_of, tokens_per_expert = traceable.sort_assignments(
+            routing.expert_indices, self.config.num_experts
+        )
+        expert_inputs = traceable.gather_rows(tokens, order, slot_of, top_k)
+        offsets = torch.cumsum(tokens_per_expert, 0, dtype=torch.int32)
+        expert_outputs = self.experts.forward_sorted_rows(expert_inputs, offsets)
+        output = traceable.combine_rows(
+            expert_outputs, routing.expert_weights, order, slot_of, top_k
+        )
         return output, tokens_per_expert
 
     def _sparse(self, tokens, weights, indices, bins, tokens_per_expert) -> torch.Tensor:

@@ -1,0 +1,108 @@
+"""The torch.compile path of the grouped dMoE (moe.kernels.traceable): same function as the
+Triton ops and the loop reference, and traced as one graph (fullgraph=True fails on a break)."""
+
+import pytest
+import torch
+
+from megatron.config import ModelConfig
+from moe.config import MoEConfig
+from moe.kernels import permute, traceable
+from moe.layers import build_moe_layer
+
+
+def _routing(tokens: int, top_k: int, num_experts: int, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    scores = torch.rand(tokens, num_experts, generator=generator)
+    expert_indices = scores.topk(top_k, dim=-1).indices
+    weights = torch.rand(tokens, top_k, generator=generator, dtype=torch.float64)
+    return expert_indices, weights
+
+
+@pytest.mark.parametrize("top_k", [1, 2, 4])
+def test_sort_assignments_matches_the_stable_sort_and_histogram(top_k):
+    expert_indices, _ = _routing(37, top_k, 6)
+    order, slot_of, tokens_per_expert = traceable.sort_assignments(expert_indices, 6)
+    flat = expert_indices.reshape(-1).int()
+    _, want_order = permute.sort_by_expert_reference(flat, 6)
+    assert torch.equal(order.int(), want_order)
+    assert torch.equal(slot_of[order], torch.arange(flat.numel()))
+    assert torch.equal(tokens_per_expert, permute.expert_histogram_reference(flat, 6))
+    assert tokens_per_expert.dtype == torch.int32
+
+
+@pytest.mark.parametrize("top_k", [1, 2, 4])
+def test_gather_and_combine_match_the_permute_references_with_gradients(top_k):
+    tokens, hidden, num_experts = 29, 8, 5
+    expert_indices, weights = _routing(tokens, top_k, num_experts, seed=top_k)
+    order, slot_of, tokens_per_expert = traceable.sort_assignments(expert_indices, num_experts)
+    bins = torch.cumsum(tokens_per_expert, 0).int()
+    x = torch.randn(tokens, hidden, dtype=torch.float64, requires_grad=True)
+    y = torch.randn(tokens * top_k, hidden, dtype=torch.float64, requires_grad=True)
+    w = weights.clone().requires_grad_()
+    results = {}
+    for name, gather, combine in (
+        ("traceable", lambda x: traceable.gather_rows(x, order, slot_of, top_k),
+         lambda y, w: traceable.combine_rows(y, w, order, slot_of, top_k)),
+        ("reference", lambda x: permute.gather_reference(x, order.int(), bins, top_k),
+         lambda y, w: permute.scatter_reference(y, order.int(), w, bins, top_k)),
+    ):  # fmt: skip
+        for tensor in (x, y, w):
+            tensor.grad = None
+        gathered = gather(x)
+        combined = combine(y, w)
+        (gathered.sin().sum() + combined.cos().sum()).backward()
+        results[name] = (gathered, combined, x.grad, y.grad, w.grad)
+    for got, want in zip(results["traceable"], results["reference"]):
+        # both accumulate the top_k rows in fp32, in different orders
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def _layer(top_k: int, shared_expert: bool = False):
+    model = ModelConfig(
+        num_layers=1, hidden_size=32, num_attention_heads=2, ffn_hidden_size=48,
+        seq_length=16, max_position_embeddings=16, add_bias_linear=True, init_method_std=0.2,
+    )  # fmt: skip
+    moe = MoEConfig(num_experts=4, top_k=top_k, mlp_impl="grouped", shared_expert=shared_expert)
+    torch.manual_seed(0)
+    return build_moe_layer(model, moe).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_compiled_grouped_dmoe_is_one_graph_and_matches_eager(top_k):
+    torch._dynamo.reset()
+    eager, compiled_layer = _layer(top_k), _layer(top_k)
+    compiled = torch.compile(compiled_layer, backend="aot_eager", fullgraph=True)
+    x = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    results = []
+    for layer, run in ((eager, eager), (compiled_layer, compiled)):
+        inputs = x.clone().requires_grad_()
+        out = run(inputs)
+        (out.float().square().sum() + layer.load_balancing_loss).backward()
+        results.append(
+            [out, inputs.grad, layer.experts.w1.grad, layer.experts.w2.grad,
+             layer.router.layer.weight.grad, layer.tokens_per_expert]
+        )  # fmt: skip
+    assert torch.equal(results[0][-1], results[1][-1])  # the same routing
+    assert results[1][-1].sum() == 32 * top_k
+    for got, want in zip(results[1][:-1], results[0][:-1]):
+        # bf16 results of the same math, summed in another order for top_k > 1
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_gpt_model_with_dmoe_layers_traces_as_one_graph_under_bf16_autocast():
+    """What training compiles (megatron.training._compiles_whole): no graph break anywhere."""
+    from megatron.model.gpt_model import GPTModel
+
+    torch._dynamo.reset()
+    config = ModelConfig(
+        num_layers=2, hidden_size=32, num_attention_heads=2, ffn_hidden_size=48, seq_length=16,
+        max_position_embeddings=16, padded_vocab_size=64, init_method_std=0.02,
+        moe=MoEConfig(num_experts=4, top_k=2, mlp_impl="grouped"),
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = GPTModel(config)
+    token_ids = torch.randint(0, 64, (2, 16))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        explanation = torch._dynamo.explain(model)(token_ids, labels=token_ids)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    assert explanation.graph_count == 1
