@@ -1,0 +1,92 @@
+"""Run a test function in N gloo processes on CPU and hand back what each rank returned.
+
+Usage::
+
+    def _check(rank: int, world_size: int, scale: float) -> float:
+        # torch.distributed is initialized (gloo) here; rank/world_size match dist.get_rank() etc.
+        x = torch.full((2,), float(rank) * scale)
+        dist.all_reduce(x)
+        return x.sum().item()
+
+    def test_sum():
+        assert run_distributed(_check, 2, 0.5) == [1.0, 1.0]
+
+Rules for ``fn``:
+- it is called as ``fn(rank, world_size, *args)`` after ``init_process_group("gloo")`` and the
+  process group is destroyed afterwards, also when ``fn`` raises;
+- it must be a module-level function (so it pickles when the children are spawned), and its
+  return value must be picklable by ``torch.save`` (tensors, numbers, lists, dicts...);
+- an exception in any rank fails the test with that rank's traceback, and the other ranks are
+  terminated (a rank blocked in a collective does not hang the test: the group has a timeout).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import tempfile
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def run_distributed(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 60.0
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` gloo processes; return results by rank."""
+    with tempfile.TemporaryDirectory(prefix="run_distributed_") as result_dir:
+        # fork skips re-importing torch in every child (most of a small test's time); a process
+        # that has initialized CUDA cannot fork, so it spawns instead.
+        start_method = "spawn" if torch.cuda.is_initialized() else "fork"
+        mp.start_processes(
+            _child,
+            args=(world_size, _free_port(), timeout_s, result_dir, fn, args),
+            nprocs=world_size,
+            join=True,
+            start_method=start_method,
+        )
+        return [
+            torch.load(_result_path(result_dir, rank), weights_only=False)
+            for rank in range(world_size)
+        ]
+
+
+def _child(
+    rank: int,
+    world_size: int,
+    port: int,
+    timeout_s: float,
+    result_dir: str,
+    fn: Callable[..., Any],
+    args: tuple,
+) -> None:
+    # Several ranks share two cores: one intra-op thread each avoids oversubscription stalls.
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    try:
+        result = fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+    # Results go through files rather than a pipe: a large result in a pipe would block the
+    # child before the parent starts reading (it reads only after join).
+    torch.save(result, _result_path(result_dir, rank))
+
+
+def _result_path(result_dir: str, rank: int) -> str:
+    return os.path.join(result_dir, f"rank{rank}.pt")
+
+
+def _free_port() -> int:
+    """A port nobody listens on now; rank 0's store binds it a moment later."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
