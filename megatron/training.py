@@ -30,6 +30,7 @@ from megatron.logging import (
 )
 from megatron.model.flops import num_floating_point_operations
 from megatron.optimizer import build_lr_scheduler, build_optimizer
+from megatron.optimizer.distributed_optimizer import build_distributed_optimizer
 
 ForwardStep = Callable[
     [torch.nn.Module, Dict[str, torch.Tensor]], Tuple[torch.Tensor, Dict[str, torch.Tensor]]
@@ -155,9 +156,18 @@ class Trainer:
         self.context = context
         self.forward_step = forward_step
         self.unwrapped_model = model.to(context.device)
-        self.optimizer = build_optimizer(self.unwrapped_model, config.optimizer, config.training)
+        if config.parallel.use_distributed_optimizer:
+            # Shards the optimizer state and does the gradient reduce-scatter itself: no DDP.
+            self.optimizer = build_distributed_optimizer(
+                self.unwrapped_model, config.optimizer, config.training
+            )
+            print_rank_0(f"distributed optimizer: {self.optimizer.memory_report()}")
+        else:
+            self.optimizer = build_optimizer(
+                self.unwrapped_model, config.optimizer, config.training
+            )
         self.scheduler = build_lr_scheduler(self.optimizer, config.optimizer, config.training)
-        if context.world_size > 1:
+        if context.world_size > 1 and not config.parallel.use_distributed_optimizer:
             # Bucketed all-reduce that starts while backward is still running.
             self.model = torch.nn.parallel.DistributedDataParallel(
                 self.unwrapped_model,

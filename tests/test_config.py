@@ -347,7 +347,6 @@ def test_recompute_selective_and_block():
             8,
             ["--pipeline-model-parallel-size 2", "not available yet"],
         ),
-        (("--use-distributed-optimizer",), {}, 8, ["--use-distributed-optimizer", "not available"]),
         ((), {"drop": ("--lr", "--num-layers")}, 1, ["--num-layers", "--lr"]),
         ((), {"drop": ("--max-position-embeddings",)}, 1, ["--max-position-embeddings"]),
         (("--data-impl", "lazy"), {}, 1, ["--data-impl lazy", "mmap"]),

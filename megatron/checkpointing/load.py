@@ -68,7 +68,10 @@ def load_checkpoint(
     _load_model_state(unwrap_model(model), state["model"], path)
     if not model_only and not config.no_load_optim:
         if optimizer is not None:
-            optimizer.load_state_dict(_required(state, "optimizer", path, "--no-load-optim"))
+            optimizer_state = _required(state, "optimizer", path, "--no-load-optim")
+            # Checkpoints hold the unsharded state; the distributed optimizer takes its shard.
+            load_full = getattr(optimizer, "load_full_state_dict", None)
+            (load_full or optimizer.load_state_dict)(optimizer_state)
         if scheduler is not None:
             scheduler.load_state_dict(
                 _required(state, "opt_param_scheduler", path, "--no-load-optim")

@@ -65,13 +65,23 @@ def save_checkpoint(
     if not config.save:
         raise CheckpointError("save_checkpoint called without --save; pass --save DIR")
     rng_states = None if config.no_save_rng else gather_rng_states(data_parallel_group)
+    optimizer_state = None
+    writes = data_parallel_rank(data_parallel_group) == 0
+    if optimizer is not None and not config.no_save_optim:
+        # The distributed optimizer gathers its shards into the unsharded form (a collective
+        # on every rank), so one checkpoint loads at any data-parallel size, sharded or not.
+        gather_full = getattr(optimizer, "gather_full_state_dict", None)
+        if gather_full is not None:
+            optimizer_state = gather_full()
+        elif writes:
+            optimizer_state = optimizer.state_dict()
     error, cause, path = None, None, None
-    if data_parallel_rank(data_parallel_group) == 0:
+    if writes:
         try:
             state = _checkpoint_state(
                 iteration,
                 model,
-                None if config.no_save_optim else optimizer,
+                optimizer_state,
                 None if config.no_save_optim else scheduler,
                 rng_states,
                 args,
@@ -96,7 +106,7 @@ def save_checkpoint(
 def _checkpoint_state(
     iteration: int,
     model: nn.Module,
-    optimizer: Any,
+    optimizer_state: Dict[str, Any] | None,
     scheduler: Any,
     rng_states: List[Dict[str, Any]] | None,
     args: argparse.Namespace | None,
@@ -116,8 +126,8 @@ def _checkpoint_state(
         "consumed_valid_samples": consumed_valid_samples,
         "model": unwrap_model(model).state_dict(),
     }
-    if optimizer is not None:
-        state["optimizer"] = optimizer.state_dict()
+    if optimizer_state is not None:
+        state["optimizer"] = optimizer_state
     if scheduler is not None:
         state["opt_param_scheduler"] = scheduler.state_dict()
     if rng_states is not None:

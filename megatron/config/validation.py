@@ -131,11 +131,6 @@ def _resolve_parallelism(args: argparse.Namespace, world_size: int) -> None:
             f"--tensor-model-parallel-size {tensor} --pipeline-model-parallel-size {pipeline}: "
             "model parallelism is not available yet; use 1 for both (data parallelism only)"
         )
-    if args.use_distributed_optimizer:
-        raise ConfigError(
-            "--use-distributed-optimizer is not available yet; drop the flag "
-            "(the optimizer state is replicated on every data-parallel rank)"
-        )
     args.world_size = world_size
     args.data_parallel_size = world_size // model_parallel
 
