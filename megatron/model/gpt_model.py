@@ -19,6 +19,15 @@ from megatron.model.norms import RMSNorm
 from megatron.model.rotary import RotaryEmbedding
 from megatron.model.transformer import TransformerBlock
 
+try:
+    from megatron.kernels.cross_entropy import cross_entropy
+except ImportError:  # no Triton on this platform (it is optional off Linux x86_64)
+
+    def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Per-token fp32 losses, as megatron.kernels.cross_entropy computes them."""
+        return F.cross_entropy(logits.float(), labels, reduction="none")
+
+
 if TYPE_CHECKING:
     from megatron.config import ModelConfig
 
@@ -125,8 +134,7 @@ class GPTModel(nn.Module):
         logits = F.linear(hidden_states, self.output_weight())
         if labels is None:
             return logits
-        # fp32 cross-entropy: log-softmax over a 50k vocab in bf16 is visibly inaccurate.
-        losses = F.cross_entropy(
-            logits.float().view(-1, logits.shape[-1]), labels.reshape(-1), reduction="none"
-        )
+        # fp32 math (a 50k-way log-softmax in bf16 is visibly inaccurate) on the bf16 logits:
+        # the fused kernel reads them once forward and once backward, no fp32 copy.
+        losses = cross_entropy(logits.view(-1, logits.shape[-1]), labels.reshape(-1))
         return losses.view_as(labels)

@@ -1,4 +1,4 @@
-"""Ahead-of-time compilation of every MoE Triton kernel for AMD and NVIDIA GPUs, on a machine with none.
+"""Ahead-of-time compilation of every Triton kernel for AMD and NVIDIA GPUs, on a machine with none.
 
 Each kernel file lists what to build in a module-level list:
 
@@ -69,17 +69,21 @@ class AotSpec:
         return f"{module}.{function.__name__}[{values}]({pointers})"
 
 
-def discover_specs() -> list[AotSpec]:
-    """Imports every module in moe.kernels and collects their AOT_SPECS lists."""
-    import moe.kernels as package
+# Packages whose modules may hold AOT_SPECS: the MoE kernels and the dense model's kernels.
+KERNEL_PACKAGES = ("moe.kernels", "megatron.kernels")
 
+
+def discover_specs() -> list[AotSpec]:
+    """Imports every module in KERNEL_PACKAGES and collects their AOT_SPECS lists."""
     specs: dict[str, AotSpec] = {}
-    modules = pkgutil.walk_packages(package.__path__, prefix=f"{package.__name__}.")
-    for module_info in sorted(modules, key=lambda info: info.name):
-        module = importlib.import_module(module_info.name)
-        for spec in getattr(module, "AOT_SPECS", []):
-            # A package may re-export its kernel module's list; count each spec once.
-            specs.setdefault(f"{spec.name} {sorted(spec.signature.items())}", spec)
+    for package_name in KERNEL_PACKAGES:
+        package = importlib.import_module(package_name)
+        modules = pkgutil.walk_packages(package.__path__, prefix=f"{package_name}.")
+        for module_info in sorted(modules, key=lambda info: info.name):
+            module = importlib.import_module(module_info.name)
+            for spec in getattr(module, "AOT_SPECS", []):
+                # A package may re-export its kernel module's list; count each spec once.
+                specs.setdefault(f"{spec.name} {sorted(spec.signature.items())}", spec)
     return list(specs.values())
 
 
