@@ -9,6 +9,7 @@ hands them to `megatron.training.pretrain`.
 
 from __future__ import annotations
 
+import argparse
 import sys
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -24,13 +25,16 @@ from megatron.config import (
 from megatron.data.dataset_splits import get_train_valid_test_num_samples
 from megatron.data.gpt_dataset import SPLIT_NAMES, build_train_valid_test_datasets
 from megatron.initialize import (
+    DistributedContext,
     barrier,
     initialize_distributed,
+    initialize_model_parallel,
     print_rank_0,
     set_random_seed,
     world_size_from_environment,
 )
 from megatron.model import GPTModel
+from megatron.parallel_state import destroy_model_parallel
 from megatron.tokenizer import build_tokenizer, vocab_size_with_padding
 from megatron.training import TrainingResult, pretrain
 from moe.arguments import add_moe_args
@@ -128,11 +132,31 @@ def main(argv: Optional[List[str]] = None) -> TrainingResult:
     if unsupported:
         print(f"error: {', '.join(unsupported)} are not supported yet", file=sys.stderr)
         raise SystemExit(2)
+    tensor_parallel_size = config.parallel.tensor_model_parallel_size
+    if config.model.moe is not None and tensor_parallel_size > 1:
+        print(
+            f"error: MoE layers (--moe-* flags) with --tensor-model-parallel-size "
+            f"{tensor_parallel_size} are not available yet; use --tensor-model-parallel-size 1",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
 
     context = initialize_distributed(config.parallel.distributed_backend)
+    initialize_model_parallel(tensor_parallel_size)
+    try:
+        return _setup_and_train(config, run_arguments, context)
+    finally:
+        # Later runs in this process (tests) start from fresh groups.
+        destroy_model_parallel()
+
+
+def _setup_and_train(
+    config: Config, run_arguments: argparse.Namespace, context: DistributedContext
+) -> TrainingResult:
     print_rank_0(
-        f"using world size: {context.world_size}, data-parallel size: {config.parallel.data_parallel_size}, "
-        f"tensor-model-parallel size: 1, pipeline-model-parallel size: 1"
+        f"using world size: {context.world_size}, data-parallel size: "
+        f"{config.parallel.data_parallel_size}, tensor-model-parallel size: "
+        f"{config.parallel.tensor_model_parallel_size}, pipeline-model-parallel size: 1"
     )
     print_rank_0(format_arguments_block(run_arguments))
     moe_notes = config.model.moe.notes() if config.model.moe is not None else []

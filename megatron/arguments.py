@@ -432,13 +432,20 @@ def _add_distributed_args(parser: argparse.ArgumentParser) -> None:
         "--tensor-model-parallel-size",
         type=int,
         default=1,
-        help="Tensor model-parallel degree (only 1 is available for now).",
+        help="Tensor model-parallel degree: attention heads, MLP channels and the vocabulary "
+        "are split over this many adjacent ranks.",
     )
     group.add_argument(
         "--pipeline-model-parallel-size",
         type=int,
         default=1,
         help="Pipeline model-parallel degree (only 1 is available for now).",
+    )
+    group.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="With tensor parallelism, also split the norms, dropouts and residual stream "
+        "along the sequence (all-gather before and reduce-scatter after the parallel layers).",
     )
     group.add_argument(
         "--distributed-backend",

@@ -1,4 +1,5 @@
-"""Process start-up: torch.distributed from torchrun's environment, device choice, seeds."""
+"""Process start-up: torch.distributed from torchrun's environment, device choice, the model-
+parallel process groups, seeds."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ from datetime import timedelta
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from megatron import parallel_state
+from megatron.tensor_parallel import model_parallel_manual_seed
 
 
 @dataclass(frozen=True)
@@ -63,13 +67,26 @@ def initialize_distributed(
     return DistributedContext(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
 
 
+def initialize_model_parallel(tensor_model_parallel_size: int) -> None:
+    """Create the tensor/data-parallel process groups (`megatron.parallel_state`) once the
+    default process group exists; groups left by an earlier run in this process are replaced."""
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_model_parallel_size)
+
+
 def set_random_seed(seed: int) -> None:
-    """Seed python, numpy and torch (CPU and every GPU) identically on every rank, as Megatron does."""
+    """Seed python, numpy and torch (CPU and every GPU) identically on every rank, and the
+    tensor-parallel RNG tracker's per-TP-rank streams, as Megatron does.
+
+    Call after `initialize_model_parallel`: the tracker's streams depend on the TP rank.
+    """
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
     if torch.cuda.is_available():
         torch.cuda.manual_seed_all(seed)
+    model_parallel_manual_seed(seed)
 
 
 def print_rank_0(message: str) -> None:

@@ -18,6 +18,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from megatron import parallel_state
 from megatron.checkpointing import load_checkpoint, save_checkpoint
 from megatron.config import Config
 from megatron.data.samplers import MegatronPretrainingSampler
@@ -31,6 +32,7 @@ from megatron.logging import (
 from megatron.model.flops import num_floating_point_operations
 from megatron.optimizer import build_lr_scheduler, build_optimizer
 from megatron.optimizer.distributed_optimizer import build_distributed_optimizer
+from megatron.tensor_parallel import all_reduce_sequence_parallel_grads
 
 ForwardStep = Callable[
     [torch.nn.Module, Dict[str, torch.Tensor]], Tuple[torch.Tensor, Dict[str, torch.Tensor]]
@@ -65,31 +67,33 @@ def _autocast(config: Config, device: torch.device):
     return contextlib.nullcontext()
 
 
-def _average_across_data_parallel(
-    values: Dict[str, torch.Tensor], world_size: int
-) -> Dict[str, float]:
+def _average_across_data_parallel(values: Dict[str, torch.Tensor]) -> Dict[str, float]:
+    # Tensor-parallel peers of a replica hold the same values (same batch, vocab-parallel
+    # loss), so the mean over replicas is the mean over the data-parallel group.
     if not values:
         return {}
     names = sorted(values)
     stacked = torch.stack([values[name].float() for name in names])
-    if world_size > 1:
-        dist.all_reduce(stacked)
-        stacked /= world_size
+    data_parallel_size = parallel_state.get_data_parallel_world_size()
+    if data_parallel_size > 1:
+        dist.all_reduce(stacked, group=parallel_state.get_data_parallel_group())
+        stacked /= data_parallel_size
     return dict(zip(names, stacked.tolist()))
 
 
 def build_data_iterator(
     dataset, consumed_samples: int, config: Config, context: DistributedContext
 ) -> Optional[Iterator]:
-    """Micro-batches of this rank, starting `consumed_samples` into the dataset."""
+    """Micro-batches of this rank's data-parallel replica, starting `consumed_samples` into
+    the dataset; the tensor-parallel ranks of a replica read the same micro-batches."""
     if dataset is None:
         return None
     sampler = MegatronPretrainingSampler(
         total_samples=len(dataset),
         consumed_samples=consumed_samples,
         micro_batch_size=config.training.micro_batch_size,
-        data_parallel_rank=context.rank,
-        data_parallel_size=context.world_size,
+        data_parallel_rank=parallel_state.get_data_parallel_rank(),
+        data_parallel_size=parallel_state.get_data_parallel_world_size(),
     )
     # A private generator: creating the loader must not draw from the global torch RNG,
     # or a resumed run's dropout stream would differ from an uninterrupted one.
@@ -156,10 +160,13 @@ class Trainer:
         self.context = context
         self.forward_step = forward_step
         self.unwrapped_model = model.to(context.device)
+        data_parallel_group = (
+            parallel_state.get_data_parallel_group() if context.world_size > 1 else None
+        )
         if config.parallel.use_distributed_optimizer:
             # Shards the optimizer state and does the gradient reduce-scatter itself: no DDP.
             self.optimizer = build_distributed_optimizer(
-                self.unwrapped_model, config.optimizer, config.training
+                self.unwrapped_model, config.optimizer, config.training, data_parallel_group
             )
             print_rank_0(f"distributed optimizer: {self.optimizer.memory_report()}")
         else:
@@ -167,13 +174,16 @@ class Trainer:
                 self.unwrapped_model, config.optimizer, config.training
             )
         self.scheduler = build_lr_scheduler(self.optimizer, config.optimizer, config.training)
-        if context.world_size > 1 and not config.parallel.use_distributed_optimizer:
-            # Bucketed all-reduce that starts while backward is still running.
+        data_parallel_size = parallel_state.get_data_parallel_world_size()
+        if data_parallel_size > 1 and not config.parallel.use_distributed_optimizer:
+            # Bucketed all-reduce that starts while backward is still running; over the
+            # replicas only (tensor-parallel peers hold different shards).
             self.model = torch.nn.parallel.DistributedDataParallel(
                 self.unwrapped_model,
                 device_ids=[context.device.index] if context.device.type == "cuda" else None,
                 broadcast_buffers=False,
                 gradient_as_bucket_view=True,
+                process_group=data_parallel_group,
             )
         else:
             self.model = self.unwrapped_model
@@ -225,11 +235,14 @@ class Trainer:
                 self.optimizer.scale_loss(loss / num_micro_batches).backward()
             for name, value in reported.items():
                 reported_sums[name] += value.detach().float()
+        if self.config.model.sequence_parallel:
+            # Norms saw only this rank's sequence shard: sum their gradients over TP ranks.
+            all_reduce_sequence_parallel_grads(self.unwrapped_model.parameters())
         update_successful, grad_norm, _ = self.optimizer.step()
         if update_successful:
             self.scheduler.step(increment=self.config.training.global_batch_size)
         means = {name: value / num_micro_batches for name, value in reported_sums.items()}
-        averaged = _average_across_data_parallel(means, self.context.world_size)
+        averaged = _average_across_data_parallel(means)
         got_nan = any(
             value != value or value in (float("inf"), float("-inf")) for value in averaged.values()
         )
@@ -253,7 +266,7 @@ class Trainer:
                 count += 1
         self.model.train()
         means = {name: value / max(count, 1) for name, value in sums.items()}
-        return _average_across_data_parallel(means, self.context.world_size)
+        return _average_across_data_parallel(means)
 
     # ------------------------------------------------------------- checkpoints
     def load(self) -> None:

@@ -146,6 +146,16 @@ def test_global_batch_size_defaults_to_micro_times_data_parallel():
     assert "setting global batch size to 8" in cfg.notes
 
 
+def test_tensor_parallel_layout_and_sequence_parallel():
+    cfg = config("--tensor-model-parallel-size", "2", "--sequence-parallel", world_size=8)
+    assert cfg.parallel.tensor_model_parallel_size == 2 and cfg.parallel.data_parallel_size == 4
+    assert cfg.model.tensor_model_parallel_size == 2 and cfg.model.sequence_parallel
+    assert cfg.training.global_batch_size == 2 * 4
+    alone = config("--sequence-parallel", world_size=2)
+    assert not alone.model.sequence_parallel
+    assert any("--sequence-parallel has no effect" in note for note in alone.notes)
+
+
 @pytest.mark.parametrize(
     "hidden, heads, expected",
     [(768, 12, 2048), (4096, 32, 10880), (1024, 16, 2688)],
@@ -336,10 +346,34 @@ def test_recompute_selective_and_block():
         (("--save", "ckpt"), {}, 1, ["--save ckpt", "--save-interval"]),
         (("--rampup-batch-size", "16", "8", "1000"), {}, 1, ["--rampup-batch-size", "supported"]),
         (
-            ("--tensor-model-parallel-size", "2"),
+            ("--tensor-model-parallel-size", "8"),
             {},
             8,
-            ["--tensor-model-parallel-size 2", "not available yet"],
+            ["--num-attention-heads 4", "--tensor-model-parallel-size 8"],
+        ),
+        (
+            ("--tensor-model-parallel-size", "2", "--ffn-hidden-size", "63"),
+            {},
+            2,
+            ["--ffn-hidden-size 63", "--tensor-model-parallel-size 2"],
+        ),
+        (
+            "--tensor-model-parallel-size 4 --group-query-attention --num-query-groups 2".split(),
+            {},
+            4,
+            ["--num-query-groups 2", "--tensor-model-parallel-size 4"],
+        ),
+        (
+            ("--tensor-model-parallel-size", "2", "--sequence-parallel"),
+            {"seq_length": "31"},
+            2,
+            ["--seq-length 31", "--tensor-model-parallel-size 2"],
+        ),
+        (
+            ("--tensor-model-parallel-size", "2", "--use-distributed-optimizer"),
+            {},
+            4,
+            ["--use-distributed-optimizer", "--tensor-model-parallel-size 2", "not available"],
         ),
         (
             ("--pipeline-model-parallel-size", "2"),

@@ -4,9 +4,16 @@
                     consumed_train_samples=..., consumed_valid_samples=...)
     loaded = load_checkpoint(config.checkpoint, model, optimizer, scheduler)
 
-See `layout` for the files on disk.
+See `layout` for the files on disk; `full_state` for why they hold the tensors of a
+single-process run whatever the tensor-parallel size.
 """
 
+from megatron.checkpointing.full_state import (
+    full_model_state_dict,
+    full_optimizer_state_dict,
+    load_full_model_state_dict,
+    load_full_optimizer_state_dict,
+)
 from megatron.checkpointing.layout import (
     CHECKPOINT_FILENAME,
     RELEASE,
@@ -29,8 +36,12 @@ __all__ = [
     "LoadedState",
     "capture_rng_state",
     "checkpoint_file",
+    "full_model_state_dict",
+    "full_optimizer_state_dict",
     "gather_rng_states",
     "load_checkpoint",
+    "load_full_model_state_dict",
+    "load_full_optimizer_state_dict",
     "read_checkpoint_args",
     "read_tracker",
     "restore_rng_state",

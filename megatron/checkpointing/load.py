@@ -11,6 +11,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatron.checkpointing.full_state import (
+    load_full_model_state_dict,
+    load_full_optimizer_state_dict,
+)
 from megatron.checkpointing.layout import (
     RELEASE,
     CheckpointError,
@@ -20,7 +24,11 @@ from megatron.checkpointing.layout import (
     read_tracker,
     tracker_file,
 )
-from megatron.checkpointing.rng import data_parallel_rank, restore_rng_state
+from megatron.checkpointing.rng import (
+    data_parallel_rank,
+    restore_rng_state,
+    saved_rng_state_index,
+)
 from megatron.checkpointing.save import unwrap_model
 from megatron.initialize import print_rank_0
 
@@ -69,16 +77,28 @@ def load_checkpoint(
     if not model_only and not config.no_load_optim:
         if optimizer is not None:
             optimizer_state = _required(state, "optimizer", path, "--no-load-optim")
-            # Checkpoints hold the unsharded state; the distributed optimizer takes its shard.
+            # Checkpoints hold the unsharded state; the distributed optimizer takes its
+            # data-parallel shard, a tensor-parallel rank its tensor-parallel shards.
             load_full = getattr(optimizer, "load_full_state_dict", None)
-            (load_full or optimizer.load_state_dict)(optimizer_state)
+            if load_full is not None:
+                load_full(optimizer_state)
+            else:
+                load_full_optimizer_state_dict(optimizer, optimizer_state)
         if scheduler is not None:
             scheduler.load_state_dict(
                 _required(state, "opt_param_scheduler", path, "--no-load-optim")
             )
     if not model_only and not config.no_load_rng:
         rng_states = _required(state, "rng_state", path, "--no-load-rng")
-        restore_rng_state(rng_states, data_parallel_rank(data_parallel_group), path)
+        index, same_layout = saved_rng_state_index(
+            rng_states, data_parallel_rank(data_parallel_group)
+        )
+        restore_rng_state(rng_states, index, path, restore_tracker=same_layout)
+        if not same_layout:
+            print_fn(
+                f"note: {path} was saved at another tensor-parallel size; the default RNG "
+                "streams resume, the tensor-parallel dropout streams start from the seed"
+            )
 
     if model_only:
         loaded = LoadedState(0, 0, 0, path)
@@ -140,9 +160,13 @@ def _load_model_state(model: nn.Module, model_state: Dict[str, Any], path: str) 
             "--untie-embeddings-and-output-weights, ...) match the saved run's"
         )
     try:
-        model.load_state_dict(model_state, strict=True)
+        load_full_model_state_dict(model, model_state)
     except RuntimeError as exc:
-        raise CheckpointError(f"model weights in {path} do not fit the model: {exc}") from exc
+        raise CheckpointError(
+            f"model weights in {path} do not fit the model: {exc}; check the model flags, and "
+            "that --make-vocab-size-divisible-by x --tensor-model-parallel-size (the padded "
+            "vocabulary's multiple) is the saved run's"
+        ) from exc
 
 
 def _required(state: Dict[str, Any], key: str, path: str, skip_flag: str) -> Any:

@@ -1,13 +1,21 @@
-"""Random-number-generator state per data-parallel rank: capture, gather, restore."""
+"""Random-number-generator state per rank: capture, gather, restore.
+
+The saved list has one entry per rank of the saving group (the world by default), in rank
+order, so with tensor parallelism entry ``tp_rank + tp_size * dp_rank``. The default generators
+agree across the TP ranks of a replica; the tensor-parallel tracker's streams differ per TP rank.
+"""
 
 from __future__ import annotations
 
 import random
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from megatron import parallel_state
+from megatron.tensor_parallel import model_parallel_rng_tracker
 
 
 def data_parallel_rank(group: dist.ProcessGroup | None = None) -> int:
@@ -21,8 +29,8 @@ def capture_rng_state() -> Dict[str, Any]:
         "random_rng_state": random.getstate(),
         "np_rng_state": np.random.get_state(),
         "torch_rng_state": torch.get_rng_state(),
-        # Tensor-parallel RNG tracker states; empty until tensor parallelism adds its tracker.
-        "rng_tracker_states": {},
+        "rng_tracker_states": model_parallel_rng_tracker().get_states(),
+        "tensor_model_parallel_size": parallel_state.get_tensor_model_parallel_world_size(),
     }
     if torch.cuda.is_available():
         state["cuda_rng_state"] = torch.cuda.get_rng_state()
@@ -39,8 +47,25 @@ def gather_rng_states(group: dist.ProcessGroup | None = None) -> List[Dict[str, 
     return states
 
 
-def restore_rng_state(rng_states: List[Dict[str, Any]], rank: int, path: str) -> None:
-    """Put this process's generators back to `rng_states[rank]`, read from checkpoint `path`.
+def saved_rng_state_index(rng_states: List[Dict[str, Any]], rank: int) -> Tuple[int, bool]:
+    """Which saved entry this process (``rank`` in the saving group) resumes, and whether the
+    checkpoint was saved at this tensor-parallel size (then its tracker streams carry over).
+
+    At the saved TP size a rank takes its own entry. At another, it takes TP rank 0's entry of
+    its data-parallel replica: the default generators are the same on every TP rank, while the
+    per-TP-rank tracker streams do not translate between TP sizes and stay as seeded.
+    """
+    saved_size = rng_states[0].get("tensor_model_parallel_size", 1) if rng_states else 1
+    if saved_size == parallel_state.get_tensor_model_parallel_world_size():
+        return rank, True
+    return saved_size * parallel_state.get_data_parallel_rank(), False
+
+
+def restore_rng_state(
+    rng_states: List[Dict[str, Any]], rank: int, path: str, restore_tracker: bool = True
+) -> None:
+    """Put this process's generators back to `rng_states[rank]`, read from checkpoint `path`
+    (the tensor-parallel tracker's streams too when `restore_tracker` and they were saved).
 
     A checkpoint saved on a GPU restores on CPU without its CUDA state; one saved on CPU leaves
     the CUDA generator as seeded.
@@ -57,3 +82,9 @@ def restore_rng_state(rng_states: List[Dict[str, Any]], rank: int, path: str) ->
     torch.set_rng_state(state["torch_rng_state"])
     if torch.cuda.is_available() and "cuda_rng_state" in state:
         torch.cuda.set_rng_state(state["cuda_rng_state"])
+    tracker_states = state.get("rng_tracker_states")
+    # The tracker's streams are generator states of the device type it was saved on (CUDA
+    # when the saving run had a GPU): they only fit a tracker of the same type.
+    same_device_type = ("cuda_rng_state" in state) == torch.cuda.is_available()
+    if restore_tracker and tracker_states and same_device_type:
+        model_parallel_rng_tracker().set_states(tracker_states)

@@ -11,6 +11,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatron import parallel_state
+from megatron.checkpointing.full_state import full_model_state_dict, full_optimizer_state_dict
 from megatron.checkpointing.layout import (
     CheckpointError,
     checkpoint_file,
@@ -67,20 +69,24 @@ def save_checkpoint(
     rng_states = None if config.no_save_rng else gather_rng_states(data_parallel_group)
     optimizer_state = None
     writes = data_parallel_rank(data_parallel_group) == 0
+    # The writer's tensor-parallel peers (the whole first replica) gather their shards with it,
+    # so the file holds the full tensors of a single-process run (full_state).
+    in_writing_replica = parallel_state.get_data_parallel_rank() == 0
+    model_state = full_model_state_dict(unwrap_model(model)) if in_writing_replica else None
     if optimizer is not None and not config.no_save_optim:
         # The distributed optimizer gathers its shards into the unsharded form (a collective
         # on every rank), so one checkpoint loads at any data-parallel size, sharded or not.
         gather_full = getattr(optimizer, "gather_full_state_dict", None)
         if gather_full is not None:
             optimizer_state = gather_full()
-        elif writes:
-            optimizer_state = optimizer.state_dict()
+        elif in_writing_replica:
+            optimizer_state = full_optimizer_state_dict(optimizer)
     error, cause, path = None, None, None
     if writes:
         try:
             state = _checkpoint_state(
                 iteration,
-                model,
+                model_state,
                 optimizer_state,
                 None if config.no_save_optim else scheduler,
                 rng_states,
@@ -105,7 +111,7 @@ def save_checkpoint(
 
 def _checkpoint_state(
     iteration: int,
-    model: nn.Module,
+    model_state: Dict[str, torch.Tensor],
     optimizer_state: Dict[str, Any] | None,
     scheduler: Any,
     rng_states: List[Dict[str, Any]] | None,
@@ -124,7 +130,7 @@ def _checkpoint_state(
         "iteration": iteration,
         "consumed_train_samples": consumed_train_samples,
         "consumed_valid_samples": consumed_valid_samples,
-        "model": unwrap_model(model).state_dict(),
+        "model": model_state,
     }
     if optimizer_state is not None:
         state["optimizer"] = optimizer_state

@@ -43,6 +43,10 @@ class ModelConfig:
     recompute_method: str | None = None  # None | "uniform" | "block"
     recompute_num_layers: int | None = None
     moe: MoEConfig | None = None  # set by the entry point from the --moe-* flags (moe.config)
+    # Tensor parallelism changes which layers the model is built from (megatron.model.
+    # parallel_layers), so the model config carries it, as Megatron-core's TransformerConfig does.
+    tensor_model_parallel_size: int = 1
+    sequence_parallel: bool = False  # only with tensor_model_parallel_size > 1
 
     @property
     def kv_channels(self) -> int:

@@ -60,6 +60,7 @@ def resolve_arguments_with_notes(
     _resolve_precision(args, notes)
     _resolve_iterations_and_lr(args)
     _resolve_model_shape(args, notes)
+    _check_tensor_parallel(args, notes)
     _resolve_recompute(args, notes)
     _check_data(args)
     _check_checkpointing(args, notes)
@@ -126,10 +127,10 @@ def _resolve_parallelism(args: argparse.Namespace, world_size: int) -> None:
             f"{tensor} x --pipeline-model-parallel-size {pipeline} (= {model_parallel}); "
             "launch a multiple of that many processes or lower the parallel sizes"
         )
-    if model_parallel > 1:
+    if pipeline > 1:
         raise ConfigError(
-            f"--tensor-model-parallel-size {tensor} --pipeline-model-parallel-size {pipeline}: "
-            "model parallelism is not available yet; use 1 for both (data parallelism only)"
+            f"--pipeline-model-parallel-size {pipeline}: pipeline parallelism is not available "
+            "yet; use 1 (tensor and data parallelism are)"
         )
     args.world_size = world_size
     args.data_parallel_size = world_size // model_parallel
@@ -238,6 +239,44 @@ def _resolve_model_shape(args: argparse.Namespace, notes: List[str]) -> None:
                 f"(--hidden-size {hidden} / --num-attention-heads {heads}) gives {rotary_dim} "
                 "rotary channels; rotary embeddings need a positive even number"
             )
+
+
+def _check_tensor_parallel(args: argparse.Namespace, notes: List[str]) -> None:
+    """Every split tensor-parallel layers make must come out even (the padded vocabulary is
+    made divisible when the tokenizer is built, as in Megatron)."""
+    tensor = args.tensor_model_parallel_size
+    if args.sequence_parallel and tensor == 1:
+        # Megatron turns it off silently; say so.
+        args.sequence_parallel = False
+        notes.append(
+            "--sequence-parallel has no effect with --tensor-model-parallel-size 1; disabled"
+        )
+    if tensor == 1:
+        return
+    world_size = args.world_size
+    splits = [
+        ("--num-attention-heads", args.num_attention_heads, "attention heads"),
+        ("--hidden-size", args.hidden_size, "the hidden size"),
+        ("--ffn-hidden-size", args.ffn_hidden_size, "MLP channels"),
+    ]
+    if args.group_query_attention:
+        splits.append(("--num-query-groups", args.num_query_groups, "key/value heads"))
+    if args.sequence_parallel:
+        splits.append(("--seq-length", args.seq_length, "the sequence (--sequence-parallel)"))
+    for flag, value, what in splits:
+        if value % tensor != 0:
+            raise ConfigError(
+                f"{flag} {value} is not divisible by --tensor-model-parallel-size {tensor}: "
+                f"{what} are split evenly over the tensor-parallel ranks (world size "
+                f"{world_size}); choose sizes that {tensor} divides, or a smaller "
+                "--tensor-model-parallel-size"
+            )
+    if args.use_distributed_optimizer:
+        raise ConfigError(
+            f"--use-distributed-optimizer with --tensor-model-parallel-size {tensor} is not "
+            "available yet (the distributed optimizer shards over data-parallel ranks only); "
+            "drop one of them"
+        )
 
 
 def _resolve_recompute(args: argparse.Namespace, notes: List[str]) -> None:

@@ -3,8 +3,9 @@
 The fused projection `linear_qkv` is laid out per query group, as Megatron lays it out: its
 output channels are num_query_groups blocks of
     [heads_per_group query heads | 1 key head | 1 value head] x kv_channels,
-so Megatron checkpoints load without reshuffling and tensor parallelism can later split the
-projection along whole groups.
+so Megatron checkpoints load without reshuffling and tensor parallelism splits the projection
+along whole groups: each tensor-parallel rank attends with its num_query_groups / tp groups (and
+their heads), and `linear_proj` sums the ranks' partial outputs.
 """
 
 from __future__ import annotations
@@ -16,6 +17,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from megatron.model.parallel_layers import (
+    column_parallel_linear,
+    row_parallel_linear,
+    sharded_dropout_rng,
+)
 from megatron.model.rotary import apply_rotary_emb
 
 if TYPE_CHECKING:
@@ -34,24 +40,34 @@ def num_query_groups(config: ModelConfig) -> int:
 
 
 class SelfAttention(nn.Module):
-    """Pre-normalized hidden states [b, s, h] -> attention output [b, s, h] (before dropout)."""
+    """Pre-normalized hidden states [b, s, h] -> attention output [b, s, h] (before dropout).
+
+    Under tensor parallelism the heads are this rank's share (`num_heads` and
+    `num_query_groups` count local ones); with sequence parallelism the input and output are
+    this rank's sequence shard [b, s / tp, h] and the core attention sees the whole sequence.
+    """
 
     def __init__(self, config: ModelConfig, layer_number: int) -> None:
         super().__init__()
+        tensor_parallel_size = config.tensor_model_parallel_size
         self.layer_number = layer_number
-        self.num_heads = config.num_attention_heads
-        self.num_query_groups = num_query_groups(config)
+        self.num_heads = config.num_attention_heads // tensor_parallel_size
+        self.num_query_groups = num_query_groups(config) // tensor_parallel_size
         self.heads_per_group = self.num_heads // self.num_query_groups
         self.head_dim = config.kv_channels
         self.attention_dropout = config.attention_dropout
         self.recompute_core_attention = config.recompute_granularity == "selective"
+        # Heads differ per TP rank, so their dropout masks must too. Under sequence parallelism
+        # the whole decoder block already draws from the per-rank stream (TransformerBlock).
+        self.fork_dropout_rng = tensor_parallel_size > 1 and not config.sequence_parallel
 
-        query_size = self.num_heads * self.head_dim
-        kv_size = self.num_query_groups * self.head_dim
-        self.linear_qkv = nn.Linear(
-            config.hidden_size, query_size + 2 * kv_size, bias=config.add_bias_linear
+        query_size = config.num_attention_heads * self.head_dim
+        kv_size = num_query_groups(config) * self.head_dim
+        bias = config.add_bias_linear
+        self.linear_qkv = column_parallel_linear(
+            config, config.hidden_size, query_size + 2 * kv_size, bias
         )
-        self.linear_proj = nn.Linear(query_size, config.hidden_size, bias=config.add_bias_linear)
+        self.linear_proj = row_parallel_linear(config, query_size, config.hidden_size, bias)
 
     def forward(
         self,
@@ -59,8 +75,8 @@ class SelfAttention(nn.Module):
         rotary_cos_sin: Tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Attend causally over the sequence; RoPE is applied to q and k when cos/sin are given."""
-        batch, seq, _ = hidden_states.shape
         qkv = self.linear_qkv(hidden_states)
+        batch, seq = qkv.shape[:2]  # the whole sequence, also when the input was a shard
         qkv = qkv.view(
             batch, seq, self.num_query_groups, (self.heads_per_group + 2) * self.head_dim
         )
@@ -77,12 +93,15 @@ class SelfAttention(nn.Module):
 
         # SDPA wants [b, heads, s, head_dim].
         query, key, value = (t.transpose(1, 2) for t in (query, key, value))
-        if self.recompute_core_attention and self.training:
-            # Selective recompute: the s x s attention intermediates are the big activations,
-            # and re-running only SDPA in backward is cheap relative to what it saves.
-            context = checkpoint(self.core_attention, query, key, value, use_reentrant=False)
-        else:
-            context = self.core_attention(query, key, value)
+        # Forked outside the checkpoint: torch's recompute then replays the forked stream.
+        dropout_active = self.training and self.attention_dropout > 0.0
+        with sharded_dropout_rng(self.fork_dropout_rng and dropout_active):
+            if self.recompute_core_attention and self.training:
+                # Selective recompute: the s x s attention intermediates are the big
+                # activations, and re-running only SDPA in backward is cheap next to them.
+                context = checkpoint(self.core_attention, query, key, value, use_reentrant=False)
+            else:
+                context = self.core_attention(query, key, value)
         context = context.transpose(1, 2).reshape(batch, seq, self.num_heads * self.head_dim)
         return self.linear_proj(context)
 

@@ -7,26 +7,32 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from megatron.model.parallel_layers import sharded_dropout_rng, word_embedding
+from megatron.tensor_parallel import scatter_to_sequence_parallel_region
+
 if TYPE_CHECKING:
     from megatron.config import ModelConfig
 
 
 class LanguageModelEmbedding(nn.Module):
-    """token ids [b, s] -> hidden states [b, s, h].
+    """token ids [b, s] -> hidden states [b, s, h], or this rank's sequence shard
+    [b, s / tp, h] with sequence parallelism.
 
     Position embeddings exist only for `position_embedding_type == "learned_absolute"`; with
-    RoPE, positions enter inside attention instead.
+    RoPE, positions enter inside attention instead. Under tensor parallelism the word embedding
+    table is split by vocabulary rows; the position table stays whole on every rank.
     """
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.word_embeddings = nn.Embedding(config.padded_vocab_size, config.hidden_size)
+        self.word_embeddings = word_embedding(config)
         self.position_embeddings = None
         if config.position_embedding_type == "learned_absolute":
             self.position_embeddings = nn.Embedding(
                 config.max_position_embeddings, config.hidden_size
             )
         self.embedding_dropout = nn.Dropout(config.hidden_dropout)
+        self.sequence_parallel = config.sequence_parallel
 
     def forward(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None
@@ -37,4 +43,9 @@ class LanguageModelEmbedding(nn.Module):
             if position_ids is None:
                 position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)
             embeddings = embeddings + self.position_embeddings(position_ids)
+        if self.sequence_parallel:
+            # Each rank keeps its sequence shard; the shards differ, so their masks must too.
+            embeddings = scatter_to_sequence_parallel_region(embeddings)
+            with sharded_dropout_rng(self.training and self.embedding_dropout.p > 0.0):
+                return self.embedding_dropout(embeddings)
         return self.embedding_dropout(embeddings)

@@ -2,7 +2,11 @@
 
 Tensors are batch-first: token ids [batch, seq], hidden states [batch, seq, hidden],
 logits [batch, seq, vocab]. (Megatron keeps [seq, batch, hidden] internally for its
-sequence-parallel layout; that choice belongs to the parallelization step, not the model.)
+sequence-parallel layout; our sequence-parallel mappings split dim 1 instead.)
+
+Tensor parallelism (`config.tensor_model_parallel_size` > 1) enters through the layer builders
+of `megatron.model.parallel_layers`; here it changes only the output: the logits stay split by
+vocabulary over TP ranks and the loss is `vocab_parallel_cross_entropy`.
 """
 
 from __future__ import annotations
@@ -16,8 +20,21 @@ from torch import nn
 
 from megatron.model.embeddings import LanguageModelEmbedding
 from megatron.model.norms import RMSNorm
+from megatron.model.parallel_layers import (
+    check_tensor_parallel_state,
+    is_tensor_parallel,
+    output_linear,
+)
 from megatron.model.rotary import RotaryEmbedding
 from megatron.model.transformer import TransformerBlock
+from megatron.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+    vocab_parallel_cross_entropy,
+)
 
 try:
     from megatron.kernels.cross_entropy import cross_entropy
@@ -63,6 +80,13 @@ class GPTModel(nn.Module):
                 f"position_embedding_type={config.position_embedding_type!r} is not supported; "
                 f"use one of {POSITION_EMBEDDING_TYPES} (--position-embedding-type)"
             )
+        if is_tensor_parallel(config):
+            check_tensor_parallel_state(config)
+            if config.moe is not None:
+                raise ValueError(
+                    "MoE layers with tensor_model_parallel_size > 1 are not available yet; "
+                    "use --tensor-model-parallel-size 1 with --moe-* flags"
+                )
         self.config = config
         self.embedding = LanguageModelEmbedding(config)
         self.rotary_pos_emb = None
@@ -74,23 +98,28 @@ class GPTModel(nn.Module):
         self.output_layer = None
         if config.untie_embeddings_and_output_weights:
             # No bias, as in Megatron; the tied case reuses the word embedding table instead.
-            self.output_layer = nn.Linear(config.hidden_size, config.padded_vocab_size, bias=False)
+            self.output_layer = output_linear(config)
         self.init_weights()
 
     @torch.no_grad()
     def init_weights(self) -> None:
         """Megatron's init: normal(0, std) weights, std / sqrt(2L) for output projections,
-        zero biases, unit norm weights. Deterministic given torch.manual_seed."""
+        zero biases, unit norm weights. Deterministic given torch.manual_seed; a tensor-parallel
+        layer draws its full weight the same way and keeps its shard, so any TP size gets the
+        TP=1 weights."""
         std = self.config.init_method_std
         scaled_std = std / math.sqrt(2.0 * self.config.num_layers)
         for name, module in self.named_modules():
+            is_output_projection = name.rsplit(".", 1)[-1] in OUTPUT_PROJECTION_NAMES
+            layer_std = scaled_std if is_output_projection else std
             if isinstance(module, nn.Linear):
-                is_output_projection = name.rsplit(".", 1)[-1] in OUTPUT_PROJECTION_NAMES
-                nn.init.normal_(
-                    module.weight, mean=0.0, std=scaled_std if is_output_projection else std
-                )
+                nn.init.normal_(module.weight, mean=0.0, std=layer_std)
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
+            elif isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+                module.reset_parameters(_normal_init(layer_std))  # zeroes the bias too
+            elif isinstance(module, VocabParallelEmbedding):
+                module.reset_parameters(_normal_init(std))
             elif callable(getattr(module, "init_expert_weights", None)):
                 module.init_expert_weights(std, scaled_std)  # MoE experts (moe.experts)
             elif isinstance(module, nn.Embedding):
@@ -101,7 +130,8 @@ class GPTModel(nn.Module):
                     nn.init.zeros_(module.bias)
 
     def output_weight(self) -> torch.Tensor:
-        """The [vocab, hidden] matrix producing logits: the word embeddings unless untied."""
+        """The [vocab, hidden] matrix producing logits: the word embeddings unless untied
+        (this rank's [vocab / tp, hidden] rows under tensor parallelism)."""
         if self.output_layer is not None:
             return self.output_layer.weight
         return self.embedding.word_embeddings.weight
@@ -117,6 +147,8 @@ class GPTModel(nn.Module):
         Losses are unreduced, as Megatron returns them: the caller applies the loss mask and
         averages. `position_ids` [b, s] default to 0..s-1 (used by learned and rotary
         position embeddings alike). Attention is always causal over the whole sequence.
+        Under tensor parallelism the logits are this rank's vocabulary shard [b, s, vocab / tp]
+        and the losses, identical on every TP rank, come from the vocab-parallel cross-entropy.
         """
         seq_length = input_ids.shape[1]
         if self.embedding.position_embeddings is not None:
@@ -131,6 +163,8 @@ class GPTModel(nn.Module):
         if self.rotary_pos_emb is not None:
             rotary_cos_sin = self.rotary_pos_emb(seq_length, position_ids, input_ids.device)
         hidden_states = self.decoder(hidden_states, rotary_cos_sin)
+        if is_tensor_parallel(self.config):
+            return self._tensor_parallel_output(hidden_states, labels)
         logits = F.linear(hidden_states, self.output_weight())
         if labels is None:
             return logits
@@ -138,3 +172,25 @@ class GPTModel(nn.Module):
         # the fused kernel reads them once forward and once backward, no fp32 copy.
         losses = cross_entropy(logits.view(-1, logits.shape[-1]), labels.reshape(-1))
         return losses.view_as(labels)
+
+    def _tensor_parallel_output(
+        self, hidden_states: torch.Tensor, labels: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Vocabulary-split logits from replicated (or sequence-split) hidden states, or their
+        per-token losses: the full [b, s, vocab] logits never exist on one rank."""
+        if self.config.sequence_parallel:
+            # Backward reduce-scatters: each rank's vocab shard gives a partial input gradient.
+            hidden_states = gather_from_sequence_parallel_region(hidden_states)
+        else:
+            hidden_states = copy_to_tensor_model_parallel_region(hidden_states)
+        logits = F.linear(hidden_states, self.output_weight())
+        if labels is None:
+            return logits
+        return vocab_parallel_cross_entropy(logits, labels)
+
+
+def _normal_init(std: float):
+    def init(weight: torch.Tensor) -> None:
+        nn.init.normal_(weight, mean=0.0, std=std)
+
+    return init

@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megatron.model.parallel_layers import column_parallel_linear, row_parallel_linear
+
 if TYPE_CHECKING:
     from megatron.config import ModelConfig
 
@@ -22,15 +24,21 @@ class MLP(nn.Module):
 
     With SwiGLU, linear_fc1 produces 2 * ffn channels [a, b] and the activation is
     silu(a) * b, the layout of Megatron's fused fc1 (a checkpoint's fc1 rows load unchanged).
+    Under tensor parallelism each rank holds ffn / tp channels: fc1 is split by output rows
+    (with SwiGLU in strided blocks, so a rank's rows are [its a rows; its b rows], Megatron's
+    layout) and fc2 by input columns.
     """
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.swiglu = config.swiglu
         fc1_size = 2 * config.ffn_hidden_size if config.swiglu else config.ffn_hidden_size
-        self.linear_fc1 = nn.Linear(config.hidden_size, fc1_size, bias=config.add_bias_linear)
-        self.linear_fc2 = nn.Linear(
-            config.ffn_hidden_size, config.hidden_size, bias=config.add_bias_linear
+        bias = config.add_bias_linear
+        self.linear_fc1 = column_parallel_linear(
+            config, config.hidden_size, fc1_size, bias, stride=2 if config.swiglu else 1
+        )
+        self.linear_fc2 = row_parallel_linear(
+            config, config.ffn_hidden_size, config.hidden_size, bias
         )
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:

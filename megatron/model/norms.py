@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from megatron.tensor_parallel import set_sequence_parallel_attribute
+
 if TYPE_CHECKING:
     from megatron.config import ModelConfig
 
@@ -30,13 +32,22 @@ NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 
 
 def build_norm(config: ModelConfig) -> nn.Module:
-    """The norm named by `config.normalization` over `hidden_size`, with `layernorm_epsilon`."""
+    """The norm named by `config.normalization` over `hidden_size`, with `layernorm_epsilon`.
+
+    Under sequence parallelism a norm sees only this rank's sequence shard, so its parameters
+    are marked for the gradient all-reduce over tensor-parallel ranks (as Megatron marks them).
+    """
     if config.normalization == "LayerNorm":
         # Megatron's LayerNorm always has a bias, whatever --disable-bias-linear says.
-        return nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
-    if config.normalization == "RMSNorm":
-        return RMSNorm(config.hidden_size, eps=config.layernorm_epsilon)
-    raise ValueError(
-        f"normalization={config.normalization!r} is not supported; "
-        f"use one of {NORMALIZATIONS} (--normalization)"
-    )
+        norm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
+    elif config.normalization == "RMSNorm":
+        norm = RMSNorm(config.hidden_size, eps=config.layernorm_epsilon)
+    else:
+        raise ValueError(
+            f"normalization={config.normalization!r} is not supported; "
+            f"use one of {NORMALIZATIONS} (--normalization)"
+        )
+    if config.sequence_parallel:
+        for param in norm.parameters():
+            set_sequence_parallel_attribute(param)
+    return norm

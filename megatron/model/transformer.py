@@ -11,6 +11,8 @@ from torch.utils.checkpoint import checkpoint
 from megatron.model.attention import SelfAttention
 from megatron.model.mlp import build_mlp
 from megatron.model.norms import build_norm
+from megatron.model.parallel_layers import sharded_dropout_rng
+from megatron.tensor_parallel import checkpoint_rng_contexts
 
 if TYPE_CHECKING:
     from megatron.config import ModelConfig
@@ -19,7 +21,8 @@ RotaryCosSin = Optional[Tuple[torch.Tensor, torch.Tensor]]
 
 
 class TransformerLayer(nn.Module):
-    """x + dropout(attention(norm(x))), then x + dropout(mlp(norm(x))), on [b, s, h]."""
+    """x + dropout(attention(norm(x))), then x + dropout(mlp(norm(x))), on [b, s, h]
+    ([b, s / tp, h] with sequence parallelism)."""
 
     def __init__(self, config: ModelConfig, layer_number: int) -> None:
         super().__init__()
@@ -51,12 +54,21 @@ class TransformerBlock(nn.Module):
       "uniform": layers in chunks of `recompute_num_layers`, one checkpoint per chunk;
       "block":   each of the first `recompute_num_layers` layers checkpointed, the rest not.
     Selective recompute lives in SelfAttention (only the core attention is re-run).
+
+    With sequence parallelism every dropout in the block acts on this rank's sequence shard, so
+    the whole block draws from the tensor-parallel tracker's per-rank stream (Megatron does the
+    same); otherwise the residual stream is replicated over TP ranks and its dropout uses the
+    default generator, identical on every rank.
     """
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.layers = nn.ModuleList(TransformerLayer(config, i) for i in range(config.num_layers))
         self.final_layernorm = build_norm(config)
+        self.tensor_parallel = config.tensor_model_parallel_size > 1
+        self.sequence_parallel_dropout = config.sequence_parallel and (
+            config.hidden_dropout > 0.0 or config.attention_dropout > 0.0
+        )
 
         self.recompute_full = config.recompute_granularity == "full"
         self.recompute_method = config.recompute_method
@@ -84,15 +96,30 @@ class TransformerBlock(nn.Module):
         self, start: int, end: int, hidden_states: torch.Tensor, rotary_cos_sin: RotaryCosSin
     ) -> torch.Tensor:
         # Non-reentrant: works with inputs that do not require grad and with autograd.grad;
-        # RNG state is restored on recompute, so dropout masks match the first forward.
+        # RNG state is restored on recompute, so dropout masks match the first forward (the
+        # default generator by torch, the tensor-parallel tracker's streams by context_fn).
+        replay = {"context_fn": checkpoint_rng_contexts} if self.tensor_parallel else {}
         return checkpoint(
-            self._run_layers, start, end, hidden_states, rotary_cos_sin, use_reentrant=False
+            self._run_layers,
+            start,
+            end,
+            hidden_states,
+            rotary_cos_sin,
+            use_reentrant=False,
+            **replay,
         )
 
     def forward(
         self, hidden_states: torch.Tensor, rotary_cos_sin: RotaryCosSin = None
     ) -> torch.Tensor:
-        """[b, s, h] -> final-normalized [b, s, h]."""
+        """[b, s, h] -> final-normalized [b, s, h] (sequence shards under sequence parallel)."""
+        with sharded_dropout_rng(self.sequence_parallel_dropout and self.training):
+            hidden_states = self._run_all_layers(hidden_states, rotary_cos_sin)
+        return self.final_layernorm(hidden_states)
+
+    def _run_all_layers(
+        self, hidden_states: torch.Tensor, rotary_cos_sin: RotaryCosSin
+    ) -> torch.Tensor:
         num_layers = len(self.layers)
         if not (self.recompute_full and self.training):
             hidden_states = self._run_layers(0, num_layers, hidden_states, rotary_cos_sin)
@@ -110,4 +137,4 @@ class TransformerBlock(nn.Module):
                     hidden_states = self._run_layers(
                         index, index + 1, hidden_states, rotary_cos_sin
                     )
-        return self.final_layernorm(hidden_states)
+        return hidden_states

@@ -4,7 +4,8 @@ Parameters and gradients are fp32 (mixed precision is autocast), so the inner to
 updates the model's own parameters: they are the fp32 master weights. Under data parallelism
 (torch DDP) the gradients are already averaged when `step` runs, so every rank holds the same
 gradients and computes the same norm; only the overflow flag is all-reduced, so that a rank
-whose own check differed cannot step alone.
+whose own check differed cannot step alone. Under tensor parallelism each rank holds part of
+the gradient: the norm adds the ranks' shares (see `MegatronOptimizer._global_grad_norm`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatron import parallel_state
 from megatron.config import OptimizerConfig, TrainingConfig
 from megatron.model import param_groups_for_weight_decay
 from megatron.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler, GradScaler
@@ -76,13 +78,13 @@ class MegatronOptimizer:
             self.grad_scaler.update(found_inf)
             if found_inf:
                 return False, None, None
-        grad_norm = _global_grad_norm(grads)
+        grad_norm = self._global_grad_norm(grads)
         if self.clip_grad > 0.0:
             clip_coefficient = self.clip_grad / (grad_norm + 1.0e-6)
             if clip_coefficient < 1.0:
                 for device_grads in _by_device(grads).values():
                     torch._foreach_mul_(device_grads, clip_coefficient)
-        num_zeros_in_grad = _count_zeros(grads) if self.log_num_zeros_in_grad else None
+        num_zeros_in_grad = self._count_zeros() if self.log_num_zeros_in_grad else None
         self.optimizer.step()
         return True, grad_norm, num_zeros_in_grad
 
@@ -108,6 +110,40 @@ class MegatronOptimizer:
             group.update(flags)
         if self.grad_scaler is not None and "grad_scaler" in state_dict:
             self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
+
+    def _global_grad_norm(self, grads: List[torch.Tensor]) -> float:
+        """L2 norm of the whole model's gradient (`grads`: this rank's, all parameters).
+
+        With tensor parallelism, Megatron's rule: a sharded parameter's gradient counts on
+        every rank (the shards add up to it), a replicated one (norms, row-parallel biases,
+        position embeddings) only on TP rank 0, and the squares are summed over the
+        model-parallel group. One process, or TP size 1, is the plain norm of `grads`.
+        """
+        if parallel_state.get_tensor_model_parallel_world_size() == 1:
+            return _global_grad_norm(grads)
+        squares = _sum_of_squares(self._tensor_parallel_counted_grads(), self._device())
+        dist.all_reduce(squares, group=parallel_state.get_model_parallel_group())
+        return float(squares.sqrt().item())
+
+    def _count_zeros(self) -> int:
+        """Zero gradient elements of the whole model, counted like `_global_grad_norm`."""
+        if parallel_state.get_tensor_model_parallel_world_size() == 1:
+            return _count_zeros(self._grads())
+        zeros = torch.tensor(
+            float(_count_zeros(self._tensor_parallel_counted_grads())), device=self._device()
+        )
+        dist.all_reduce(zeros, group=parallel_state.get_model_parallel_group())
+        return int(zeros.item())
+
+    def _tensor_parallel_counted_grads(self) -> List[torch.Tensor]:
+        """This rank's share of the gradient: its shards, and the replicated ones on TP rank 0."""
+        first_rank = parallel_state.get_tensor_model_parallel_rank() == 0
+        return [
+            param.grad
+            for param in self._params()
+            if param.grad is not None
+            and (getattr(param, "tensor_model_parallel", False) or first_rank)
+        ]
 
     def _params(self) -> List[torch.Tensor]:
         return [param for group in self.optimizer.param_groups for param in group["params"]]
@@ -216,6 +252,15 @@ def _global_grad_norm(grads: List[torch.Tensor]) -> float:
     first_device = per_tensor_norms[0].device
     stacked = torch.stack([norm.float().to(first_device) for norm in per_tensor_norms])
     return float(torch.linalg.vector_norm(stacked, 2.0).item())
+
+
+def _sum_of_squares(grads: List[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Sum of squared L2 norms of `grads`, as an fp32 scalar on `device` (0 without grads)."""
+    squares = torch.zeros((), dtype=torch.float32, device=device)
+    for device_grads in _by_device(grads).values():
+        norms = torch._foreach_norm(device_grads, 2.0)
+        squares += torch.stack([norm.float() for norm in norms]).square().sum().to(device)
+    return squares
 
 
 def _count_zeros(grads: List[torch.Tensor]) -> int:

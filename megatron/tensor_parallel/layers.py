@@ -14,12 +14,18 @@ CPU tensor per layer during initialization.
 
 Sequence parallelism (``sequence_parallel=True``) expects activations outside the tensor-
 parallel region to be split along the sequence dimension of ``[batch, seq, hidden]`` (dim 1):
-the column layer all-gathers its input, the row layer reduce-scatters its output.
+the column layer all-gathers its input, the row layer reduce-scatters its output. Parameters that
+then see only a sequence shard (norms) are marked with `set_sequence_parallel_attribute`, and
+`all_reduce_sequence_parallel_grads` sums their gradients over the tensor-parallel group.
+
+A *strided* split (``stride`` s > 1, Megatron's ``partition_stride``) cuts the partition
+dimension into s x tp equal blocks and gives rank r the blocks r, r + tp, ...: a fused SwiGLU
+``fc1`` whose full rows are ``[gate; up]`` then leaves each rank ``[its gate rows; its up rows]``.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -46,12 +52,39 @@ def default_init_method(weight: torch.Tensor) -> None:
     nn.init.normal_(weight, mean=0.0, std=0.02)
 
 
-def set_tensor_model_parallel_attributes(param: torch.Tensor, partition_dim: int) -> None:
+def set_tensor_model_parallel_attributes(
+    param: torch.Tensor, partition_dim: int, stride: int = 1
+) -> None:
     """Mark ``param`` as a shard split along ``partition_dim`` (Megatron's attribute names), so
     checkpointing and grad-norm code can tell shards from replicated parameters."""
     param.tensor_model_parallel = True
     param.partition_dim = partition_dim
-    param.partition_stride = 1
+    param.partition_stride = stride
+
+
+def set_sequence_parallel_attribute(param: torch.Tensor) -> None:
+    """Mark a replicated ``param`` that acts on sequence shards (a norm under sequence
+    parallelism): each rank's gradient is a partial sum until `all_reduce_sequence_parallel_grads`."""
+    param.sequence_parallel = True
+
+
+def all_reduce_sequence_parallel_grads(params: Iterable[torch.Tensor]) -> None:
+    """Sum the gradients of parameters marked `set_sequence_parallel_attribute` over the
+    tensor-parallel group, in one flat all-reduce (Megatron does this once per step, after the
+    data-parallel reduction). Every TP rank must call it."""
+    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+        return
+    grads = [
+        param.grad
+        for param in params
+        if getattr(param, "sequence_parallel", False) and param.grad is not None
+    ]
+    if not grads:
+        return
+    flat = torch.cat([grad.reshape(-1) for grad in grads])
+    dist.all_reduce(flat, group=parallel_state.get_tensor_model_parallel_group())
+    for grad, reduced in zip(grads, flat.split([grad.numel() for grad in grads])):
+        grad.copy_(reduced.view_as(grad))
 
 
 def _divide(numerator: int, denominator: int, what: str) -> int:
@@ -68,45 +101,66 @@ def shard_tensor_model_parallel_weight(
     partition_dim: int,
     rank: Optional[int] = None,
     world_size: Optional[int] = None,
+    stride: int = 1,
 ) -> torch.Tensor:
-    """The chunk of ``full`` along ``partition_dim`` that TP rank ``rank`` of ``world_size``
-    holds (default: this process's). Communication-free, so offline checkpoint converters can
-    cut every rank's shard in one process."""
+    """The piece of ``full`` along ``partition_dim`` that TP rank ``rank`` of ``world_size``
+    holds (default: this process's): its chunk, or with ``stride`` its strided blocks (see the
+    module docstring). Communication-free, so offline checkpoint converters can cut every
+    rank's shard in one process."""
     if world_size is None:
         world_size = parallel_state.get_tensor_model_parallel_world_size()
     if rank is None:
         rank = parallel_state.get_tensor_model_parallel_rank()
-    _divide(full.shape[partition_dim], world_size, f"dimension {partition_dim} of size")
-    return full.detach().chunk(world_size, partition_dim)[rank].clone()
+    if full.shape[partition_dim] % (world_size * stride) != 0:
+        raise ValueError(
+            f"dimension {partition_dim} of size {full.shape[partition_dim]} does not split into "
+            f"{world_size} tensor-parallel shards of {stride} equal block(s) each; it must be a "
+            f"multiple of {world_size * stride}"
+        )
+    blocks = full.detach().chunk(world_size * stride, partition_dim)
+    return torch.cat(blocks[rank::world_size], dim=partition_dim)
 
 
 def gather_tensor_model_parallel_weight(
-    shard: torch.Tensor, partition_dim: Optional[int] = None
+    shard: torch.Tensor, partition_dim: Optional[int] = None, stride: Optional[int] = None
 ) -> torch.Tensor:
-    """The full tensor, concatenated from every TP rank's ``shard`` along ``partition_dim``
-    (default: the parameter's ``partition_dim`` attribute; a replicated parameter is copied)."""
+    """The full tensor, reassembled from every TP rank's ``shard`` along ``partition_dim``
+    (default: the parameter's ``partition_dim`` attribute; a replicated parameter is copied),
+    undoing a strided split when ``stride`` (default: the ``partition_stride`` attribute) > 1.
+    A collective over the tensor-parallel group."""
     if partition_dim is None:
         if not getattr(shard, "tensor_model_parallel", False):
             return shard.detach().clone()
         partition_dim = shard.partition_dim
+    if stride is None:
+        stride = getattr(shard, "partition_stride", 1)
     world_size = parallel_state.get_tensor_model_parallel_world_size()
     shard = shard.detach().contiguous()
     if world_size == 1:
         return shard.clone()
     parts = [torch.empty_like(shard) for _ in range(world_size)]
     dist.all_gather(parts, shard, group=parallel_state.get_tensor_model_parallel_group())
-    return torch.cat(parts, dim=partition_dim)
+    # Rank r's shard holds blocks r, r + tp, ...: put block s of every rank back in order.
+    blocks = [part.chunk(stride, partition_dim) for part in parts]
+    return torch.cat(
+        [blocks[rank][index] for index in range(stride) for rank in range(world_size)],
+        dim=partition_dim,
+    )
 
 
 def _initialize_shard(
-    shard: nn.Parameter, full_shape: tuple[int, ...], partition_dim: int, init_method: InitMethod
+    shard: nn.Parameter,
+    full_shape: tuple[int, ...],
+    partition_dim: int,
+    init_method: InitMethod,
+    stride: int = 1,
 ) -> None:
     # Drawn in fp32 on CPU whatever the parameter's dtype and device: the numbers then match a
     # single-process CPU init with the same seed.
     master = torch.empty(full_shape, dtype=torch.float32)
     init_method(master)
     with torch.no_grad():
-        shard.copy_(shard_tensor_model_parallel_weight(master, partition_dim))
+        shard.copy_(shard_tensor_model_parallel_weight(master, partition_dim, stride=stride))
 
 
 class ColumnParallelLinear(nn.Module):
@@ -115,6 +169,7 @@ class ColumnParallelLinear(nn.Module):
     Input: replicated ``[..., input_size]``, or ``[batch, seq / tp, input_size]`` with
     ``sequence_parallel``. Output: ``[..., output_size / tp]``, or all of ``output_size`` with
     ``gather_output``. The bias is split like the output features and zero-initialized.
+    ``stride`` > 1 splits the rows in strided blocks (module docstring).
     """
 
     def __init__(
@@ -127,32 +182,41 @@ class ColumnParallelLinear(nn.Module):
         init_method: InitMethod = default_init_method,
         params_dtype: torch.dtype = torch.float32,
         device: Optional[torch.device] = None,
+        stride: int = 1,
     ) -> None:
         super().__init__()
+        if gather_output and stride > 1:
+            raise ValueError(
+                "ColumnParallelLinear(gather_output=True) concatenates whole shards, which does "
+                f"not restore a strided split (stride {stride}); use gather_output=False"
+            )
         world_size = parallel_state.get_tensor_model_parallel_world_size()
         self.input_size = input_size
         self.output_size = output_size
         self.output_size_per_partition = _divide(output_size, world_size, "output size")
         self.gather_output = gather_output
         self.sequence_parallel = sequence_parallel
+        self.stride = stride
         self.weight = nn.Parameter(
             torch.empty(
                 self.output_size_per_partition, input_size, dtype=params_dtype, device=device
             )
         )
-        set_tensor_model_parallel_attributes(self.weight, partition_dim=0)
+        set_tensor_model_parallel_attributes(self.weight, partition_dim=0, stride=stride)
         if bias:
             self.bias = nn.Parameter(
                 torch.empty(self.output_size_per_partition, dtype=params_dtype, device=device)
             )
-            set_tensor_model_parallel_attributes(self.bias, partition_dim=0)
+            set_tensor_model_parallel_attributes(self.bias, partition_dim=0, stride=stride)
         else:
             self.register_parameter("bias", None)
         self.reset_parameters(init_method)
 
     def reset_parameters(self, init_method: InitMethod = default_init_method) -> None:
         """Draw the full weight with ``init_method``, keep this rank's rows; zero the bias."""
-        _initialize_shard(self.weight, (self.output_size, self.input_size), 0, init_method)
+        _initialize_shard(
+            self.weight, (self.output_size, self.input_size), 0, init_method, self.stride
+        )
         if self.bias is not None:
             nn.init.zeros_(self.bias)
 

@@ -128,3 +128,25 @@ def model_parallel_manual_seed(seed: int, device_type: Optional[str] = None) -> 
     _TRACKER.add(
         EXPERT_PARALLEL_RNG, seed + _EXPERT_PARALLEL_SEED_OFFSET + 100 * expert_rank + tensor_rank
     )
+
+
+def checkpoint_rng_contexts() -> tuple[contextlib.AbstractContextManager, ...]:
+    """``context_fn`` for ``torch.utils.checkpoint(use_reentrant=False)``: the recompute replays
+    the tracker's streams from where the forward started them, then puts back the current ones.
+
+    torch's checkpoint restores only the default generator, so a `fork` inside a recomputed
+    region would otherwise draw a different (later) mask than the forward did, and the gradient
+    would belong to another dropout pattern. This is what Megatron's own CheckpointFunction does.
+    """
+    states_at_forward = _TRACKER.get_states()
+
+    @contextlib.contextmanager
+    def replay() -> Iterator[None]:
+        current = _TRACKER.get_states()
+        _TRACKER.set_states(states_at_forward)
+        try:
+            yield
+        finally:
+            _TRACKER.set_states(current)
+
+    return contextlib.nullcontext(), replay()

@@ -326,3 +326,31 @@ def _bad_partition(rank: int, world_size: int) -> None:
 
 def test_sizes_that_do_not_split_raise():
     run_distributed(_bad_partition, 4)
+
+
+def test_strided_shards_hold_each_ranks_blocks_of_every_part():
+    # [gate rows 0-3 | up rows 4-7] at stride 2 over 2 ranks: each rank its gate and up halves.
+    full = torch.arange(8.0)
+    shards = [
+        shard_tensor_model_parallel_weight(full, 0, rank=rank, world_size=2, stride=2)
+        for rank in range(2)
+    ]
+    assert [shard.tolist() for shard in shards] == [[0.0, 1.0, 4.0, 5.0], [2.0, 3.0, 6.0, 7.0]]
+    with pytest.raises(ValueError, match="does not split into 2 tensor-parallel shards of 2"):
+        shard_tensor_model_parallel_weight(torch.arange(6.0), 0, rank=0, world_size=2, stride=2)
+
+
+def _strided_round_trip(rank: int, world_size: int) -> None:
+    ps.initialize_model_parallel(tensor_model_parallel_size=world_size)
+    torch.manual_seed(5)
+    layer = ColumnParallelLinear(HIDDEN, FFN, gather_output=False, stride=2)
+    torch.manual_seed(5)
+    full = torch.empty(FFN, HIDDEN)
+    default_init_method(full)
+    assert torch.equal(gather_tensor_model_parallel_weight(layer.weight), full)
+    assert layer.weight.partition_stride == 2 and layer.bias.partition_stride == 2
+    ps.destroy_model_parallel()
+
+
+def test_strided_column_parallel_weight_gathers_to_the_full_weight():
+    run_distributed(_strided_round_trip, 2)

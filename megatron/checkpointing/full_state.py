@@ -1,0 +1,127 @@
+"""Checkpoints hold the full, unsharded model: the tensors of a tensor-parallel size 1 run.
+
+Saving gathers every tensor-parallel shard over its TP group before rank 0 writes, so a file
+written at any TP size has the same keys and shapes as a single-process run's; loading cuts
+this rank's shard out of the full tensor. A checkpoint therefore resumes at any TP (and DP)
+size. The optimizer state gets the same treatment: a state tensor shaped like its sharded
+parameter (Adam's exp_avg and exp_avg_sq, SGD's momentum) is gathered and cut along the
+parameter's partition dimension; scalars such as Adam's `step` are kept as they are.
+
+Which tensors are shards is read from the parameters' `tensor_model_parallel`,
+`partition_dim` and `partition_stride` attributes, set by the parallel layers.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List
+
+import torch
+from torch import nn
+
+from megatron import parallel_state
+from megatron.tensor_parallel import (
+    gather_tensor_model_parallel_weight,
+    shard_tensor_model_parallel_weight,
+)
+
+
+def _is_shard(tensor: torch.Tensor) -> bool:
+    return getattr(tensor, "tensor_model_parallel", False)
+
+
+def _full_shape(shard: torch.Tensor) -> torch.Size:
+    shape = list(shard.shape)
+    shape[shard.partition_dim] *= parallel_state.get_tensor_model_parallel_world_size()
+    return torch.Size(shape)
+
+
+def full_model_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
+    """`model.state_dict()` with every tensor-parallel shard replaced by the full tensor.
+
+    A collective over the tensor-parallel group when its size is above 1: every TP rank of
+    the replica that saves must call it.
+    """
+    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+        return model.state_dict()
+    return {
+        name: gather_tensor_model_parallel_weight(tensor) if _is_shard(tensor) else tensor.detach()
+        for name, tensor in model.state_dict(keep_vars=True).items()
+    }
+
+
+def load_full_model_state_dict(model: nn.Module, full_state: Dict[str, torch.Tensor]) -> None:
+    """Load a full (TP size 1) state dict, keeping this rank's shard of each split tensor.
+
+    Raises RuntimeError naming the key when a saved tensor does not have the full shape.
+    """
+    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+        model.load_state_dict(full_state, strict=True)
+        return
+    local_state = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        saved = full_state[name]
+        if _is_shard(tensor):
+            if saved.shape != _full_shape(tensor):
+                raise RuntimeError(
+                    f"{name}: the checkpoint holds shape {tuple(saved.shape)}, but this model's "
+                    f"full tensor is {tuple(_full_shape(tensor))} (this rank's shard "
+                    f"{tuple(tensor.shape)})"
+                )
+            saved = _shard_like(saved, tensor)
+        local_state[name] = saved
+    model.load_state_dict(local_state, strict=True)
+
+
+def full_optimizer_state_dict(optimizer: Any) -> Dict[str, Any]:
+    """`optimizer.state_dict()` (a MegatronOptimizer) with the per-parameter state of sharded
+    parameters gathered to full tensors. Collective over the tensor-parallel group."""
+    state = optimizer.state_dict()
+    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+        return state
+    return _map_sharded_states(optimizer, state, _gather_like, lambda param: param.shape)
+
+
+def load_full_optimizer_state_dict(optimizer: Any, full_state: Dict[str, Any]) -> None:
+    """Load a full optimizer state (saved at any TP size), keeping this rank's shards."""
+    if parallel_state.get_tensor_model_parallel_world_size() > 1:
+        full_state = _map_sharded_states(optimizer, full_state, _shard_like, _full_shape)
+    optimizer.load_state_dict(full_state)
+
+
+def _gather_like(state: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    return gather_tensor_model_parallel_weight(state, param.partition_dim, param.partition_stride)
+
+
+def _shard_like(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    return shard_tensor_model_parallel_weight(
+        full, param.partition_dim, stride=param.partition_stride
+    )
+
+
+def _map_sharded_states(
+    optimizer: Any,
+    state: Dict[str, Any],
+    convert: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    expected_shape: Callable[[torch.Tensor], torch.Size],
+) -> Dict[str, Any]:
+    """A copy of `state` whose per-parameter state tensors of sharded parameters, when shaped
+    `expected_shape(param)`, went through `convert(tensor, param)`; the rest is shared."""
+    # torch numbers parameters 0, 1, ... across param groups in order; so does this list.
+    params: List[torch.Tensor] = [
+        param for group in optimizer.param_groups for param in group["params"]
+    ]
+    inner = state["optimizer"]
+    converted_states = {}
+    for index, param_state in inner["state"].items():
+        param = params[index]
+        if not _is_shard(param):
+            converted_states[index] = param_state
+            continue
+        shape = expected_shape(param)
+        converted_states[index] = {
+            key: convert(value, param)
+            if torch.is_tensor(value) and value.dim() > 0 and value.shape == shape
+            else value
+            for key, value in param_state.items()
+        }
+    return {**state, "optimizer": {**inner, "state": converted_states}}
