@@ -42,6 +42,8 @@ class MoEConfig:
     shared_expert: bool = False
     shared_expert_ffn_hidden_size: Optional[int] = None
     memory_optimized_mlp: bool = False
+    # Ranks the experts are sharded over (moe.expert_parallel); 1: every rank holds all experts.
+    expert_model_parallel_size: int = 1
 
     def is_moe_layer(self, layer_number: int) -> bool:
         """Whether layer `layer_number` (0-based) gets experts: every `layer_freq`-th, from 0."""
@@ -52,11 +54,33 @@ class MoEConfig:
         return sum(self.is_moe_layer(index) for index in range(num_layers))
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace, model: ModelConfig) -> Optional[MoEConfig]:
-        """The MoE config of a parsed command line, or None when --moe-num-experts is unset."""
+    def from_args(
+        cls,
+        args: argparse.Namespace,
+        model: ModelConfig,
+        data_parallel_size: Optional[int] = None,
+    ) -> Optional[MoEConfig]:
+        """The MoE config of a parsed command line, or None when --moe-num-experts is unset.
+
+        `data_parallel_size` (default: the namespace's, when resolved) is the expert-parallel
+        size that --moe-expert-model-parallelism asks for.
+        """
         if getattr(args, "moe_num_experts", None) is None:
             return None
         mlp_type = args.mlp_type or ("glu" if model.swiglu else "mlp")
+        expert_parallel_size = getattr(args, "expert_model_parallel_size", 1)
+        expert_parallel_requested = args.moe_expert_model_parallelism or expert_parallel_size > 1
+        if args.moe_expert_model_parallelism:
+            if expert_parallel_size > 1:
+                raise ConfigError(
+                    "--moe-expert-model-parallelism (expert parallel size = data-parallel size) "
+                    f"and --expert-model-parallel-size {expert_parallel_size} both set it; "
+                    "pass one of them"
+                )
+            if data_parallel_size is None:
+                data_parallel_size = getattr(args, "data_parallel_size", None)
+            # Unknown here means validation cannot check divisibility; the layers check again.
+            expert_parallel_size = data_parallel_size or 1
         config = cls(
             num_experts=args.moe_num_experts,
             top_k=args.moe_top_k,
@@ -74,18 +98,23 @@ class MoEConfig:
             shared_expert=args.moe_shared_expert,
             shared_expert_ffn_hidden_size=args.moe_shared_expert_ffn_hidden_size,
             memory_optimized_mlp=args.moe_memory_optimized_mlp,
+            expert_model_parallel_size=expert_parallel_size,
         )
-        if args.moe_expert_model_parallelism:
-            raise ConfigError(
-                "--moe-expert-model-parallelism is not available yet; drop the flag "
-                "(every rank holds all experts and data parallelism replicates them)"
-            )
         if args.mlp_type == "mlp" and model.swiglu:
             raise ConfigError(
                 "--swiglu asks for gated experts but --mlp-type mlp was given; "
                 "use --mlp-type glu (SwiGLU experts) or drop --swiglu"
             )
         config.validate(model)
+        if expert_parallel_requested:
+            # The layers support expert parallelism (moe/expert_parallel.py); the trainer does
+            # not yet keep expert gradients out of its data-parallel all-reduce, reduce them
+            # with reduce_expert_gradients, or save expert shards. Remove this once it does.
+            raise ConfigError(
+                "expert parallelism (--expert-model-parallel-size / "
+                "--moe-expert-model-parallelism) is not available yet in pretrain_gpt.py; drop "
+                "the flag (every rank holds all experts and data parallelism replicates them)"
+            )
         return config
 
     def notes(self) -> List[str]:
@@ -146,6 +175,7 @@ class MoEConfig:
                 "--moe-impl sparse is the dropless dMoE's block-sparse backend; with "
                 "--no-moe-dropless use --moe-impl grouped or reference"
             )
+        self.validate_expert_parallelism()
         if self.shared_expert_ffn_hidden_size is not None:
             if not self.shared_expert:
                 raise ConfigError("--moe-shared-expert-ffn-hidden-size needs --moe-shared-expert")
@@ -154,3 +184,29 @@ class MoEConfig:
                     "--moe-shared-expert-ffn-hidden-size must be >= 1, got "
                     f"{self.shared_expert_ffn_hidden_size}"
                 )
+
+    def validate_expert_parallelism(self) -> None:
+        """Raise ConfigError unless the layers can shard these experts over
+        `expert_model_parallel_size` ranks (the layers call this too)."""
+        size = self.expert_model_parallel_size
+        if size < 1:
+            raise ConfigError(f"--expert-model-parallel-size must be >= 1, got {size}")
+        if size == 1:
+            return
+        if self.num_experts % size != 0:
+            raise ConfigError(
+                f"--moe-num-experts {self.num_experts} is not divisible by the expert parallel "
+                f"size {size} (--expert-model-parallel-size, or the data-parallel size with "
+                "--moe-expert-model-parallelism): each rank holds an equal block of experts; "
+                f"choose a number of experts that is a multiple of {size}"
+            )
+        if not self.dropless:
+            raise ConfigError(
+                "expert parallelism for the capacity-limited MoE (--no-moe-dropless) is not "
+                "available yet; use the dropless dMoE (--moe-dropless) or expert parallel size 1"
+            )
+        if self.mlp_impl == "reference":
+            raise ConfigError(
+                "--moe-impl reference runs every expert on one rank and has no expert-parallel "
+                "form; use --moe-impl grouped or sparse, or expert parallel size 1"
+            )

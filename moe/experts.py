@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from moe.expert_parallel import mark_expert_parallel
+
 Projection = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -28,6 +30,10 @@ class Experts(nn.Module):
     `activation` is "gelu" (tanh approximation) or "silu"; mlp_type "glu" gates it
     (SwiGLU with silu, GeGLU with gelu). With `memory_optimized`, the activation and the second
     projection are recomputed in backward, so only the first projection's output is kept.
+
+    With `expert_parallel_size` P > 1 the module holds only the E / P experts of
+    `expert_parallel_rank` r, experts [r * E/P, (r + 1) * E/P), as [E/P, ...] parameters marked
+    for moe.expert_parallel; local expert i is global expert r * E/P + i.
     """
 
     def __init__(
@@ -40,32 +46,54 @@ class Experts(nn.Module):
         memory_optimized: bool = False,
         init_std: float = 0.02,
         output_init_std: float = 0.02,
+        expert_parallel_size: int = 1,
+        expert_parallel_rank: int = 0,
     ) -> None:
         super().__init__()
         if mlp_type not in ("mlp", "glu"):
             raise ValueError(f"mlp_type must be 'mlp' or 'glu', got {mlp_type!r}")
         if activation not in ("gelu", "silu"):
             raise ValueError(f"activation must be 'gelu' or 'silu', got {activation!r}")
+        if num_experts % expert_parallel_size != 0:
+            raise ValueError(
+                f"{num_experts} experts do not split evenly over an expert parallel size of "
+                f"{expert_parallel_size}; use a number of experts that is a multiple of it"
+            )
         self.num_experts = num_experts
+        self.num_local_experts = num_experts // expert_parallel_size
+        self.first_local_expert = expert_parallel_rank * self.num_local_experts
         self.mlp_type = mlp_type
         self.activation = gelu_tanh if activation == "gelu" else F.silu
         self.memory_optimized = memory_optimized
-        self.w1 = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_hidden_size))
+        local = self.num_local_experts
+        self.w1 = nn.Parameter(torch.empty(local, hidden_size, ffn_hidden_size))
         if mlp_type == "glu":
-            self.v1 = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_hidden_size))
+            self.v1 = nn.Parameter(torch.empty(local, hidden_size, ffn_hidden_size))
         else:
             self.register_parameter("v1", None)
-        self.w2 = nn.Parameter(torch.empty(num_experts, ffn_hidden_size, hidden_size))
+        self.w2 = nn.Parameter(torch.empty(local, ffn_hidden_size, hidden_size))
+        if expert_parallel_size > 1:
+            for param in self.parameters():
+                mark_expert_parallel(param)
         self.init_expert_weights(init_std, output_init_std)
 
     @torch.no_grad()
     def init_expert_weights(self, std: float, output_std: float) -> None:
         """Megatron's init: normal(0, std) input projections, normal(0, output_std) for w2
-        (the scaled init of layers that add to the residual stream)."""
-        nn.init.normal_(self.w1, mean=0.0, std=std)
-        if self.v1 is not None:
-            nn.init.normal_(self.v1, mean=0.0, std=std)
-        nn.init.normal_(self.w2, mean=0.0, std=output_std)
+        (the scaled init of layers that add to the residual stream).
+
+        A shard draws all E experts and keeps its own, so that every expert parallel size
+        consumes the generator alike and gets the single-process weights.
+        """
+        for weight, weight_std in ((self.w1, std), (self.v1, std), (self.w2, output_std)):
+            if weight is None:
+                continue
+            if self.num_local_experts == self.num_experts:
+                nn.init.normal_(weight, mean=0.0, std=weight_std)
+                continue
+            full = weight.new_empty((self.num_experts,) + tuple(weight.shape[1:]))
+            nn.init.normal_(full, mean=0.0, std=weight_std)
+            weight.copy_(full.narrow(0, self.first_local_expert, self.num_local_experts))
 
     def _mlp(self, x: torch.Tensor, project: Projection) -> torch.Tensor:
         """The expert MLP on x with `project(input, weight)` as the matmul of each projection."""
@@ -85,7 +113,8 @@ class Experts(nn.Module):
         return activation_and_output(hidden, gate_input, self.w2)
 
     def forward_expert(self, expert: int, x: torch.Tensor) -> torch.Tensor:
-        """Expert `expert` alone on its tokens x [n, h] (the per-expert loop's building block)."""
+        """Local expert `expert` alone on its tokens x [n, h] (the per-expert loop's building
+        block)."""
 
         def project(inputs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
             return inputs @ weight[expert]
@@ -97,7 +126,8 @@ class Experts(nn.Module):
         return self._mlp(x, torch.bmm)
 
     def forward_grouped(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        """Rows sorted by expert, x [N, h], expert e owning the next tokens_per_expert[e] rows."""
+        """Rows sorted by expert, x [N, h], local expert e owning the next tokens_per_expert[e]
+        rows."""
         from moe.kernels.grouped_gemm import grouped_mm
 
         def project(inputs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

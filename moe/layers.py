@@ -9,6 +9,9 @@ leaves on the layer, for the training step to collect:
 Backends (`--moe-impl`): "grouped" permutes with moe.kernels.permute and multiplies with
 torch.bmm over capacity slots (MoE) or grouped_mm over sorted rows (dMoE); "sparse" uses the
 block-sparse kernels (dMoE only); "reference" is the per-expert loop of moe.reference.
+
+With `expert_model_parallel_size` > 1 the dMoE holds only its rank's block of experts and moves
+assignments to the rank of their expert and back by all-to-all (moe.expert_parallel).
 """
 
 from __future__ import annotations
@@ -20,9 +23,11 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from megatron import parallel_state
 from megatron.config import ModelConfig
 from megatron.model.mlp import MLP
 from moe.config import MoEConfig
+from moe.expert_parallel import ExpertExchange, expert_parallel_rank_and_size
 from moe.experts import Experts
 from moe.reference import reference_moe
 from moe.router import (
@@ -77,8 +82,12 @@ class MoELayer(nn.Module):
 
     def __init__(self, model_config: ModelConfig, moe_config: MoEConfig) -> None:
         super().__init__()
+        moe_config.validate_expert_parallelism()
         self.config = moe_config
         self.hidden_size = model_config.hidden_size
+        self.expert_parallel_rank, self.expert_parallel_size = expert_parallel_rank_and_size(
+            moe_config
+        )
         std = model_config.init_method_std
         output_std = std / math.sqrt(2.0 * model_config.num_layers)
         self.router = Router(model_config.hidden_size, moe_config, init_std=std)
@@ -91,6 +100,8 @@ class MoELayer(nn.Module):
             memory_optimized=moe_config.memory_optimized_mlp,
             init_std=std,
             output_init_std=output_std,
+            expert_parallel_size=self.expert_parallel_size,
+            expert_parallel_rank=self.expert_parallel_rank,
         )
         # MegaBlocks' experts have no biases; the layer adds one output bias (--bias).
         if model_config.add_bias_linear:
@@ -233,19 +244,66 @@ class DroplessMoE(MoELayer):
         impl = self.config.mlp_impl
         if impl == "reference":
             return self._reference(tokens, routing, None)
+        if self.expert_parallel_size > 1:
+            return self._compute_experts_expert_parallel(tokens, routing)
         # torch._grouped_mm takes bf16 only; other dtypes keep the Triton path (graph breaks).
         if impl == "grouped" and _compiling() and tokens.dtype == torch.bfloat16:
             return self._grouped_traceable(tokens, routing)
+        weights, indices, bins, tokens_per_expert = self._sort(routing)
+        output = self._run_experts(
+            tokens, indices, weights, bins, tokens_per_expert, self.config.top_k
+        )
+        return output, tokens_per_expert
+
+    def _run_experts(
+        self,
+        rows: torch.Tensor,
+        indices: torch.Tensor,
+        weights: Optional[torch.Tensor],
+        bins: torch.Tensor,
+        tokens_per_expert: torch.Tensor,
+        top_k: int,
+    ) -> torch.Tensor:
+        """Gather `rows` into expert order (permute's `indices` and `bins`), run this rank's
+        experts, scatter back weighted by `weights` (None: 1): [indices.numel() / top_k, h].
+
+        On one rank the rows are the tokens and the permutation the routing's; under expert
+        parallelism they are the received rows, put in expert order with top_k = 1.
+        """
+        if self.config.mlp_impl == "sparse":
+            return self._sparse(rows, weights, indices, bins, tokens_per_expert, top_k)
+        permute = _permute_ops()
+        expert_inputs = permute.gather(rows, indices, bins, top_k)
+        expert_outputs = self.experts.forward_grouped(expert_inputs, tokens_per_expert)
+        return permute.scatter(expert_outputs, indices, weights, bins, top_k)
+
+    # The all-to-all split sizes need a host sync, which no traced graph can hold: under
+    # torch.compile this method runs eagerly, between graphs (docs/moe.md).
+    @torch.compiler.disable
+    def _compute_experts_expert_parallel(
+        self, tokens: torch.Tensor, routing: Routing
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """compute_experts with the experts sharded over the expert-parallel group: rows to
+        the ranks of their experts, the local experts, rows back (moe.expert_parallel)."""
         permute = _permute_ops()
         weights, indices, bins, tokens_per_expert = self._sort(routing)
         top_k = self.config.top_k
-        if impl == "sparse":
-            return self._sparse(
-                tokens, weights, indices, bins, tokens_per_expert
-            ), tokens_per_expert
-        expert_inputs = permute.gather(tokens, indices, bins, top_k)
-        expert_outputs = self.experts.forward_grouped(expert_inputs, tokens_per_expert)
-        output = permute.scatter(expert_outputs, indices, weights, bins, top_k)
+        # Sorted by global expert is sorted by destination rank: each rank's rows are one block.
+        rows = permute.gather(tokens, indices, bins, top_k)
+        exchange = ExpertExchange.plan(
+            tokens_per_expert, parallel_state.get_expert_model_parallel_group()
+        )
+        received = exchange.dispatch(rows)
+        expert_outputs = self._run_experts(
+            received,
+            exchange.local_indices,
+            None,
+            exchange.local_bins,
+            exchange.tokens_per_local_expert,
+            top_k=1,
+        )
+        returned = exchange.combine(expert_outputs)
+        output = permute.scatter(returned, indices, weights, bins, top_k)
         return output, tokens_per_expert
 
     def _grouped_traceable(
@@ -267,17 +325,17 @@ class DroplessMoE(MoELayer):
         )
         return output, tokens_per_expert
 
-    def _sparse(self, tokens, weights, indices, bins, tokens_per_expert) -> torch.Tensor:
+    def _sparse(self, rows, weights, indices, bins, tokens_per_expert, top_k) -> torch.Tensor:
         from moe.kernels.block_sparse import Topology, sparse_mlp
 
         permute = _permute_ops()
-        top_k, block = self.config.top_k, self.sparse_block_size
+        block = self.sparse_block_size
         experts = self.experts
         num_experts, hidden, ffn = experts.w1.shape
         with torch.no_grad():
             padded_bins = permute.padded_bins(tokens_per_expert, block)
             topology = Topology.from_padded_bins(padded_bins, ffn, block)
-        expert_inputs = permute.padded_gather(tokens, indices, bins, padded_bins, top_k)
+        expert_inputs = permute.padded_gather(rows, indices, bins, padded_bins, top_k)
         # [E, h, f] -> [h, E*f] and [E, f, h] -> [E*f, h]: the block-sparse operand layouts.
         compute_dtype = expert_inputs.dtype  # autocast's dtype: weights cast like autocast would
         w1 = experts.w1.to(compute_dtype).permute(1, 0, 2).reshape(hidden, num_experts * ffn)

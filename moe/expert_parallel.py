@@ -1,0 +1,218 @@
+"""Expert parallelism for the dropless MoE: experts sharded over ranks, tokens moved by all-to-all.
+
+With an expert-parallel (EP) group of P ranks and E experts, rank r holds the contiguous block of
+experts [r * E/P, (r + 1) * E/P) (`Experts` draws the full [E, ...] weights and keeps its slice,
+so any P reproduces the P = 1 numbers). A dMoE layer's forward on rank r then runs:
+
+1. route its own tokens over all E experts and sort the assignments by expert (`_sort`); rows
+   sorted by global expert are also sorted by destination rank;
+2. `ExpertExchange.plan`: one all_to_all_single of the [P, E/P] count matrix tells every rank
+   how many rows each source sends to each of its local experts; the split sizes then come to the
+   host (`.tolist()`), the layer's one device-to-host sync: all_to_all_single takes its splits as
+   Python ints, as in Megatron-core and MegaBlocks;
+3. `dispatch`: all_to_all_single of the rows with those variable splits. The received rows are
+   grouped by source rank, then expert; `local_indices` reorders them into local-expert-major
+   order (expert, then source rank) through the ordinary gather / scatter of moe.kernels.permute
+   with top_k = 1, whose backward is the opposite permutation (a gather, no atomics);
+4. the local experts run exactly as on one rank (grouped GEMM or block-sparse), then the rows go
+   back to source-major order and `combine` returns them with the reverse all-to-all; the origin
+   rank scatters them to its tokens weighted by the router.
+Backward of each all-to-all is the all-to-all of the gradients with the splits swapped.
+
+Routing statistics stay local, as in MegaBlocks: every rank scores all E experts for its own
+tokens, and its load-balancing loss and `tokens_per_expert` count only its own tokens.
+
+Gradient semantics. After backward, an expert parameter on rank r holds the gradient of the
+losses of *all* ranks of its EP group with respect to r's experts (the all-to-all backward brings
+those contributions home), while every other parameter holds only its local tokens' gradient.
+Data parallelism averages gradients over the D data-parallel ranks, so to match it expert
+gradients must be summed over the expert-data-parallel group (the D / P ranks holding the same
+experts) and divided by D (equivalently averaged there and divided by P), while the other
+gradients are averaged over the whole data-parallel group as usual. Expert parameters are marked
+(`expert_model_parallel = True`, MegaBlocks' name, and `allreduce = False`, Megatron-core's)
+so that the trainer keeps them out of the data-parallel all-reduce; `reduce_expert_gradients`
+does their side.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron import parallel_state
+from moe.config import MoEConfig
+
+
+def expert_parallel_rank_and_size(config: MoEConfig) -> Tuple[int, int]:
+    """(rank, size) of this process in its expert-parallel group, checked against `config`.
+
+    The groups belong to megatron.parallel_state; a layer built for a different size than the
+    groups would hold the wrong experts, so a mismatch is an error, not a guess.
+    """
+    size = parallel_state.get_expert_model_parallel_world_size()
+    if size != config.expert_model_parallel_size:
+        raise RuntimeError(
+            f"MoEConfig.expert_model_parallel_size is {config.expert_model_parallel_size} but "
+            f"megatron.parallel_state's expert-parallel group has {size} rank(s); call "
+            f"parallel_state.initialize_model_parallel(expert_model_parallel_size="
+            f"{config.expert_model_parallel_size}) before building the model"
+        )
+    return parallel_state.get_expert_model_parallel_rank(), size
+
+
+def mark_expert_parallel(param: nn.Parameter) -> None:
+    """Mark a parameter sharded over the expert-parallel group: the trainer must not all-reduce
+    its gradient over data parallelism but call `reduce_expert_gradients` instead."""
+    param.expert_model_parallel = True
+    param.allreduce = False
+
+
+def is_expert_parameter(param: torch.Tensor) -> bool:
+    """Whether `param` is an expert-parallel shard (see `mark_expert_parallel`)."""
+    return getattr(param, "expert_model_parallel", False)
+
+
+def expert_parameters(model: nn.Module) -> List[nn.Parameter]:
+    """The expert-parallel parameters of `model`, in `model.parameters()` order."""
+    return [param for param in model.parameters() if is_expert_parameter(param)]
+
+
+def reduce_expert_gradients(
+    model: nn.Module,
+    expert_data_parallel_group: Optional[dist.ProcessGroup] = None,
+    data_parallel_size: Optional[int] = None,
+) -> None:
+    """Turn the expert gradients of one step into the data-parallel average (module docstring).
+
+    Sums them over `expert_data_parallel_group` (default: parallel_state's) in one flat
+    all-reduce and divides by `data_parallel_size` (default: parallel_state's). Every rank must
+    call it; the other parameters' gradients are left for the usual data-parallel reduction.
+    """
+    grads = [param.grad for param in expert_parameters(model) if param.grad is not None]
+    if not grads:
+        return
+    if data_parallel_size is None:
+        data_parallel_size = parallel_state.get_data_parallel_world_size()
+    group = expert_data_parallel_group
+    if group is None:
+        # None from parallel_state means one process; passed on to torch it would mean the world.
+        group = parallel_state.get_expert_data_parallel_group()
+    flat = torch.cat([grad.reshape(-1) for grad in grads])
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(flat, group=group)
+    flat /= data_parallel_size
+    for grad, reduced in zip(grads, flat.split([grad.numel() for grad in grads])):
+        grad.copy_(reduced.view_as(grad))
+
+
+def _all_to_all(
+    x: torch.Tensor,
+    output_splits: List[int],
+    input_splits: List[int],
+    group: Optional[dist.ProcessGroup],
+) -> torch.Tensor:
+    out = x.new_empty((sum(output_splits),) + tuple(x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
+    return out
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows to the ranks of `group` by `input_splits`, from them by `output_splits`; backward
+    sends the gradients back the same way, splits swapped."""
+
+    @staticmethod
+    def forward(ctx, x, output_splits, input_splits, group):
+        ctx.splits = (output_splits, input_splits)
+        ctx.group = group
+        return _all_to_all(x, output_splits, input_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        output_splits, input_splits = ctx.splits
+        return _all_to_all(grad_out, input_splits, output_splits, ctx.group), None, None, None
+
+
+def all_to_all(
+    x: torch.Tensor,
+    output_splits: List[int],
+    input_splits: List[int],
+    group: Optional[dist.ProcessGroup] = None,
+) -> torch.Tensor:
+    """Differentiable all_to_all_single of the rows of x with variable split sizes."""
+    return _AllToAll.apply(x, output_splits, input_splits, group)
+
+
+@dataclass
+class ExpertExchange:
+    """How one layer's rows move through an expert-parallel group, planned from the counts.
+
+    send_splits[p]: rows this rank sends to rank p; receive_splits[s]: rows it gets from rank s.
+    The received rows (source-major) reach the local experts through moe.kernels.permute with
+    top_k = 1: `local_indices[i]` is the received row at local-expert-major slot i,
+    `tokens_per_local_expert` [E/P] the rows of each local expert over all sources and
+    `local_bins` their inclusive cumulative sum.
+    """
+
+    group: Optional[dist.ProcessGroup]
+    send_splits: List[int]
+    receive_splits: List[int]
+    tokens_per_local_expert: torch.Tensor
+    local_indices: torch.Tensor
+    local_bins: torch.Tensor
+
+    @classmethod
+    @torch.no_grad()
+    def plan(
+        cls, tokens_per_expert: torch.Tensor, group: Optional[dist.ProcessGroup]
+    ) -> ExpertExchange:
+        """The exchange for this rank's assignments per expert, tokens_per_expert [E] (all E
+        experts, E divisible by the group size). Collective over `group`; one host sync."""
+        world_size = dist.get_world_size(group)
+        num_experts = tokens_per_expert.numel()
+        num_local = num_experts // world_size
+        # sent[p, e]: rows for local expert e of rank p. After the exchange received[s, e] is
+        # what rank s sends to this rank's local expert e.
+        sent = tokens_per_expert.to(torch.int64).reshape(world_size, num_local)
+        received = torch.empty_like(sent)
+        dist.all_to_all_single(received, sent, group=group)
+        # The layer's one device-to-host sync: all_to_all_single takes Python split sizes.
+        splits = torch.cat([sent.sum(1), received.sum(1)]).tolist()
+        send_splits, receive_splits = splits[:world_size], splits[world_size:]
+        local_indices = _expert_major_order(received, sum(receive_splits))
+        tokens_per_local_expert = received.sum(0).int()
+        local_bins = torch.cumsum(tokens_per_local_expert, 0).int()
+        return cls(
+            group, send_splits, receive_splits, tokens_per_local_expert, local_indices, local_bins
+        )
+
+    def dispatch(self, rows: torch.Tensor) -> torch.Tensor:
+        """Rows sorted by global expert [sum(send_splits), h] -> the rows for this rank's
+        experts, source-major [sum(receive_splits), h]."""
+        return all_to_all(rows, self.receive_splits, self.send_splits, self.group)
+
+    def combine(self, rows: torch.Tensor) -> torch.Tensor:
+        """Inverse of `dispatch`: expert outputs, source-major, back to the ranks they came
+        from, in the order those ranks sent them."""
+        return all_to_all(rows, self.send_splits, self.receive_splits, self.group)
+
+
+def _expert_major_order(received: torch.Tensor, total_rows: int) -> torch.Tensor:
+    """int32 [total_rows]: the source-major row (blocks (source s, expert e) in row-major
+    order of `received` [P, E/P]) at each slot of the expert-major order (blocks (e, s))."""
+    device = received.device
+    source_starts = torch.cumsum(received.reshape(-1), 0) - received.reshape(-1)
+    expert_major_counts = received.t().reshape(-1)
+    expert_major_starts = torch.cumsum(expert_major_counts, 0) - expert_major_counts
+    # output_size spares repeat_interleave its own host sync: the total is known already.
+    block_of_slot = torch.repeat_interleave(
+        torch.arange(expert_major_counts.numel(), device=device),
+        expert_major_counts,
+        output_size=total_rows,
+    )
+    rank_in_block = torch.arange(total_rows, device=device) - expert_major_starts[block_of_slot]
+    source_start_of_block = source_starts.reshape(received.shape).t().reshape(-1)
+    return (source_start_of_block[block_of_slot] + rank_in_block).int()

@@ -1,0 +1,265 @@
+"""Expert-parallel dMoE (moe.expert_parallel) on gloo against one process holding every expert.
+
+Each rank feeds its own tokens. Data parallelism's answer is the single-process layer on all
+tokens with the loss averaged over ranks; the expert-parallel layer must give the same outputs,
+input gradients, and (after the non-expert gradients are averaged over data parallelism and
+`reduce_expert_gradients` ran) the same slice of every expert gradient.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Optional
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron import parallel_state
+from megatron.config import ConfigError, ModelConfig
+from megatron.model import GPTModel
+from moe.arguments import add_moe_args
+from moe.config import MoEConfig
+from moe.expert_parallel import expert_parameters, is_expert_parameter, reduce_expert_gradients
+from moe.layers import build_moe_layer
+from tests.distributed.launch import run_distributed
+
+HIDDEN, FFN, TOKENS, EXPERTS = 8, 32, 6, 4
+
+
+@pytest.fixture(autouse=True)
+def reference_kernels(monkeypatch):
+    # Plain-PyTorch references of the kernels, here and in the forked ranks (they inherit it).
+    monkeypatch.setenv("MOE_KERNELS", "reference")
+
+
+def model_config(**overrides) -> ModelConfig:
+    base = dict(
+        num_layers=2, hidden_size=HIDDEN, num_attention_heads=2, ffn_hidden_size=FFN,
+        seq_length=TOKENS, max_position_embeddings=TOKENS, add_bias_linear=False,
+    )  # fmt: skip
+    return ModelConfig(**{**base, **overrides})
+
+
+def make_layer(impl: str, top_k: int, expert_parallel_size: int, targets: Optional[list]):
+    """The layer every run builds from seed 0; with `targets`, a router that sends a token
+    whose feature e is large to expert e (see `make_tokens`)."""
+    torch.manual_seed(0)
+    config = MoEConfig(
+        num_experts=EXPERTS,
+        top_k=top_k,
+        mlp_impl=impl,
+        expert_model_parallel_size=expert_parallel_size,
+    )
+    layer = build_moe_layer(model_config(), config)
+    if targets is not None:
+        with torch.no_grad():
+            layer.router.layer.weight.copy_(torch.eye(EXPERTS, HIDDEN))
+    return layer
+
+
+def make_tokens(world_size: int, targets: Optional[list]) -> torch.Tensor:
+    """[world_size, TOKENS, HIDDEN]: rank r's tokens are row r; targets[r][t] steers token t."""
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.randn(world_size, TOKENS, HIDDEN, generator=generator)
+    if targets is not None:
+        tokens *= 0.1
+        steer = torch.nn.functional.one_hot(torch.tensor(targets), HIDDEN).float()
+        tokens += 4.0 * steer
+    return tokens
+
+
+def probe(world_size: int) -> torch.Tensor:
+    """A fixed direction per output element, so that every output value matters to the loss."""
+    generator = torch.Generator().manual_seed(2)
+    return torch.randn(world_size, TOKENS, HIDDEN, generator=generator)
+
+
+def local_loss(layer, tokens: torch.Tensor, direction: torch.Tensor) -> torch.Tensor:
+    """Mean over the tokens of <output, direction>, plus the router z-loss (also a mean over
+    tokens), so that the mean of per-rank losses is the loss of all tokens."""
+    output = layer(tokens)
+    return (output * direction).sum() / direction[..., 0].numel() + layer.router_z_loss, output
+
+
+def _expert_parallel_step(
+    rank: int, world_size: int, impl: str, top_k: int, ep: int, targets: Optional[list]
+) -> dict:
+    parallel_state.initialize_model_parallel(expert_model_parallel_size=ep)
+    try:
+        layer = make_layer(impl, top_k, ep, targets)
+        tokens = make_tokens(world_size, targets)[rank : rank + 1].clone().requires_grad_(True)
+        loss, output = local_loss(layer, tokens, probe(world_size)[rank : rank + 1])
+        loss.backward()
+        # What DDP does for the replicated parameters: average over data parallelism.
+        for param in layer.parameters():
+            if not is_expert_parameter(param):
+                dist.all_reduce(param.grad)
+                param.grad /= world_size
+        reduce_expert_gradients(layer)
+        return {
+            "output": output.detach()[0],
+            "input_grad": tokens.grad[0],
+            "grads": {name: param.grad for name, param in layer.named_parameters()},
+            "expert_names": [n for n, p in layer.named_parameters() if is_expert_parameter(p)],
+            "tokens_per_expert": layer.tokens_per_expert.clone(),
+            "load_balancing_loss": layer.load_balancing_loss.detach(),
+        }
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def check_against_one_process(impl: str, top_k: int, world_size: int, ep: int, targets=None):
+    results = run_distributed(_expert_parallel_step, world_size, impl, top_k, ep, targets)
+    reference = make_layer(impl, top_k, 1, targets)
+    all_tokens = make_tokens(world_size, targets).view(1, world_size * TOKENS, HIDDEN)
+    all_tokens.requires_grad_(True)
+    loss, output = local_loss(reference, all_tokens, probe(world_size).view_as(all_tokens))
+    loss.backward()
+    per_rank_output = output.detach().view(world_size, TOKENS, HIDDEN)
+    # d(mean over ranks)/d(rank r's tokens) is 1/world_size of rank r's own loss gradient.
+    per_rank_input_grad = all_tokens.grad.view(world_size, TOKENS, HIDDEN) * world_size
+    reference_grads = dict(reference.named_parameters())
+    local_experts = EXPERTS // ep
+    total_tokens_per_expert = torch.zeros(EXPERTS, dtype=torch.long)
+    for rank, result in enumerate(results):
+        close = dict(atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(result["output"], per_rank_output[rank], **close)
+        torch.testing.assert_close(result["input_grad"], per_rank_input_grad[rank], **close)
+        assert sorted(result["expert_names"]) == ["experts.w1", "experts.w2"]
+        first = (rank % ep) * local_experts
+        for name, grad in result["grads"].items():
+            expected = reference_grads[name].grad
+            if name in result["expert_names"]:
+                expected = expected[first : first + local_experts]
+            torch.testing.assert_close(grad, expected, msg=f"rank {rank} {name}", **close)
+        # Routing statistics are each rank's own: its tokens, all experts.
+        rank_tokens = make_tokens(world_size, targets)[rank : rank + 1]
+        with torch.no_grad():
+            reference(rank_tokens)
+        torch.testing.assert_close(result["load_balancing_loss"], reference.load_balancing_loss)
+        total_tokens_per_expert += result["tokens_per_expert"]
+    with torch.no_grad():
+        reference(all_tokens)
+    assert total_tokens_per_expert.tolist() == reference.tokens_per_expert.tolist()
+    return results
+
+
+@pytest.mark.parametrize("impl", ["grouped", "sparse"])
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_two_ranks_match_one_process(impl, top_k):
+    check_against_one_process(impl, top_k, world_size=2, ep=2)
+
+
+@pytest.mark.parametrize("impl", ["grouped", "sparse"])
+def test_four_ranks_two_expert_data_parallel_replicas(impl):
+    # Expert groups [0, 1] and [2, 3]; ranks 0 and 2 (1 and 3) hold the same experts.
+    check_against_one_process(impl, top_k=2, world_size=4, ep=2)
+
+
+@pytest.mark.parametrize("impl", ["grouped", "sparse"])
+def test_all_tokens_to_one_ranks_experts(impl):
+    # Rank 0's experts 0 and 1 get nothing: rank 0 receives no rows and its gradients are zero.
+    targets = [[2, 3, 2, 2, 3, 3], [3, 3, 2, 3, 2, 2]]
+    results = check_against_one_process(impl, 1, world_size=2, ep=2, targets=targets)
+    assert all(result["tokens_per_expert"][:2].sum() == 0 for result in results)
+    assert results[0]["grads"]["experts.w1"].abs().sum() == 0
+
+
+@pytest.mark.parametrize("impl", ["grouped", "sparse"])
+def test_crossed_routing_with_an_idle_expert(impl):
+    # Rank 0 sends everything to rank 1's experts; rank 1 uses experts 0 and 2; expert 1 idles.
+    targets = [[2, 3, 3, 2, 2, 3], [0, 2, 0, 0, 2, 0]]
+    results = check_against_one_process(impl, 1, world_size=2, ep=2, targets=targets)
+    assert results[0]["tokens_per_expert"].tolist() == [0, 0, 3, 3]
+    assert results[1]["tokens_per_expert"].tolist() == [4, 0, 2, 0]
+
+
+def test_grouped_backend_on_the_triton_kernels(monkeypatch):
+    """The same exchange through the Triton permute and grouped-GEMM kernels (the interpreter
+    on the CPU): top_k = 1 gathers without weights, and a rank that receives no rows."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        # The ranks hold CPU tensors (gloo): the kernels can only run in the interpreter.
+        pytest.skip("needs Triton's CPU interpreter (tests/conftest.py enables it without a GPU)")
+    monkeypatch.setenv("MOE_KERNELS", "triton")
+    check_against_one_process("grouped", 2, world_size=2, ep=2)
+    targets = [[2, 3, 2, 2, 3, 3], [3, 3, 2, 3, 2, 2]]
+    check_against_one_process("grouped", 1, world_size=2, ep=2, targets=targets)
+
+
+def _gpt_expert_weights(rank: int, world_size: int) -> list:
+    parallel_state.initialize_model_parallel(expert_model_parallel_size=world_size)
+    try:
+        moe = MoEConfig(num_experts=EXPERTS, expert_model_parallel_size=world_size)
+        torch.manual_seed(0)
+        model = GPTModel(model_config(padded_vocab_size=32, moe=moe))
+        return [param.detach() for param in expert_parameters(model)]
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def test_gpt_model_expert_shards_are_slices_of_the_single_process_weights():
+    shards = run_distributed(_gpt_expert_weights, 2)
+    torch.manual_seed(0)
+    model = GPTModel(model_config(padded_vocab_size=32, moe=MoEConfig(num_experts=EXPERTS)))
+    full = [param for name, param in model.named_parameters() if ".experts." in name]
+    assert len(full) == len(shards[0]) == 4  # w1 and w2 of two MoE layers
+    for rank, rank_shards in enumerate(shards):
+        for shard, weight in zip(rank_shards, full):
+            torch.testing.assert_close(shard, weight.detach()[rank * 2 : rank * 2 + 2])
+
+
+def test_experts_not_divisible_by_expert_parallel_size():
+    config = MoEConfig(num_experts=6, expert_model_parallel_size=4)
+    with pytest.raises(ConfigError, match=r"--moe-num-experts 6 .* expert parallel size 4"):
+        config.validate(model_config())
+    with pytest.raises(ConfigError, match=r"--moe-num-experts 6 .* expert parallel size 4"):
+        build_moe_layer(model_config(), config)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(dropless=False), "capacity-limited MoE .* not available yet"),
+        (dict(mlp_impl="reference"), "--moe-impl reference"),
+    ],
+)
+def test_unsupported_expert_parallel_layers_say_so(overrides, message):
+    config = MoEConfig(num_experts=4, expert_model_parallel_size=2, **overrides)
+    with pytest.raises(ConfigError, match=message):
+        build_moe_layer(model_config(), config)
+
+
+def test_layer_needs_the_expert_parallel_groups():
+    with pytest.raises(RuntimeError, match="initialize_model_parallel"):
+        build_moe_layer(model_config(), MoEConfig(num_experts=4, expert_model_parallel_size=2))
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_moe_args(parser)
+    return parser.parse_args(["--moe-num-experts", "6", *argv])
+
+
+@pytest.mark.parametrize(
+    "argv, data_parallel_size, message",
+    [
+        (["--expert-model-parallel-size", "4"], None, "--moe-num-experts 6 is not divisible"),
+        (["--moe-expert-model-parallelism"], 4, "--moe-num-experts 6 is not divisible"),
+        (["--expert-model-parallel-size", "2"], None, "not available yet in pretrain_gpt.py"),
+        (
+            ["--moe-expert-model-parallelism", "--expert-model-parallel-size", "2"],
+            None,
+            "pass one of them",
+        ),
+    ],
+)
+def test_expert_parallel_flags(argv, data_parallel_size, message):
+    with pytest.raises(ConfigError, match=message):
+        MoEConfig.from_args(parse(*argv), model_config(), data_parallel_size)
+
+
+def test_unset_expert_parallel_flags_keep_one_rank():
+    config = MoEConfig.from_args(parse(), model_config())
+    assert config.expert_model_parallel_size == 1
