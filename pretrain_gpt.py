@@ -15,6 +15,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from megatron import parallel_state
 from megatron.config import (
     Config,
     ConfigError,
@@ -39,6 +40,7 @@ from megatron.tokenizer import build_tokenizer, vocab_size_with_padding
 from megatron.training import TrainingResult, pretrain
 from moe.arguments import add_moe_args
 from moe.config import MoEConfig
+from moe.expert_parallel import expert_parameters
 from moe.layers import MoEAuxiliaryLosses
 
 
@@ -117,7 +119,9 @@ def main(argv: Optional[List[str]] = None) -> TrainingResult:
         namespace = parse_arguments(argv, extra_groups=[add_moe_args])
         run_arguments = resolve_arguments(namespace, world_size)
         config = Config.from_args(namespace, world_size)
-        config.model.moe = MoEConfig.from_args(namespace, config.model)
+        config.model.moe = MoEConfig.from_args(
+            namespace, config.model, config.parallel.data_parallel_size
+        )
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -142,12 +146,35 @@ def main(argv: Optional[List[str]] = None) -> TrainingResult:
         raise SystemExit(2)
 
     context = initialize_distributed(config.parallel.distributed_backend)
-    initialize_model_parallel(tensor_parallel_size)
+    initialize_model_parallel(tensor_parallel_size, _expert_parallel_size(config))
     try:
         return _setup_and_train(config, run_arguments, context)
     finally:
         # Later runs in this process (tests) start from fresh groups.
         destroy_model_parallel()
+
+
+def _expert_parallel_size(config: Config) -> int:
+    """Ranks each MoE layer's experts are sharded over (moe.expert_parallel); 1 without MoE."""
+    return config.model.moe.expert_model_parallel_size if config.model.moe is not None else 1
+
+
+def _parameter_count_lines(model: torch.nn.Module) -> List[str]:
+    """Megatron's parameter-count line, counting the whole model: under expert parallelism
+    each expert shard counts expert-parallel-size times, so every layout prints the number
+    of a single-process run; a second line then says what this rank holds."""
+    local_count = sum(parameter.numel() for parameter in model.parameters())
+    expert_count = sum(parameter.numel() for parameter in expert_parameters(model))
+    expert_parallel_size = parallel_state.get_expert_model_parallel_world_size()
+    total = local_count + (expert_parallel_size - 1) * expert_count
+    lines = [f" > number of parameters on (tensor, pipeline) model parallel rank (0, 0): {total}"]
+    if expert_parallel_size > 1:
+        lines.append(
+            f" > {expert_count * expert_parallel_size} of them in experts, sharded over "
+            f"{expert_parallel_size} expert-parallel ranks: each rank holds {local_count} "
+            "parameters"
+        )
+    return lines
 
 
 def _setup_and_train(
@@ -156,7 +183,8 @@ def _setup_and_train(
     print_rank_0(
         f"using world size: {context.world_size}, data-parallel size: "
         f"{config.parallel.data_parallel_size}, tensor-model-parallel size: "
-        f"{config.parallel.tensor_model_parallel_size}, pipeline-model-parallel size: 1"
+        f"{config.parallel.tensor_model_parallel_size}, pipeline-model-parallel size: 1, "
+        f"expert-model-parallel size: {_expert_parallel_size(config)}"
     )
     print_rank_0(format_arguments_block(run_arguments))
     moe_notes = config.model.moe.notes() if config.model.moe is not None else []
@@ -182,10 +210,8 @@ def _setup_and_train(
 
     print_rank_0("building GPT model ...")
     model = GPTModel(config.model)
-    parameter_count = sum(parameter.numel() for parameter in model.parameters())
-    print_rank_0(
-        f" > number of parameters on (tensor, pipeline) model parallel rank (0, 0): {parameter_count}"
-    )
+    for line in _parameter_count_lines(model):
+        print_rank_0(line)
 
     datasets = build_datasets(config)
     barrier()

@@ -67,12 +67,18 @@ def initialize_distributed(
     return DistributedContext(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
 
 
-def initialize_model_parallel(tensor_model_parallel_size: int) -> None:
-    """Create the tensor/data-parallel process groups (`megatron.parallel_state`) once the
-    default process group exists; groups left by an earlier run in this process are replaced."""
+def initialize_model_parallel(
+    tensor_model_parallel_size: int, expert_model_parallel_size: int = 1
+) -> None:
+    """Create the tensor/data/expert-parallel process groups (`megatron.parallel_state`) once
+    the default process group exists; groups left by an earlier run in this process are
+    replaced."""
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_model_parallel_size)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tensor_model_parallel_size,
+        expert_model_parallel_size=expert_model_parallel_size,
+    )
 
 
 def set_random_seed(seed: int) -> None:

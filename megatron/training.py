@@ -22,6 +22,7 @@ from megatron import parallel_state
 from megatron.checkpointing import load_checkpoint, save_checkpoint
 from megatron.config import Config
 from megatron.data.samplers import MegatronPretrainingSampler
+from megatron.distributed import finalize_gradients, micro_batch_context, wrap_data_parallel
 from megatron.initialize import DistributedContext, print_rank_0
 from megatron.logging import (
     IterationStats,
@@ -32,7 +33,6 @@ from megatron.logging import (
 from megatron.model.flops import num_floating_point_operations
 from megatron.optimizer import build_lr_scheduler, build_optimizer
 from megatron.optimizer.distributed_optimizer import build_distributed_optimizer
-from megatron.tensor_parallel import all_reduce_sequence_parallel_grads
 
 ForwardStep = Callable[
     [torch.nn.Module, Dict[str, torch.Tensor]], Tuple[torch.Tensor, Dict[str, torch.Tensor]]
@@ -176,14 +176,8 @@ class Trainer:
         self.scheduler = build_lr_scheduler(self.optimizer, config.optimizer, config.training)
         data_parallel_size = parallel_state.get_data_parallel_world_size()
         if data_parallel_size > 1 and not config.parallel.use_distributed_optimizer:
-            # Bucketed all-reduce that starts while backward is still running; over the
-            # replicas only (tensor-parallel peers hold different shards).
-            self.model = torch.nn.parallel.DistributedDataParallel(
-                self.unwrapped_model,
-                device_ids=[context.device.index] if context.device.type == "cuda" else None,
-                broadcast_buffers=False,
-                gradient_as_bucket_view=True,
-                process_group=data_parallel_group,
+            self.model = wrap_data_parallel(
+                self.unwrapped_model, context.device, data_parallel_group
             )
         else:
             self.model = self.unwrapped_model
@@ -209,12 +203,6 @@ class Trainer:
         self.last_saved_iteration: Optional[int] = None
 
     # ------------------------------------------------------------------ steps
-    def _micro_batch_contexts(self, index: int, count: int):
-        ddp = getattr(self.model, "_orig_mod", self.model)  # see through torch.compile
-        if isinstance(ddp, torch.nn.parallel.DistributedDataParallel) and index < count - 1:
-            return ddp.no_sync()  # gradients are all-reduced once, with the last micro-batch
-        return contextlib.nullcontext()
-
     def train_step(
         self, data_iterator: Iterator
     ) -> Tuple[Dict[str, float], bool, Optional[float], bool]:
@@ -229,15 +217,13 @@ class Trainer:
         )
         for index in range(num_micro_batches):
             batch = _to_device(next(data_iterator), self.context.device)
-            with self._micro_batch_contexts(index, num_micro_batches):
+            with micro_batch_context(self.model, index, num_micro_batches):
                 with _autocast(self.config, self.context.device):
                     loss, reported = self.forward_step(self.model, batch)
                 self.optimizer.scale_loss(loss / num_micro_batches).backward()
             for name, value in reported.items():
                 reported_sums[name] += value.detach().float()
-        if self.config.model.sequence_parallel:
-            # Norms saw only this rank's sequence shard: sum their gradients over TP ranks.
-            all_reduce_sequence_parallel_grads(self.unwrapped_model.parameters())
+        finalize_gradients(self.unwrapped_model, self.config)
         update_successful, grad_norm, _ = self.optimizer.step()
         if update_successful:
             self.scheduler.step(increment=self.config.training.global_batch_size)

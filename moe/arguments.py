@@ -86,13 +86,13 @@ def add_moe_args(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="Shard each dMoE layer's experts over this many data-parallel ranks, tokens "
         "exchanged by all-to-all (Megatron-core's flag); must divide --moe-num-experts and the "
-        "data-parallel size. Not yet wired into pretrain_gpt.py.",
+        "data-parallel size. Not with --use-distributed-optimizer yet (docs/moe.md).",
     )
     group.add_argument(
         "--moe-expert-model-parallelism",
         action="store_true",
         help="MegaBlocks' switch for expert parallelism over all data-parallel ranks "
-        "(expert parallel size = data-parallel size). Not yet wired into pretrain_gpt.py.",
+        "(expert parallel size = data-parallel size, which must divide --moe-num-experts).",
     )
     group.add_argument(
         "--moe-router-score",

@@ -63,13 +63,23 @@ class MoEConfig:
         """The MoE config of a parsed command line, or None when --moe-num-experts is unset.
 
         `data_parallel_size` (default: the namespace's, when resolved) is the expert-parallel
-        size that --moe-expert-model-parallelism asks for.
+        size that --moe-expert-model-parallelism asks for, and what --expert-model-parallel-size
+        must divide; unknown, that check is left to `parallel_state.initialize_model_parallel`.
         """
         if getattr(args, "moe_num_experts", None) is None:
+            if getattr(args, "expert_model_parallel_size", 1) != 1 or getattr(
+                args, "moe_expert_model_parallelism", False
+            ):
+                raise ConfigError(
+                    "--expert-model-parallel-size / --moe-expert-model-parallelism shard MoE "
+                    "experts, but the model has none (no --moe-num-experts); add "
+                    "--moe-num-experts N or drop the flag"
+                )
             return None
         mlp_type = args.mlp_type or ("glu" if model.swiglu else "mlp")
         expert_parallel_size = getattr(args, "expert_model_parallel_size", 1)
-        expert_parallel_requested = args.moe_expert_model_parallelism or expert_parallel_size > 1
+        if data_parallel_size is None:
+            data_parallel_size = getattr(args, "data_parallel_size", None)
         if args.moe_expert_model_parallelism:
             if expert_parallel_size > 1:
                 raise ConfigError(
@@ -77,8 +87,6 @@ class MoEConfig:
                     f"and --expert-model-parallel-size {expert_parallel_size} both set it; "
                     "pass one of them"
                 )
-            if data_parallel_size is None:
-                data_parallel_size = getattr(args, "data_parallel_size", None)
             # Unknown here means validation cannot check divisibility; the layers check again.
             expert_parallel_size = data_parallel_size or 1
         config = cls(
@@ -106,15 +114,8 @@ class MoEConfig:
                 "use --mlp-type glu (SwiGLU experts) or drop --swiglu"
             )
         config.validate(model)
-        if expert_parallel_requested:
-            # The layers support expert parallelism (moe/expert_parallel.py); the trainer does
-            # not yet keep expert gradients out of its data-parallel all-reduce, reduce them
-            # with reduce_expert_gradients, or save expert shards. Remove this once it does.
-            raise ConfigError(
-                "expert parallelism (--expert-model-parallel-size / "
-                "--moe-expert-model-parallelism) is not available yet in pretrain_gpt.py; drop "
-                "the flag (every rank holds all experts and data parallelism replicates them)"
-            )
+        if expert_parallel_size > 1:
+            _check_expert_parallel_layout(args, expert_parallel_size, data_parallel_size)
         return config
 
     def notes(self) -> List[str]:
@@ -210,3 +211,25 @@ class MoEConfig:
                 "--moe-impl reference runs every expert on one rank and has no expert-parallel "
                 "form; use --moe-impl grouped or sparse, or expert parallel size 1"
             )
+
+
+def _check_expert_parallel_layout(
+    args: argparse.Namespace, expert_parallel_size: int, data_parallel_size: Optional[int]
+) -> None:
+    """Raise ConfigError for an expert-parallel layout the trainer cannot run (yet)."""
+    if data_parallel_size is not None and data_parallel_size % expert_parallel_size != 0:
+        raise ConfigError(
+            f"--expert-model-parallel-size {expert_parallel_size} does not divide the "
+            f"data-parallel size {data_parallel_size} (world size / --tensor-model-parallel-size): "
+            "experts are sharded over data-parallel ranks; choose an expert parallel size that "
+            f"divides {data_parallel_size}, or launch a multiple of {expert_parallel_size} "
+            "data-parallel ranks"
+        )
+    if getattr(args, "use_distributed_optimizer", False):
+        # Its flat buffers reduce-scatter every gradient over the whole data-parallel group
+        # and shard the state by data-parallel rank; expert shards need their own group.
+        raise ConfigError(
+            "--use-distributed-optimizer with expert parallelism (--expert-model-parallel-size "
+            f"{expert_parallel_size} / --moe-expert-model-parallelism) is not available yet; "
+            "drop one of them"
+        )

@@ -1,14 +1,17 @@
-"""Checkpoints hold the full, unsharded model: the tensors of a tensor-parallel size 1 run.
+"""Checkpoints hold the full, unsharded model: the tensors of a single-process run.
 
-Saving gathers every tensor-parallel shard over its TP group before rank 0 writes, so a file
-written at any TP size has the same keys and shapes as a single-process run's; loading cuts
-this rank's shard out of the full tensor. A checkpoint therefore resumes at any TP (and DP)
-size. The optimizer state gets the same treatment: a state tensor shaped like its sharded
-parameter (Adam's exp_avg and exp_avg_sq, SGD's momentum) is gathered and cut along the
-parameter's partition dimension; scalars such as Adam's `step` are kept as they are.
+Saving gathers every tensor-parallel shard over its TP group, and every expert shard over its
+expert-parallel group, before rank 0 writes, so a file written in any layout has the same keys
+and shapes as a single-process run's; loading cuts this rank's shard out of the full tensor. A
+checkpoint therefore resumes at any TP, expert-parallel (and DP) size. The optimizer state gets
+the same treatment: a state tensor shaped like its sharded parameter (Adam's exp_avg and
+exp_avg_sq, SGD's momentum) is gathered and cut like the parameter; scalars such as Adam's
+`step` are kept as they are.
 
-Which tensors are shards is read from the parameters' `tensor_model_parallel`,
-`partition_dim` and `partition_stride` attributes, set by the parallel layers.
+Which tensors are shards is read from the parameters' attributes: `tensor_model_parallel`,
+`partition_dim` and `partition_stride`, set by the parallel layers, and
+`expert_model_parallel` (moe.expert_parallel), whose [E/P, ...] slices are experts
+[r * E/P, (r + 1) * E/P) of the full [E, ...] tensor on expert-parallel rank r.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, List
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from megatron import parallel_state
@@ -25,36 +29,56 @@ from megatron.tensor_parallel import (
 )
 
 
-def _is_shard(tensor: torch.Tensor) -> bool:
+def _is_tensor_parallel_shard(tensor: torch.Tensor) -> bool:
     return getattr(tensor, "tensor_model_parallel", False)
+
+
+def _is_expert_shard(tensor: torch.Tensor) -> bool:
+    return getattr(tensor, "expert_model_parallel", False)
+
+
+def _is_shard(tensor: torch.Tensor) -> bool:
+    return _is_tensor_parallel_shard(tensor) or _is_expert_shard(tensor)
+
+
+def _sharded_layout() -> bool:
+    """Whether any parameter can be a shard: otherwise state dicts pass through unchanged."""
+    return (
+        parallel_state.get_tensor_model_parallel_world_size() > 1
+        or parallel_state.get_expert_model_parallel_world_size() > 1
+    )
 
 
 def _full_shape(shard: torch.Tensor) -> torch.Size:
     shape = list(shard.shape)
-    shape[shard.partition_dim] *= parallel_state.get_tensor_model_parallel_world_size()
+    if _is_tensor_parallel_shard(shard):
+        shape[shard.partition_dim] *= parallel_state.get_tensor_model_parallel_world_size()
+    if _is_expert_shard(shard):
+        shape[0] *= parallel_state.get_expert_model_parallel_world_size()
     return torch.Size(shape)
 
 
 def full_model_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
-    """`model.state_dict()` with every tensor-parallel shard replaced by the full tensor.
+    """`model.state_dict()` with every tensor- and expert-parallel shard replaced by the full
+    tensor.
 
-    A collective over the tensor-parallel group when its size is above 1: every TP rank of
-    the replica that saves must call it.
+    A collective over the tensor- and expert-parallel groups when their size is above 1: every
+    rank of the writer's groups (expert-data-parallel rank 0) must call it.
     """
-    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+    if not _sharded_layout():
         return model.state_dict()
     return {
-        name: gather_tensor_model_parallel_weight(tensor) if _is_shard(tensor) else tensor.detach()
+        name: _gather_like(tensor, tensor) if _is_shard(tensor) else tensor.detach()
         for name, tensor in model.state_dict(keep_vars=True).items()
     }
 
 
 def load_full_model_state_dict(model: nn.Module, full_state: Dict[str, torch.Tensor]) -> None:
-    """Load a full (TP size 1) state dict, keeping this rank's shard of each split tensor.
+    """Load a full (single-process) state dict, keeping this rank's shard of each split tensor.
 
     Raises RuntimeError naming the key when a saved tensor does not have the full shape.
     """
-    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+    if not _sharded_layout():
         model.load_state_dict(full_state, strict=True)
         return
     local_state = {}
@@ -74,28 +98,57 @@ def load_full_model_state_dict(model: nn.Module, full_state: Dict[str, torch.Ten
 
 def full_optimizer_state_dict(optimizer: Any) -> Dict[str, Any]:
     """`optimizer.state_dict()` (a MegatronOptimizer) with the per-parameter state of sharded
-    parameters gathered to full tensors. Collective over the tensor-parallel group."""
+    parameters gathered to full tensors. Collective like `full_model_state_dict`."""
     state = optimizer.state_dict()
-    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+    if not _sharded_layout():
         return state
     return _map_sharded_states(optimizer, state, _gather_like, lambda param: param.shape)
 
 
 def load_full_optimizer_state_dict(optimizer: Any, full_state: Dict[str, Any]) -> None:
-    """Load a full optimizer state (saved at any TP size), keeping this rank's shards."""
-    if parallel_state.get_tensor_model_parallel_world_size() > 1:
+    """Load a full optimizer state (saved in any layout), keeping this rank's shards."""
+    if _sharded_layout():
         full_state = _map_sharded_states(optimizer, full_state, _shard_like, _full_shape)
     optimizer.load_state_dict(full_state)
 
 
-def _gather_like(state: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    return gather_tensor_model_parallel_weight(state, param.partition_dim, param.partition_stride)
+def _gather_like(shard: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """The full tensor of `shard`, a tensor split like `param`: tensor-parallel shards are
+    joined first, then expert blocks (the inverse of `_shard_like`)."""
+    full = shard.detach()
+    if _is_tensor_parallel_shard(param):
+        full = gather_tensor_model_parallel_weight(
+            full, param.partition_dim, param.partition_stride
+        )
+    if _is_expert_shard(param):
+        full = _gather_expert_blocks(full)
+    return full
 
 
 def _shard_like(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    return shard_tensor_model_parallel_weight(
-        full, param.partition_dim, stride=param.partition_stride
-    )
+    """This rank's part of `full`, split like `param`."""
+    if _is_expert_shard(param):
+        size = parallel_state.get_expert_model_parallel_world_size()
+        block = full.shape[0] // size
+        first = parallel_state.get_expert_model_parallel_rank() * block
+        # A copy: a view would keep the whole [E, ...] tensor alive behind the optimizer state.
+        full = full.narrow(0, first, block).clone()
+    if _is_tensor_parallel_shard(param):
+        full = shard_tensor_model_parallel_weight(
+            full, param.partition_dim, stride=param.partition_stride
+        )
+    return full
+
+
+def _gather_expert_blocks(block: torch.Tensor) -> torch.Tensor:
+    """[E/P, ...] blocks of the expert-parallel ranks, in rank order: [E, ...]."""
+    block = block.contiguous()
+    blocks = [
+        torch.empty_like(block)
+        for _ in range(parallel_state.get_expert_model_parallel_world_size())
+    ]
+    dist.all_gather(blocks, block, group=parallel_state.get_expert_model_parallel_group())
+    return torch.cat(blocks, dim=0)
 
 
 def _map_sharded_states(

@@ -31,6 +31,7 @@ from megatron.checkpointing.rng import (
 )
 from megatron.checkpointing.save import unwrap_model
 from megatron.initialize import print_rank_0
+from megatron.tensor_parallel import MODEL_PARALLEL_RNG
 
 
 @dataclass(frozen=True)
@@ -90,14 +91,17 @@ def load_checkpoint(
             )
     if not model_only and not config.no_load_rng:
         rng_states = _required(state, "rng_state", path, "--no-load-rng")
-        index, same_layout = saved_rng_state_index(
+        index, seeded_streams = saved_rng_state_index(
             rng_states, data_parallel_rank(data_parallel_group)
         )
-        restore_rng_state(rng_states, index, path, restore_tracker=same_layout)
-        if not same_layout:
+        restore_rng_state(rng_states, index, path, keep_seeded=seeded_streams)
+        if seeded_streams:
+            # Only a changed TP size leaves the model-parallel stream as seeded.
+            changed = "tensor" if MODEL_PARALLEL_RNG in seeded_streams else "expert"
             print_fn(
-                f"note: {path} was saved at another tensor-parallel size; the default RNG "
-                "streams resume, the tensor-parallel dropout streams start from the seed"
+                f"note: {path} was saved at another {changed}-parallel size; the default RNG "
+                f"streams resume, the tracker's {', '.join(seeded_streams)} stream(s) start "
+                "from the seed"
             )
 
     if model_only:

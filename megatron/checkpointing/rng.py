@@ -2,20 +2,21 @@
 
 The saved list has one entry per rank of the saving group (the world by default), in rank
 order, so with tensor parallelism entry ``tp_rank + tp_size * dp_rank``. The default generators
-agree across the TP ranks of a replica; the tensor-parallel tracker's streams differ per TP rank.
+agree across the TP ranks of a replica; the tracker's streams differ per TP rank, and its
+expert-parallel stream per expert-parallel rank too (megatron.tensor_parallel.random).
 """
 
 from __future__ import annotations
 
 import random
-from typing import Any, Dict, List, Tuple
+from typing import Any, Collection, Dict, List, Tuple
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from megatron import parallel_state
-from megatron.tensor_parallel import model_parallel_rng_tracker
+from megatron.tensor_parallel import EXPERT_PARALLEL_RNG, model_parallel_rng_tracker
 
 
 def data_parallel_rank(group: dist.ProcessGroup | None = None) -> int:
@@ -31,6 +32,7 @@ def capture_rng_state() -> Dict[str, Any]:
         "torch_rng_state": torch.get_rng_state(),
         "rng_tracker_states": model_parallel_rng_tracker().get_states(),
         "tensor_model_parallel_size": parallel_state.get_tensor_model_parallel_world_size(),
+        "expert_model_parallel_size": parallel_state.get_expert_model_parallel_world_size(),
     }
     if torch.cuda.is_available():
         state["cuda_rng_state"] = torch.cuda.get_rng_state()
@@ -47,25 +49,34 @@ def gather_rng_states(group: dist.ProcessGroup | None = None) -> List[Dict[str, 
     return states
 
 
-def saved_rng_state_index(rng_states: List[Dict[str, Any]], rank: int) -> Tuple[int, bool]:
-    """Which saved entry this process (``rank`` in the saving group) resumes, and whether the
-    checkpoint was saved at this tensor-parallel size (then its tracker streams carry over).
+def saved_rng_state_index(
+    rng_states: List[Dict[str, Any]], rank: int
+) -> Tuple[int, Tuple[str, ...]]:
+    """Which saved entry this process (``rank`` in the saving group) resumes, and the tracker
+    streams that do not carry over from it and stay as seeded (empty in the saved layout).
 
     At the saved TP size a rank takes its own entry. At another, it takes TP rank 0's entry of
     its data-parallel replica: the default generators are the same on every TP rank, while the
-    per-TP-rank tracker streams do not translate between TP sizes and stay as seeded.
+    per-TP-rank tracker streams do not translate between TP sizes and none carries over. At
+    another expert-parallel size (same TP size) only the expert-parallel stream, seeded by the
+    expert-parallel rank, stays as seeded.
     """
-    saved_size = rng_states[0].get("tensor_model_parallel_size", 1) if rng_states else 1
-    if saved_size == parallel_state.get_tensor_model_parallel_world_size():
-        return rank, True
-    return saved_size * parallel_state.get_data_parallel_rank(), False
+    saved = rng_states[0] if rng_states else {}
+    saved_tensor_size = saved.get("tensor_model_parallel_size", 1)
+    if saved_tensor_size != parallel_state.get_tensor_model_parallel_world_size():
+        every_stream = tuple(saved.get("rng_tracker_states") or ())
+        return saved_tensor_size * parallel_state.get_data_parallel_rank(), every_stream
+    saved_expert_size = saved.get("expert_model_parallel_size", 1)
+    if saved_expert_size != parallel_state.get_expert_model_parallel_world_size():
+        return rank, (EXPERT_PARALLEL_RNG,)
+    return rank, ()
 
 
 def restore_rng_state(
-    rng_states: List[Dict[str, Any]], rank: int, path: str, restore_tracker: bool = True
+    rng_states: List[Dict[str, Any]], rank: int, path: str, keep_seeded: Collection[str] = ()
 ) -> None:
-    """Put this process's generators back to `rng_states[rank]`, read from checkpoint `path`
-    (the tensor-parallel tracker's streams too when `restore_tracker` and they were saved).
+    """Put this process's generators back to `rng_states[rank]`, read from checkpoint `path`,
+    and the tracker's streams when they were saved, except those named in `keep_seeded`.
 
     A checkpoint saved on a GPU restores on CPU without its CUDA state; one saved on CPU leaves
     the CUDA generator as seeded.
@@ -86,5 +97,9 @@ def restore_rng_state(
     # The tracker's streams are generator states of the device type it was saved on (CUDA
     # when the saving run had a GPU): they only fit a tracker of the same type.
     same_device_type = ("cuda_rng_state" in state) == torch.cuda.is_available()
-    if restore_tracker and tracker_states and same_device_type:
-        model_parallel_rng_tracker().set_states(tracker_states)
+    if tracker_states and same_device_type:
+        tracker = model_parallel_rng_tracker()
+        restored = {
+            name: tracker_states[name] for name in tracker_states if name not in keep_seeded
+        }
+        tracker.set_states({**tracker.get_states(), **restored})

@@ -69,9 +69,10 @@ def save_checkpoint(
     rng_states = None if config.no_save_rng else gather_rng_states(data_parallel_group)
     optimizer_state = None
     writes = data_parallel_rank(data_parallel_group) == 0
-    # The writer's tensor-parallel peers (the whole first replica) gather their shards with it,
-    # so the file holds the full tensors of a single-process run (full_state).
-    in_writing_replica = parallel_state.get_data_parallel_rank() == 0
+    # The writer's tensor- and expert-parallel peers gather their shards with it, so the file
+    # holds the full tensors of a single-process run (full_state). They are the ranks of
+    # expert-data-parallel rank 0 (without expert parallelism: data-parallel rank 0).
+    in_writing_replica = parallel_state.get_expert_data_parallel_rank() == 0
     model_state = full_model_state_dict(unwrap_model(model)) if in_writing_replica else None
     if optimizer is not None and not config.no_save_optim:
         # The distributed optimizer gathers its shards into the unsharded form (a collective

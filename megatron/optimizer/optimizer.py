@@ -5,7 +5,8 @@ updates the model's own parameters: they are the fp32 master weights. Under data
 (torch DDP) the gradients are already averaged when `step` runs, so every rank holds the same
 gradients and computes the same norm; only the overflow flag is all-reduced, so that a rank
 whose own check differed cannot step alone. Under tensor parallelism each rank holds part of
-the gradient: the norm adds the ranks' shares (see `MegatronOptimizer._global_grad_norm`).
+the gradient, and under expert parallelism its own experts' part: the norm adds the ranks'
+shares (see `MegatronOptimizer._counted_grads`).
 """
 
 from __future__ import annotations
@@ -114,35 +115,56 @@ class MegatronOptimizer:
     def _global_grad_norm(self, grads: List[torch.Tensor]) -> float:
         """L2 norm of the whole model's gradient (`grads`: this rank's, all parameters).
 
-        With tensor parallelism, Megatron's rule: a sharded parameter's gradient counts on
-        every rank (the shards add up to it), a replicated one (norms, row-parallel biases,
-        position embeddings) only on TP rank 0, and the squares are summed over the
-        model-parallel group. One process, or TP size 1, is the plain norm of `grads`.
+        Each rank counts its share (`_counted_grads`) and the squares are summed over the
+        groups that split the model (`_norm_groups`), so every rank gets the same norm. One
+        process, or no model or expert parallelism, is the plain norm of `grads`.
         """
-        if parallel_state.get_tensor_model_parallel_world_size() == 1:
+        groups = self._norm_groups()
+        if not groups:
             return _global_grad_norm(grads)
-        squares = _sum_of_squares(self._tensor_parallel_counted_grads(), self._device())
-        dist.all_reduce(squares, group=parallel_state.get_model_parallel_group())
+        squares = _sum_of_squares(self._counted_grads(), self._device())
+        for group in groups:
+            dist.all_reduce(squares, group=group)
         return float(squares.sqrt().item())
 
     def _count_zeros(self) -> int:
         """Zero gradient elements of the whole model, counted like `_global_grad_norm`."""
-        if parallel_state.get_tensor_model_parallel_world_size() == 1:
+        groups = self._norm_groups()
+        if not groups:
             return _count_zeros(self._grads())
-        zeros = torch.tensor(
-            float(_count_zeros(self._tensor_parallel_counted_grads())), device=self._device()
-        )
-        dist.all_reduce(zeros, group=parallel_state.get_model_parallel_group())
+        zeros = torch.tensor(float(_count_zeros(self._counted_grads())), device=self._device())
+        for group in groups:
+            dist.all_reduce(zeros, group=group)
         return int(zeros.item())
 
-    def _tensor_parallel_counted_grads(self) -> List[torch.Tensor]:
-        """This rank's share of the gradient: its shards, and the replicated ones on TP rank 0."""
-        first_rank = parallel_state.get_tensor_model_parallel_rank() == 0
+    def _norm_groups(self) -> List[Optional[dist.ProcessGroup]]:
+        """The groups whose ranks hold different parts of the gradient, to sum squares over."""
+        groups = []
+        if parallel_state.get_tensor_model_parallel_world_size() > 1:
+            groups.append(parallel_state.get_model_parallel_group())
+        if parallel_state.get_expert_model_parallel_world_size() > 1:
+            groups.append(parallel_state.get_expert_model_parallel_group())
+        return groups
+
+    def _counted_grads(self) -> List[torch.Tensor]:
+        """This rank's share of the gradient, each element counted on exactly one rank of the
+        groups of `_norm_groups`.
+
+        Tensor parallelism, Megatron's rule: a sharded parameter's gradient counts on every
+        rank (the shards add up to it), a replicated one (norms, row-parallel biases, position
+        embeddings) only on TP rank 0. Expert parallelism (moe.expert_parallel): each rank of
+        an expert-parallel group holds other experts, which all count, while the rest of the
+        gradient is the same on all of them after the data-parallel all-reduce and counts only
+        on expert-parallel rank 0.
+        """
+        first_tensor_rank = parallel_state.get_tensor_model_parallel_rank() == 0
+        first_expert_rank = parallel_state.get_expert_model_parallel_rank() == 0
         return [
             param.grad
             for param in self._params()
             if param.grad is not None
-            and (getattr(param, "tensor_model_parallel", False) or first_rank)
+            and (getattr(param, "tensor_model_parallel", False) or first_tensor_rank)
+            and (getattr(param, "expert_model_parallel", False) or first_expert_rank)
         ]
 
     def _params(self) -> List[torch.Tensor]:

@@ -17,11 +17,18 @@ import torch
 import torch.distributed as dist
 
 from megatron import parallel_state
-from megatron.config import ConfigError, ModelConfig
+from megatron.config import ConfigError, ModelConfig, OptimizerConfig, TrainingConfig
+from megatron.distributed import data_parallel_ignored_names, wrap_data_parallel
 from megatron.model import GPTModel
+from megatron.optimizer import build_optimizer
 from moe.arguments import add_moe_args
 from moe.config import MoEConfig
-from moe.expert_parallel import expert_parameters, is_expert_parameter, reduce_expert_gradients
+from moe.expert_parallel import (
+    expert_parameters,
+    is_expert_parameter,
+    mark_expert_parallel,
+    reduce_expert_gradients,
+)
 from moe.layers import build_moe_layer
 from tests.distributed.launch import run_distributed
 
@@ -210,6 +217,96 @@ def test_gpt_model_expert_shards_are_slices_of_the_single_process_weights():
             torch.testing.assert_close(shard, weight.detach()[rank * 2 : rank * 2 + 2])
 
 
+def _full_gradients() -> dict:
+    """Gradients of a two-parameter model in one process, with zeros among them."""
+    generator = torch.Generator().manual_seed(3)
+    grads = {
+        "replicated": torch.randn(5, 3, generator=generator),
+        "experts": torch.randn(EXPERTS, 3, 2, generator=generator),
+    }
+    grads["replicated"][0] = 0.0
+    grads["experts"][1:3, 0] = 0.0
+    return grads
+
+
+class _TwoParameters(torch.nn.Module):
+    def __init__(self, num_local_experts: int) -> None:
+        super().__init__()
+        self.replicated = torch.nn.Parameter(torch.zeros(5, 3))
+        self.experts = torch.nn.Parameter(torch.zeros(num_local_experts, 3, 2))
+
+    def forward(self) -> torch.Tensor:
+        return self.replicated.sum() + self.experts.sum()
+
+
+def _optimizer_norm_and_zeros(rank: int, world_size: int, ep: int) -> tuple:
+    parallel_state.initialize_model_parallel(expert_model_parallel_size=ep)
+    try:
+        local = EXPERTS // ep
+        model = _TwoParameters(local)
+        mark_expert_parallel(model.experts)
+        optimizer = build_optimizer(
+            model,
+            OptimizerConfig(lr=0.0, clip_grad=0.0),
+            TrainingConfig(micro_batch_size=1, global_batch_size=world_size, num_micro_batches=1),
+            log_num_zeros_in_grad=True,
+        )
+        grads = _full_gradients()
+        first = parallel_state.get_expert_model_parallel_rank() * local
+        model.replicated.grad = grads["replicated"].clone()
+        model.experts.grad = grads["experts"][first : first + local].clone()
+        _, grad_norm, num_zeros = optimizer.step()
+        return grad_norm, num_zeros
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("world_size, ep", [(2, 2), (4, 2)])
+def test_optimizer_counts_each_expert_shard_once(world_size, ep):
+    """Grad norm and zero count: replicated gradients once, expert shards summed over the
+    expert-parallel group; every rank gets the single-process numbers."""
+    grads = _full_gradients()
+    expected_norm = torch.cat([grad.reshape(-1) for grad in grads.values()]).norm().item()
+    expected_zeros = sum(int((grad == 0).sum()) for grad in grads.values())
+    for grad_norm, num_zeros in run_distributed(_optimizer_norm_and_zeros, world_size, ep):
+        assert grad_norm == pytest.approx(expected_norm, rel=1e-6)
+        assert num_zeros == expected_zeros
+
+
+def _data_parallel_wrapper_leaves_experts_alone(rank: int, world_size: int) -> dict:
+    parallel_state.initialize_model_parallel(expert_model_parallel_size=world_size)
+    try:
+        model = _TwoParameters(EXPERTS // world_size)
+        mark_expert_parallel(model.experts)
+        with torch.no_grad():
+            model.replicated.fill_(float(rank))
+            model.experts.fill_(float(rank))
+        wrapped = wrap_data_parallel(model, torch.device("cpu"), None)
+        # A loss whose gradient is rank + 1 on every element of both parameters.
+        (wrapped() * (rank + 1)).backward()
+        return {
+            "ignored": data_parallel_ignored_names(model),
+            "replicated": model.replicated.detach().clone(),
+            "experts": model.experts.detach().clone(),
+            "replicated_grad": model.replicated.grad.clone(),
+            "experts_grad": model.experts.grad.clone(),
+        }
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def test_data_parallel_wrapper_leaves_experts_alone():
+    """DDP broadcasts and averages the replicated parameter only: each rank keeps its experts
+    and their local gradient (reduce_expert_gradients' job)."""
+    results = run_distributed(_data_parallel_wrapper_leaves_experts_alone, 2)
+    for rank, result in enumerate(results):
+        assert result["ignored"] == ["experts"]
+        assert torch.all(result["replicated"] == 0.0)  # rank 0's value, broadcast
+        assert torch.all(result["experts"] == float(rank))
+        assert torch.all(result["replicated_grad"] == 1.5)  # mean of 1 and 2
+        assert torch.all(result["experts_grad"] == float(rank + 1))
+
+
 def test_experts_not_divisible_by_expert_parallel_size():
     config = MoEConfig(num_experts=6, expert_model_parallel_size=4)
     with pytest.raises(ConfigError, match=r"--moe-num-experts 6 .* expert parallel size 4"):
@@ -239,6 +336,7 @@ def test_layer_needs_the_expert_parallel_groups():
 def parse(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     add_moe_args(parser)
+    parser.add_argument("--use-distributed-optimizer", action="store_true")
     return parser.parse_args(["--moe-num-experts", "6", *argv])
 
 
@@ -247,7 +345,12 @@ def parse(*argv: str) -> argparse.Namespace:
     [
         (["--expert-model-parallel-size", "4"], None, "--moe-num-experts 6 is not divisible"),
         (["--moe-expert-model-parallelism"], 4, "--moe-num-experts 6 is not divisible"),
-        (["--expert-model-parallel-size", "2"], None, "not available yet in pretrain_gpt.py"),
+        (["--expert-model-parallel-size", "3"], 2, "does not divide the data-parallel size 2"),
+        (
+            ["--expert-model-parallel-size", "2", "--use-distributed-optimizer"],
+            2,
+            "--use-distributed-optimizer with expert parallelism .* not available yet",
+        ),
         (
             ["--moe-expert-model-parallelism", "--expert-model-parallel-size", "2"],
             None,
@@ -263,3 +366,25 @@ def test_expert_parallel_flags(argv, data_parallel_size, message):
 def test_unset_expert_parallel_flags_keep_one_rank():
     config = MoEConfig.from_args(parse(), model_config())
     assert config.expert_model_parallel_size == 1
+
+
+def test_expert_parallel_sizes_from_flags():
+    assert (
+        MoEConfig.from_args(
+            parse("--expert-model-parallel-size", "2"), model_config(), 4
+        ).expert_model_parallel_size
+        == 2
+    )
+    assert (
+        MoEConfig.from_args(
+            parse("--moe-expert-model-parallelism"), model_config(), 3
+        ).expert_model_parallel_size
+        == 3
+    )
+
+
+def test_expert_parallel_flags_without_experts():
+    args = parse("--expert-model-parallel-size", "2")
+    args.moe_num_experts = None
+    with pytest.raises(ConfigError, match="the model has none"):
+        MoEConfig.from_args(args, model_config(), 2)

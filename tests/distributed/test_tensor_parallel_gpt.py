@@ -60,8 +60,11 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def torchrun(nproc: int, args: list, tensorboard_dir: Path) -> dict:
-    """Run pretrain_gpt.py on `nproc` gloo ranks; the per-iteration scalars rank 0 logged."""
+def torchrun(
+    nproc: int, args: list, tensorboard_dir: Path, scalars=("lm loss", "grad-norm")
+) -> dict:
+    """Run pretrain_gpt.py on `nproc` gloo ranks; its stdout and the per-iteration values of
+    the TensorBoard `scalars` rank 0 logged ({name: {iteration: value}})."""
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}"]
     command += ["--master_addr=127.0.0.1", f"--master_port={_free_port()}"]
     command += [str(REPO / "pretrain_gpt.py"), *args, "--tensorboard-dir", str(tensorboard_dir)]
@@ -76,10 +79,7 @@ def torchrun(nproc: int, args: list, tensorboard_dir: Path) -> dict:
     events.Reload()
     return {
         "stdout": completed.stdout,
-        **{
-            name: {event.step: event.value for event in events.Scalars(name)}
-            for name in ("lm loss", "grad-norm")
-        },
+        **{name: {event.step: event.value for event in events.Scalars(name)} for name in scalars},
     }
 
 

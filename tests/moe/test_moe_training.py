@@ -53,7 +53,10 @@ def test_moe_with_capacity_every_other_layer_and_zloss(data_prefix, capsys):  # 
     "extra, message",
     [
         (["--moe-num-experts", "4", "--moe-top-k", "5"], "--moe-top-k 5"),
-        (["--moe-num-experts", "4", "--moe-expert-model-parallelism"], "not available yet"),
+        (
+            ["--moe-num-experts", "4", "--expert-model-parallel-size", "2"],
+            "--expert-model-parallel-size 2 does not divide the data-parallel size 1",
+        ),
         (["--moe-num-experts", "4", "--moe-layer-freq", "3"], "--moe-layer-freq 3"),
         (["--moe-num-experts", "4", "--moe-impl", "nope"], "--moe-impl"),
         (["--moe-num-experts", "4", "--swiglu", "--mlp-type", "mlp"], "--mlp-type glu"),

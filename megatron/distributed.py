@@ -1,0 +1,79 @@
+"""Gradient synchronization of the training step: the data-parallel wrapper, and the reductions
+that finish a step's gradients after the last backward (Megatron-core's `finalize_model_grads`).
+
+Which gradient is reduced where:
+- replicated parameters: averaged over the data-parallel group by torch DDP, bucketed and
+  overlapped with the last micro-batch's backward;
+- expert-parallel shards (moe.expert_parallel): left out of DDP, since each rank of an
+  expert-parallel group holds different experts; `finalize_gradients` sums them over the
+  expert-data-parallel group and divides by the data-parallel size (`reduce_expert_gradients`);
+- with --sequence-parallel, the norms' partial gradients: summed over the tensor-parallel group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import ContextManager, List, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron import parallel_state
+from megatron.config import Config
+from megatron.tensor_parallel import all_reduce_sequence_parallel_grads
+from moe.expert_parallel import is_expert_parameter, reduce_expert_gradients
+
+
+def wrap_data_parallel(
+    model: nn.Module, device: torch.device, data_parallel_group: Optional[dist.ProcessGroup]
+) -> nn.parallel.DistributedDataParallel:
+    """`model` in torch DDP over `data_parallel_group`, expert-parallel shards left out.
+
+    DDP's bucketed all-reduce starts while backward is still running; it runs over the replicas
+    only (tensor-parallel peers hold different shards). Expert shards are excluded from its
+    reduction and from its start-up broadcast of rank 0's parameters, which would overwrite
+    the other ranks' experts.
+    """
+    ignored = data_parallel_ignored_names(model)
+    if ignored:
+        # torch's private but long-standing way to exclude parameters (torch 1.x through
+        # 2.13); the names are those of `model.named_parameters()`, the module DDP wraps. Its
+        # bucketing spells a parameter of that module itself ".name" (f"{module_name}.{name}"
+        # with an empty module name): both spellings, or such a parameter is still reduced.
+        ignored += [f".{name}" for name in ignored if "." not in name]
+        nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+            model, ignored
+        )
+    return nn.parallel.DistributedDataParallel(
+        model,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        broadcast_buffers=False,
+        gradient_as_bucket_view=True,
+        process_group=data_parallel_group,
+    )
+
+
+def data_parallel_ignored_names(model: nn.Module) -> List[str]:
+    """Fully-qualified names of the parameters DDP must not touch: the expert shards."""
+    return [name for name, param in model.named_parameters() if is_expert_parameter(param)]
+
+
+def micro_batch_context(model: nn.Module, index: int, count: int) -> ContextManager:
+    """DDP's no_sync for every micro-batch but the last, so gradients are all-reduced once."""
+    ddp = getattr(model, "_orig_mod", model)  # see through torch.compile
+    if isinstance(ddp, nn.parallel.DistributedDataParallel) and index < count - 1:
+        return ddp.no_sync()
+    return contextlib.nullcontext()
+
+
+def finalize_gradients(model: nn.Module, config: Config) -> None:
+    """The reductions DDP does not do, after the last micro-batch's backward and before the
+    optimizer reads the gradients; `model` is the unwrapped model. Every rank must call it."""
+    if config.model.sequence_parallel:
+        # Norms saw only this rank's sequence shard: sum their gradients over TP ranks.
+        all_reduce_sequence_parallel_grads(model.parameters())
+    if parallel_state.get_expert_model_parallel_world_size() > 1:
+        # Expert gradients hold the contributions of the expert-parallel group's tokens; this
+        # turns them into the data-parallel average DDP gives the other parameters.
+        reduce_expert_gradients(model)

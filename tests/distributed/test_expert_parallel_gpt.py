@@ -1,0 +1,207 @@
+"""pretrain_gpt.py with expert parallelism under torchrun (gloo, CPU, fp32 dMoE GPT).
+
+Experts sharded over an expert-parallel group give the single-process losses, load-balancing
+losses and grad norms (read at full precision from the TensorBoard scalars); the checkpoint
+holds the unsharded experts, so a run resumes at another expert-parallel size; bad sizes stop
+before any work with a message naming the numbers.
+
+Every run uses a global batch of 8 in micro-batches of 2, so each micro-batch holds the same
+samples at any data-parallel size: the load-balancing loss, a function of each micro-batch's
+routing, is then the same number as in one process.
+"""
+
+# The shared `data_prefix` fixture is imported, and test arguments of that name "redefine" it.
+# ruff: noqa: F811
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+import pretrain_gpt
+from tests.distributed.test_tensor_parallel_gpt import data_prefix, torchrun  # noqa: F401
+from tests.sample_data import SAMPLE
+
+ITERATIONS = 5
+SCALARS = ("lm loss", "load balancing loss", "grad-norm")
+# Relative. Unlike tensor parallelism, expert parallelism splits no large gradient (the
+# 50304 x 64 embedding stays whole), so the grad norms agree as closely as the losses.
+TOLERANCE = 1e-5
+
+
+def moe_gpt_args(data_prefix, *extra):
+    args = [
+        "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+        "--seq-length", "32", "--max-position-embeddings", "32",
+        "--micro-batch-size", "2", "--global-batch-size", "8",
+        "--train-iters", str(ITERATIONS), "--lr", "0.003", "--min-lr", "0.0003",
+        "--lr-decay-style", "cosine", "--lr-warmup-iters", "2", "--clip-grad", "1.0",
+        "--hidden-dropout", "0.0", "--attention-dropout", "0.0",
+        "--moe-num-experts", "4", "--moe-top-k", "2",
+        "--data-path", data_prefix, "--split", "949,50,1",
+        "--vocab-file", str(SAMPLE / "gpt2-vocab.json"),
+        "--merge-file", str(SAMPLE / "gpt2-merges.txt"),
+        "--log-interval", "1", "--eval-iters", "0", "--num-workers", "0", "--seed", "1234",
+    ]  # fmt: skip
+    return args + list(extra)
+
+
+def run(nproc: int, args: list, tensorboard_dir) -> dict:
+    return torchrun(nproc, args, tensorboard_dir, scalars=SCALARS)
+
+
+def assert_same_run(expected: dict, actual: dict, iterations=range(1, ITERATIONS + 1)):
+    for name in SCALARS:
+        assert sorted(actual[name]) == list(iterations), (name, actual[name])
+        for step in iterations:
+            assert actual[name][step] == pytest.approx(expected[name][step], rel=TOLERANCE), (
+                name,
+                step,
+                expected[name],
+                actual[name],
+            )
+
+
+def parameter_count_line(stdout: str) -> str:
+    return next(line for line in stdout.splitlines() if "number of parameters" in line)
+
+
+@pytest.fixture(scope="module")
+def single_and_expert_parallel(data_prefix, tmp_path_factory):
+    """The single-process run and the EP=2 run (world 2), each saving at iterations 3 and 5."""
+    root = tmp_path_factory.mktemp("runs")
+    runs = {}
+    for name, nproc, extra in (
+        ("single", 1, []),
+        ("ep2", 2, ["--expert-model-parallel-size", "2"]),
+    ):
+        save = ["--save", str(root / f"{name}_ckpt"), "--save-interval", "3"]
+        runs[name] = run(nproc, moe_gpt_args(data_prefix, *extra, *save), root / f"{name}_tb")
+        runs[name]["checkpoints"] = root / f"{name}_ckpt"
+    return runs
+
+
+def test_expert_parallel_matches_single_process(single_and_expert_parallel):
+    single, parallel = single_and_expert_parallel["single"], single_and_expert_parallel["ep2"]
+    assert "expert-model-parallel size: 2" in parallel["stdout"]
+    # The count covers every expert, as in one process; a second line says what a rank holds.
+    assert parameter_count_line(parallel["stdout"]) == parameter_count_line(single["stdout"])
+    assert "sharded over 2 expert-parallel ranks" in parallel["stdout"]
+    assert_same_run(single, parallel)
+    # The checkpoint holds the unsharded experts, under the keys of a single-process run.
+    files = [
+        run["checkpoints"] / "iter_0000005" / "mp_rank_00" / "model_optim_rng.pt"
+        for run in (single, parallel)
+    ]
+    expected, saved = (torch.load(path, weights_only=False) for path in files)
+    assert saved["model"].keys() == expected["model"].keys()
+    assert saved["model"]["decoder.layers.0.mlp.experts.w1"].shape[0] == 4
+    for name, tensor in expected["model"].items():
+        torch.testing.assert_close(saved["model"][name], tensor, atol=1e-5, rtol=1e-4)
+    for index, state in expected["optimizer"]["optimizer"]["state"].items():
+        for key, value in state.items():
+            saved_value = saved["optimizer"]["optimizer"]["state"][index][key]
+            torch.testing.assert_close(saved_value, value, atol=1e-5, rtol=1e-4)
+
+
+def test_moe_expert_model_parallelism_is_expert_parallel_size_data_parallel_size(
+    single_and_expert_parallel, data_prefix, tmp_path
+):
+    args = moe_gpt_args(data_prefix, "--moe-expert-model-parallelism")
+    flagged = run(2, args, tmp_path / "tb")
+    assert "expert-model-parallel size: 2" in flagged["stdout"]
+    for name in SCALARS:
+        assert flagged[name] == single_and_expert_parallel["ep2"][name], name
+
+
+def test_two_expert_data_parallel_replicas(single_and_expert_parallel, data_prefix, tmp_path):
+    """World 4, EP=2: expert groups [0, 1] and [2, 3], whose expert gradients meet over the
+    expert-data-parallel groups [0, 2] and [1, 3]."""
+    args = moe_gpt_args(data_prefix, "--expert-model-parallel-size", "2")
+    parallel = run(4, args, tmp_path / "tb")
+    assert "data-parallel size: 4" in parallel["stdout"]
+    assert_same_run(single_and_expert_parallel["single"], parallel)
+
+
+@pytest.mark.parametrize(
+    "saved, resumed, extra, note",
+    [
+        ("ep2", 1, [], "saved at another expert-parallel size"),
+        # Two data-parallel ranks from a one-process checkpoint: one saved RNG state for two
+        # ranks, as for any larger data-parallel size (docs/training.md).
+        ("single", 2, ["--expert-model-parallel-size", "2", "--no-load-rng"], None),
+    ],
+    ids=["ep2_to_one_process", "one_process_to_ep2"],
+)
+def test_checkpoint_resumes_at_another_expert_parallel_size(
+    single_and_expert_parallel, data_prefix, tmp_path, saved, resumed, extra, note
+):
+    """Iteration 3 of one layout, loaded at the other, continues the uninterrupted run."""
+    load = tmp_path / "load"
+    load.mkdir()
+    shutil.copytree(
+        single_and_expert_parallel[saved]["checkpoints"] / "iter_0000003",
+        load / "iter_0000003",
+    )
+    (load / "latest_checkpointed_iteration.txt").write_text("3")
+    resumed_run = run(
+        resumed, moe_gpt_args(data_prefix, "--load", str(load), *extra), tmp_path / "tb"
+    )
+    if note is not None:
+        assert note in resumed_run["stdout"]
+    assert_same_run(
+        single_and_expert_parallel["single"], resumed_run, iterations=range(4, ITERATIONS + 1)
+    )
+
+
+@pytest.mark.parametrize(
+    "world_size, extra, message",
+    [
+        (
+            2,
+            "--expert-model-parallel-size 4",
+            "--expert-model-parallel-size 4 does not divide the data-parallel size 2",
+        ),
+        (
+            2,
+            "--expert-model-parallel-size 2 --moe-num-experts 3",
+            "--moe-num-experts 3 is not divisible by the expert parallel size 2",
+        ),
+        (
+            4,
+            "--moe-expert-model-parallelism --moe-num-experts 6",
+            "--moe-num-experts 6 is not divisible by the expert parallel size 4",
+        ),
+        (
+            2,
+            "--expert-model-parallel-size 2 --use-distributed-optimizer",
+            "--use-distributed-optimizer with expert parallelism",
+        ),
+        (
+            2,
+            "--moe-expert-model-parallelism --expert-model-parallel-size 2",
+            "pass one of them",
+        ),
+        (
+            2,
+            "--expert-model-parallel-size 2 --no-moe-dropless",
+            "expert parallelism for the capacity-limited MoE (--no-moe-dropless)",
+        ),
+        (
+            4,
+            "--expert-model-parallel-size 2 --tensor-model-parallel-size 2",
+            "MoE layers (--moe-* flags) with --tensor-model-parallel-size 2",
+        ),
+    ],
+)
+def test_bad_expert_parallel_sizes_stop_before_any_work(
+    data_prefix, capsys, monkeypatch, world_size, extra, message
+):
+    monkeypatch.setenv("WORLD_SIZE", str(world_size))
+    with pytest.raises(SystemExit) as exit_info:
+        pretrain_gpt.main(moe_gpt_args(data_prefix, *extra.split()))
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert error.startswith("error: ") and message in error, error
