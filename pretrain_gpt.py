@@ -36,6 +36,7 @@ from megatron.initialize import (
 )
 from megatron.model import GPTModel
 from megatron.parallel_state import destroy_model_parallel
+from megatron.pipeline.training_step import build_pipeline_model
 from megatron.tokenizer import build_tokenizer, vocab_size_with_padding
 from megatron.training import TrainingResult, pretrain
 from moe.arguments import add_moe_args
@@ -73,6 +74,9 @@ def make_forward_step(
     ) -> Tuple[torch.Tensor, Dict]:
         inputs = get_batch(batch, eod_token, eod_mask_loss)
         per_token_losses = model(inputs["tokens"], labels=inputs["labels"])
+        if not getattr(model, "post_process", True):
+            # A pipeline stage before the last: its hidden states go to the next stage.
+            return per_token_losses, {}
         loss_mask = inputs["loss_mask"]
         lm_loss = torch.sum(per_token_losses.float() * loss_mask) / loss_mask.sum()
         reported = {"lm loss": lm_loss.detach()}
@@ -136,17 +140,27 @@ def main(argv: Optional[List[str]] = None) -> TrainingResult:
     if unsupported:
         print(f"error: {', '.join(unsupported)} are not supported yet", file=sys.stderr)
         raise SystemExit(2)
-    tensor_parallel_size = config.parallel.tensor_model_parallel_size
-    if config.model.moe is not None and tensor_parallel_size > 1:
-        print(
-            f"error: MoE layers (--moe-* flags) with --tensor-model-parallel-size "
-            f"{tensor_parallel_size} are not available yet; use --tensor-model-parallel-size 1",
-            file=sys.stderr,
-        )
-        raise SystemExit(2)
+    parallel = config.parallel
+    tensor_parallel_size = parallel.tensor_model_parallel_size
+    for flag, size in (
+        ("--tensor-model-parallel-size", tensor_parallel_size),
+        ("--pipeline-model-parallel-size", parallel.pipeline_model_parallel_size),
+    ):
+        if config.model.moe is not None and size > 1:
+            print(
+                f"error: MoE layers (--moe-* flags) with {flag} {size} are not available yet; "
+                f"use {flag} 1",
+                file=sys.stderr,
+            )
+            raise SystemExit(2)
 
-    context = initialize_distributed(config.parallel.distributed_backend)
-    initialize_model_parallel(tensor_parallel_size, _expert_parallel_size(config))
+    context = initialize_distributed(parallel.distributed_backend)
+    initialize_model_parallel(
+        tensor_parallel_size,
+        _expert_parallel_size(config),
+        parallel.pipeline_model_parallel_size,
+        parallel.virtual_pipeline_model_parallel_size,
+    )
     try:
         return _setup_and_train(config, run_arguments, context)
     finally:
@@ -183,7 +197,8 @@ def _setup_and_train(
     print_rank_0(
         f"using world size: {context.world_size}, data-parallel size: "
         f"{config.parallel.data_parallel_size}, tensor-model-parallel size: "
-        f"{config.parallel.tensor_model_parallel_size}, pipeline-model-parallel size: 1, "
+        f"{config.parallel.tensor_model_parallel_size}, pipeline-model-parallel size: "
+        f"{config.parallel.pipeline_model_parallel_size}, "
         f"expert-model-parallel size: {_expert_parallel_size(config)}"
     )
     print_rank_0(format_arguments_block(run_arguments))
@@ -209,8 +224,14 @@ def _setup_and_train(
     set_random_seed(config.training.seed)
 
     print_rank_0("building GPT model ...")
-    model = GPTModel(config.model)
-    for line in _parameter_count_lines(model):
+    if config.parallel.pipeline_model_parallel_size > 1:
+        model, whole_model = build_pipeline_model(config.model)
+        count_lines = _parameter_count_lines(whole_model)
+        del whole_model
+    else:
+        model: torch.nn.Module = GPTModel(config.model)
+        count_lines = _parameter_count_lines(model)
+    for line in count_lines:
         print_rank_0(line)
 
     datasets = build_datasets(config)

@@ -439,7 +439,15 @@ def _add_distributed_args(parser: argparse.ArgumentParser) -> None:
         "--pipeline-model-parallel-size",
         type=int,
         default=1,
-        help="Pipeline model-parallel degree (only 1 is available for now).",
+        help="Pipeline model-parallel degree: the layers are split into this many stages, "
+        "run with the 1F1B schedule.",
+    )
+    group.add_argument(
+        "--num-layers-per-virtual-pipeline-stage",
+        type=int,
+        default=None,
+        help="Layers per virtual stage: each pipeline rank holds several chunks of this many "
+        "layers and runs the interleaved 1F1B schedule.",
     )
     group.add_argument(
         "--sequence-parallel",

@@ -7,13 +7,16 @@ Which gradient is reduced where:
 - expert-parallel shards (moe.expert_parallel): left out of DDP, since each rank of an
   expert-parallel group holds different experts; `finalize_gradients` sums them over the
   expert-data-parallel group and divides by the data-parallel size (`reduce_expert_gradients`);
-- with --sequence-parallel, the norms' partial gradients: summed over the tensor-parallel group.
+- with --sequence-parallel, the norms' partial gradients: summed over the tensor-parallel group;
+- under pipeline parallelism with tied embeddings, the first stage's word embeddings and the
+  last stage's copy of them: summed over the embedding group (`reduce_tied_embedding_gradients`);
+  and no DDP: `all_reduce_data_parallel_gradients` averages over the data-parallel group.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import ContextManager, List, Optional
+from typing import ContextManager, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -21,6 +24,7 @@ from torch import nn
 
 from megatron import parallel_state
 from megatron.config import Config
+from megatron.pipeline.stages import tied_embedding_weights
 from megatron.tensor_parallel import all_reduce_sequence_parallel_grads
 from moe.expert_parallel import is_expert_parameter, reduce_expert_gradients
 
@@ -77,3 +81,32 @@ def finalize_gradients(model: nn.Module, config: Config) -> None:
         # Expert gradients hold the contributions of the expert-parallel group's tokens; this
         # turns them into the data-parallel average DDP gives the other parameters.
         reduce_expert_gradients(model)
+
+
+def reduce_tied_embedding_gradients(model_chunks: Sequence[nn.Module]) -> None:
+    """Sum the tied word embeddings' gradients over the first and last pipeline stage, so both
+    copies take the same update and stay equal (Megatron's embedding-group all-reduce).
+
+    Every rank of the embedding group must call it; other ranks (and runs without a pipeline)
+    have nothing to do.
+    """
+    for weight in tied_embedding_weights(list(model_chunks)):
+        if weight.grad is None:
+            weight.grad = torch.zeros_like(weight)
+        dist.all_reduce(weight.grad, group=parallel_state.get_embedding_group())
+
+
+def all_reduce_data_parallel_gradients(model: nn.Module) -> None:
+    """Average every gradient over the data-parallel group, after the last backward: the
+    pipeline's replacement for DDP, whose hooks assume one forward then one backward per
+    micro-batch (the 1F1B schedules interleave them). Unbucketed: one all-reduce of all
+    gradients flattened."""
+    size = parallel_state.get_data_parallel_world_size()
+    grads = [param.grad for param in model.parameters() if param.grad is not None]
+    if size == 1 or not grads:
+        return
+    flat = torch._utils._flatten_dense_tensors(grads)
+    dist.all_reduce(flat, group=parallel_state.get_data_parallel_group())
+    flat /= size
+    for grad, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+        grad.copy_(reduced)

@@ -7,6 +7,7 @@ import os
 import random
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Optional
 
 import numpy as np
 import torch
@@ -68,16 +69,21 @@ def initialize_distributed(
 
 
 def initialize_model_parallel(
-    tensor_model_parallel_size: int, expert_model_parallel_size: int = 1
+    tensor_model_parallel_size: int,
+    expert_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    virtual_pipeline_model_parallel_size: Optional[int] = None,
 ) -> None:
-    """Create the tensor/data/expert-parallel process groups (`megatron.parallel_state`) once
-    the default process group exists; groups left by an earlier run in this process are
-    replaced."""
+    """Create the tensor/pipeline/data/expert-parallel process groups
+    (`megatron.parallel_state`) once the default process group exists; groups left by an
+    earlier run in this process are replaced."""
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tensor_model_parallel_size,
+        pipeline_model_parallel_size=pipeline_model_parallel_size,
         expert_model_parallel_size=expert_model_parallel_size,
+        virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
     )
 
 

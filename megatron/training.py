@@ -21,8 +21,14 @@ import torch.distributed as dist
 from megatron import parallel_state
 from megatron.checkpointing import load_checkpoint, save_checkpoint
 from megatron.config import Config
-from megatron.data.samplers import MegatronPretrainingSampler
-from megatron.distributed import finalize_gradients, micro_batch_context, wrap_data_parallel
+from megatron.data.loader import build_data_iterator
+from megatron.distributed import (
+    all_reduce_data_parallel_gradients,
+    finalize_gradients,
+    micro_batch_context,
+    reduce_tied_embedding_gradients,
+    wrap_data_parallel,
+)
 from megatron.initialize import DistributedContext, print_rank_0
 from megatron.logging import (
     IterationStats,
@@ -33,6 +39,7 @@ from megatron.logging import (
 from megatron.model.flops import num_floating_point_operations
 from megatron.optimizer import build_lr_scheduler, build_optimizer
 from megatron.optimizer.distributed_optimizer import build_distributed_optimizer
+from megatron.pipeline.training_step import activation_spec, pipeline_step
 
 ForwardStep = Callable[
     [torch.nn.Module, Dict[str, torch.Tensor]], Tuple[torch.Tensor, Dict[str, torch.Tensor]]
@@ -79,34 +86,6 @@ def _average_across_data_parallel(values: Dict[str, torch.Tensor]) -> Dict[str, 
         dist.all_reduce(stacked, group=parallel_state.get_data_parallel_group())
         stacked /= data_parallel_size
     return dict(zip(names, stacked.tolist()))
-
-
-def build_data_iterator(
-    dataset, consumed_samples: int, config: Config, context: DistributedContext
-) -> Optional[Iterator]:
-    """Micro-batches of this rank's data-parallel replica, starting `consumed_samples` into
-    the dataset; the tensor-parallel ranks of a replica read the same micro-batches."""
-    if dataset is None:
-        return None
-    sampler = MegatronPretrainingSampler(
-        total_samples=len(dataset),
-        consumed_samples=consumed_samples,
-        micro_batch_size=config.training.micro_batch_size,
-        data_parallel_rank=parallel_state.get_data_parallel_rank(),
-        data_parallel_size=parallel_state.get_data_parallel_world_size(),
-    )
-    # A private generator: creating the loader must not draw from the global torch RNG,
-    # or a resumed run's dropout stream would differ from an uninterrupted one.
-    generator = torch.Generator().manual_seed(config.training.seed)
-    loader = torch.utils.data.DataLoader(
-        dataset,
-        batch_sampler=sampler,
-        num_workers=config.data.num_workers,
-        pin_memory=context.device.type == "cuda",
-        generator=generator,
-        persistent_workers=config.data.num_workers > 0,
-    )
-    return iter(loader)
 
 
 def _to_device(batch: Dict[str, torch.Tensor], device: torch.device) -> Dict[str, torch.Tensor]:
@@ -160,6 +139,9 @@ class Trainer:
         self.context = context
         self.forward_step = forward_step
         self.unwrapped_model = model.to(context.device)
+        # Under pipeline parallelism `model` is this rank's stage chunks (an nn.ModuleList).
+        self.pipeline = parallel_state.get_pipeline_model_parallel_world_size() > 1
+        self.activation_spec = activation_spec(config, context.device) if self.pipeline else None
         data_parallel_group = (
             parallel_state.get_data_parallel_group() if context.world_size > 1 else None
         )
@@ -175,13 +157,17 @@ class Trainer:
             )
         self.scheduler = build_lr_scheduler(self.optimizer, config.optimizer, config.training)
         data_parallel_size = parallel_state.get_data_parallel_world_size()
-        if data_parallel_size > 1 and not config.parallel.use_distributed_optimizer:
+        if (
+            data_parallel_size > 1
+            and not config.parallel.use_distributed_optimizer
+            and not self.pipeline
+        ):
             self.model = wrap_data_parallel(
                 self.unwrapped_model, context.device, data_parallel_group
             )
         else:
             self.model = self.unwrapped_model
-        if config.training.torch_compile and context.device.type == "cuda":
+        if config.training.torch_compile and context.device.type == "cuda" and not self.pipeline:
             if _compiles_whole(config):
                 # Fuses the elementwise work (norms, GELU, dropout, the loss) around the matmuls.
                 self.model = torch.compile(self.model)
@@ -210,8 +196,33 @@ class Trainer:
 
         Returns (reported losses, skipped, grad norm, got nan).
         """
-        num_micro_batches = self.config.training.num_micro_batches
         self.optimizer.zero_grad()
+        if self.pipeline:
+            means = pipeline_step(
+                self.model,
+                self._stage_forward_step,
+                data_iterator,
+                self.config,
+                self.activation_spec,
+                self.optimizer.scale_loss,
+            )
+            all_reduce_data_parallel_gradients(self.unwrapped_model)
+            reduce_tied_embedding_gradients(list(self.unwrapped_model))
+        else:
+            means = self._accumulate_micro_batches(data_iterator)
+        finalize_gradients(self.unwrapped_model, self.config)
+        update_successful, grad_norm, _ = self.optimizer.step()
+        if update_successful:
+            self.scheduler.step(increment=self.config.training.global_batch_size)
+        averaged = _average_across_data_parallel(means)
+        got_nan = any(
+            value != value or value in (float("inf"), float("-inf")) for value in averaged.values()
+        )
+        return averaged, not update_successful, grad_norm, got_nan
+
+    def _accumulate_micro_batches(self, data_iterator: Iterator) -> Dict[str, torch.Tensor]:
+        """Forward and backward of every micro-batch in turn; the reported means."""
+        num_micro_batches = self.config.training.num_micro_batches
         reported_sums: Dict[str, torch.Tensor] = defaultdict(
             lambda: torch.zeros((), device=self.context.device)
         )
@@ -223,16 +234,14 @@ class Trainer:
                 self.optimizer.scale_loss(loss / num_micro_batches).backward()
             for name, value in reported.items():
                 reported_sums[name] += value.detach().float()
-        finalize_gradients(self.unwrapped_model, self.config)
-        update_successful, grad_norm, _ = self.optimizer.step()
-        if update_successful:
-            self.scheduler.step(increment=self.config.training.global_batch_size)
-        means = {name: value / num_micro_batches for name, value in reported_sums.items()}
-        averaged = _average_across_data_parallel(means)
-        got_nan = any(
-            value != value or value in (float("inf"), float("-inf")) for value in averaged.values()
-        )
-        return averaged, not update_successful, grad_norm, got_nan
+        return {name: value / num_micro_batches for name, value in reported_sums.items()}
+
+    def _stage_forward_step(
+        self, model: torch.nn.Module, batch: Dict[str, torch.Tensor]
+    ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+        """`forward_step` on one pipeline chunk, as the schedules call it."""
+        with _autocast(self.config, self.context.device):
+            return self.forward_step(model, _to_device(batch, self.context.device))
 
     @torch.no_grad()
     def evaluate(self, data_iterator: Iterator, eval_iters: int) -> Dict[str, float]:
@@ -243,6 +252,20 @@ class Trainer:
         )
         count = 0
         for _ in range(eval_iters):
+            if self.pipeline:
+                means = pipeline_step(
+                    self.model,
+                    self._stage_forward_step,
+                    data_iterator,
+                    self.config,
+                    self.activation_spec,
+                    self.optimizer.scale_loss,
+                    forward_only=True,
+                )
+                for name, value in means.items():
+                    sums[name] += value
+                count += 1
+                continue
             for _ in range(self.config.training.num_micro_batches):
                 batch = _to_device(next(data_iterator), self.context.device)
                 with _autocast(self.config, self.context.device):

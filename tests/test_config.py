@@ -376,10 +376,10 @@ def test_recompute_selective_and_block():
             ["--use-distributed-optimizer", "--tensor-model-parallel-size 2", "not available"],
         ),
         (
-            ("--pipeline-model-parallel-size", "2"),
+            ("--pipeline-model-parallel-size", "2", "--use-distributed-optimizer"),
             {},
             8,
-            ["--pipeline-model-parallel-size 2", "not available yet"],
+            ["--use-distributed-optimizer", "--pipeline-model-parallel-size 2", "not available"],
         ),
         ((), {"drop": ("--lr", "--num-layers")}, 1, ["--num-layers", "--lr"]),
         ((), {"drop": ("--max-position-embeddings",)}, 1, ["--max-position-embeddings"]),

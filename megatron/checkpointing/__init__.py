@@ -5,7 +5,8 @@
     loaded = load_checkpoint(config.checkpoint, model, optimizer, scheduler)
 
 See `layout` for the files on disk; `full_state` for why they hold the tensors of a
-single-process run whatever the tensor-parallel size.
+single-process run whatever the tensor-parallel size, and `pipeline_state` for how pipeline
+stages are gathered into (and taken from) that form.
 """
 
 from megatron.checkpointing.full_state import (

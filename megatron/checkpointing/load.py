@@ -24,13 +24,18 @@ from megatron.checkpointing.layout import (
     read_tracker,
     tracker_file,
 )
+from megatron.checkpointing.pipeline_state import (
+    load_pipeline_model_state_dict,
+    load_pipeline_optimizer_state_dict,
+)
 from megatron.checkpointing.rng import (
     data_parallel_rank,
     restore_rng_state,
     saved_rng_state_index,
 )
-from megatron.checkpointing.save import unwrap_model
+from megatron.checkpointing.save import is_pipeline_parallel, unwrap_model
 from megatron.initialize import print_rank_0
+from megatron.pipeline.stages import stage_to_full_names
 from megatron.tensor_parallel import MODEL_PARALLEL_RNG
 
 
@@ -83,6 +88,10 @@ def load_checkpoint(
             load_full = getattr(optimizer, "load_full_state_dict", None)
             if load_full is not None:
                 load_full(optimizer_state)
+            elif is_pipeline_parallel():
+                load_pipeline_optimizer_state_dict(
+                    optimizer, unwrap_model(model), optimizer_state, state["model"]
+                )
             else:
                 load_full_optimizer_state_dict(optimizer, optimizer_state)
         if scheduler is not None:
@@ -154,9 +163,16 @@ def _read_checkpoint_file(root: str, iteration: Iteration, path: str) -> Dict[st
 
 
 def _load_model_state(model: nn.Module, model_state: Dict[str, Any], path: str) -> None:
-    expected = set(model.state_dict().keys())
+    pipeline = is_pipeline_parallel()
+    if pipeline:
+        # This rank's stages, under single-process names; the other stages' keys are theirs.
+        expected = {
+            name for chunk in model for name in stage_to_full_names(chunk.state_dict(), chunk)
+        }
+    else:
+        expected = set(model.state_dict().keys())
     missing = sorted(expected - model_state.keys())
-    unexpected = sorted(model_state.keys() - expected)
+    unexpected = [] if pipeline else sorted(model_state.keys() - expected)
     if missing or unexpected:
         raise CheckpointError(
             f"model weights in {path} do not match the model: missing keys {missing}, "
@@ -164,7 +180,10 @@ def _load_model_state(model: nn.Module, model_state: Dict[str, Any], path: str) 
             "--untie-embeddings-and-output-weights, ...) match the saved run's"
         )
     try:
-        load_full_model_state_dict(model, model_state)
+        if pipeline:
+            load_pipeline_model_state_dict(model, model_state)
+        else:
+            load_full_model_state_dict(model, model_state)
     except RuntimeError as exc:
         raise CheckpointError(
             f"model weights in {path} do not fit the model: {exc}; check the model flags, and "

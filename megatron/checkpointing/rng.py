@@ -33,6 +33,7 @@ def capture_rng_state() -> Dict[str, Any]:
         "rng_tracker_states": model_parallel_rng_tracker().get_states(),
         "tensor_model_parallel_size": parallel_state.get_tensor_model_parallel_world_size(),
         "expert_model_parallel_size": parallel_state.get_expert_model_parallel_world_size(),
+        "pipeline_model_parallel_size": parallel_state.get_pipeline_model_parallel_world_size(),
     }
     if torch.cuda.is_available():
         state["cuda_rng_state"] = torch.cuda.get_rng_state()
@@ -59,13 +60,26 @@ def saved_rng_state_index(
     its data-parallel replica: the default generators are the same on every TP rank, while the
     per-TP-rank tracker streams do not translate between TP sizes and none carries over. At
     another expert-parallel size (same TP size) only the expert-parallel stream, seeded by the
-    expert-parallel rank, stays as seeded.
+    expert-parallel rank, stays as seeded. At another pipeline size every stage takes the first
+    stage's entry.
     """
     saved = rng_states[0] if rng_states else {}
     saved_tensor_size = saved.get("tensor_model_parallel_size", 1)
     if saved_tensor_size != parallel_state.get_tensor_model_parallel_world_size():
         every_stream = tuple(saved.get("rng_tracker_states") or ())
         return saved_tensor_size * parallel_state.get_data_parallel_rank(), every_stream
+    if saved.get("pipeline_model_parallel_size", 1) != (
+        parallel_state.get_pipeline_model_parallel_world_size()
+    ):
+        # Stages do not translate between pipeline sizes: every stage resumes the first
+        # stage's entry of its replica and TP rank (pipeline stages are the slowest-varying
+        # rank coordinate, so that entry's index is the same in both layouts).
+        tensor_size = parallel_state.get_tensor_model_parallel_world_size()
+        return (
+            tensor_size * parallel_state.get_data_parallel_rank()
+            + parallel_state.get_tensor_model_parallel_rank(),
+            (),
+        )
     saved_expert_size = saved.get("expert_model_parallel_size", 1)
     if saved_expert_size != parallel_state.get_expert_model_parallel_world_size():
         return rank, (EXPERT_PARALLEL_RNG,)

@@ -23,6 +23,10 @@ from megatron.checkpointing.layout import (
     temporary_directory_name,
     write_tracker,
 )
+from megatron.checkpointing.pipeline_state import (
+    pipeline_full_model_state_dict,
+    pipeline_full_optimizer_state_dict,
+)
 from megatron.checkpointing.rng import data_parallel_rank, gather_rng_states
 from megatron.initialize import print_rank_0
 
@@ -41,6 +45,11 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     ):
         model = model.module
     return model
+
+
+def is_pipeline_parallel() -> bool:
+    """Whether the model is split into pipeline stages (an nn.ModuleList of chunks)."""
+    return parallel_state.get_pipeline_model_parallel_world_size() > 1
 
 
 def save_checkpoint(
@@ -73,13 +82,23 @@ def save_checkpoint(
     # holds the full tensors of a single-process run (full_state). They are the ranks of
     # expert-data-parallel rank 0 (without expert parallelism: data-parallel rank 0).
     in_writing_replica = parallel_state.get_expert_data_parallel_rank() == 0
-    model_state = full_model_state_dict(unwrap_model(model)) if in_writing_replica else None
+    # Under pipeline parallelism the stages' tensors are gathered to the first stage too.
+    pipeline = is_pipeline_parallel()
+    model_state = None
+    if in_writing_replica:
+        model = unwrap_model(model)
+        if pipeline:
+            model_state = pipeline_full_model_state_dict(model)
+        else:
+            model_state = full_model_state_dict(model)
     if optimizer is not None and not config.no_save_optim:
         # The distributed optimizer gathers its shards into the unsharded form (a collective
         # on every rank), so one checkpoint loads at any data-parallel size, sharded or not.
         gather_full = getattr(optimizer, "gather_full_state_dict", None)
         if gather_full is not None:
             optimizer_state = gather_full()
+        elif in_writing_replica and pipeline:
+            optimizer_state = pipeline_full_optimizer_state_dict(optimizer, model, model_state)
         elif in_writing_replica:
             optimizer_state = full_optimizer_state_dict(optimizer)
     error, cause, path = None, None, None

@@ -62,6 +62,8 @@ class ParallelConfig:
     data_parallel_size: int
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
+    # Model chunks per pipeline rank (interleaved 1F1B); None for the plain 1F1B schedule.
+    virtual_pipeline_model_parallel_size: int | None = None
     distributed_backend: str = "nccl"
     ddp_impl: str = "local"  # --DDP-impl
     accumulate_allreduce_grads_in_fp32: bool = False

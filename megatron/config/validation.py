@@ -61,6 +61,7 @@ def resolve_arguments_with_notes(
     _resolve_iterations_and_lr(args)
     _resolve_model_shape(args, notes)
     _check_tensor_parallel(args, notes)
+    _check_pipeline_parallel(args)
     _resolve_recompute(args, notes)
     _check_data(args)
     _check_checkpointing(args, notes)
@@ -126,11 +127,6 @@ def _resolve_parallelism(args: argparse.Namespace, world_size: int) -> None:
             f"world size {world_size} is not divisible by --tensor-model-parallel-size "
             f"{tensor} x --pipeline-model-parallel-size {pipeline} (= {model_parallel}); "
             "launch a multiple of that many processes or lower the parallel sizes"
-        )
-    if pipeline > 1:
-        raise ConfigError(
-            f"--pipeline-model-parallel-size {pipeline}: pipeline parallelism is not available "
-            "yet; use 1 (tensor and data parallelism are)"
         )
     args.world_size = world_size
     args.data_parallel_size = world_size // model_parallel
@@ -277,6 +273,55 @@ def _check_tensor_parallel(args: argparse.Namespace, notes: List[str]) -> None:
             "available yet (the distributed optimizer shards over data-parallel ranks only); "
             "drop one of them"
         )
+
+
+def _check_pipeline_parallel(args: argparse.Namespace) -> None:
+    """Megatron's pipeline split: equal layers per stage (and per virtual stage), micro-batches
+    a multiple of the stages for the interleaved schedule; sets the virtual pipeline size."""
+    pipeline = args.pipeline_model_parallel_size
+    per_virtual_stage = args.num_layers_per_virtual_pipeline_stage
+    args.virtual_pipeline_model_parallel_size = None
+    if pipeline == 1:
+        if per_virtual_stage is not None:
+            raise ConfigError(
+                f"--num-layers-per-virtual-pipeline-stage {per_virtual_stage} needs "
+                "--pipeline-model-parallel-size above 1 (it interleaves pipeline stages)"
+            )
+        return
+    if args.num_layers % pipeline != 0:
+        raise ConfigError(
+            f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size "
+            f"{pipeline}: every stage holds the same number of layers"
+        )
+    unsupported = [
+        flag
+        for flag, value in (("--use-distributed-optimizer", args.use_distributed_optimizer),)
+        if value
+    ]
+    if unsupported:
+        raise ConfigError(
+            f"{', '.join(unsupported)} with --pipeline-model-parallel-size {pipeline} is not "
+            "available yet; drop it or use --pipeline-model-parallel-size 1"
+        )
+    if per_virtual_stage is None:
+        return
+    per_stage = args.num_layers // pipeline
+    if per_virtual_stage < 1 or per_stage % per_virtual_stage != 0:
+        raise ConfigError(
+            f"--num-layers-per-virtual-pipeline-stage {per_virtual_stage} does not divide the "
+            f"{per_stage} layers of each stage (--num-layers {args.num_layers} / "
+            f"--pipeline-model-parallel-size {pipeline})"
+        )
+    num_micro_batches = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
+    if num_micro_batches % pipeline != 0:
+        raise ConfigError(
+            f"the interleaved pipeline schedule needs the number of micro-batches "
+            f"({num_micro_batches} = --global-batch-size {args.global_batch_size} / "
+            f"(--micro-batch-size {args.micro_batch_size} x data-parallel size "
+            f"{args.data_parallel_size})) to be divisible by --pipeline-model-parallel-size "
+            f"{pipeline}"
+        )
+    args.virtual_pipeline_model_parallel_size = per_stage // per_virtual_stage
 
 
 def _resolve_recompute(args: argparse.Namespace, notes: List[str]) -> None:

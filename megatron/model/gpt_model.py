@@ -12,7 +12,7 @@ vocabulary over TP ranks and the loss is `vocab_parallel_cross_entropy`.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -65,9 +65,22 @@ class GPTModel(nn.Module):
     decoder.final_layernorm.{weight, bias}, output_layer.weight (untied embeddings only).
     MoE layers (config.moe) hold mlp.router.layer.weight, mlp.experts.{w1, v1, w2}, mlp.bias
     and optionally mlp.shared_expert.{linear_fc1, linear_fc2}.
+
+    A pipeline stage (megatron.pipeline.stages) is built with `pre_process` (it holds the
+    embedding), `post_process` (the final norm and the output layer) and the global numbers of
+    its layers, which sit at local indices 0, 1, ... With tied embeddings a last stage that is
+    not also the first holds its own copy of the word embeddings as `output_layer.weight`,
+    marked `shared_embedding` (Megatron's approach); the pipeline keeps it equal to the first
+    stage's table. A stage after the first reads its input from `set_input_tensor`.
     """
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        pre_process: bool = True,
+        post_process: bool = True,
+        layer_numbers: Optional[Sequence[int]] = None,
+    ) -> None:
         super().__init__()
         if config.padded_vocab_size <= 0:
             raise ValueError(
@@ -88,17 +101,23 @@ class GPTModel(nn.Module):
                     "use --tensor-model-parallel-size 1 with --moe-* flags"
                 )
         self.config = config
-        self.embedding = LanguageModelEmbedding(config)
+        self.pre_process = pre_process
+        self.post_process = post_process
+        self.input_tensor: Optional[torch.Tensor] = None
+        self.embedding = LanguageModelEmbedding(config) if pre_process else None
         self.rotary_pos_emb = None
         if config.position_embedding_type == "rope":
             self.rotary_pos_emb = RotaryEmbedding(
                 config.kv_channels, config.rotary_percent, config.rotary_base
             )
-        self.decoder = TransformerBlock(config)
+        self.decoder = TransformerBlock(config, layer_numbers, final_norm=post_process)
         self.output_layer = None
-        if config.untie_embeddings_and_output_weights:
-            # No bias, as in Megatron; the tied case reuses the word embedding table instead.
+        if post_process and (config.untie_embeddings_and_output_weights or not pre_process):
+            # No bias, as in Megatron; the tied case reuses the word embedding table instead,
+            # or on a last stage without the embedding, its copy of it.
             self.output_layer = output_linear(config)
+            if not config.untie_embeddings_and_output_weights:
+                self.output_layer.weight.shared_embedding = True
         self.init_weights()
 
     @torch.no_grad()
@@ -129,6 +148,10 @@ class GPTModel(nn.Module):
                 if getattr(module, "bias", None) is not None:
                     nn.init.zeros_(module.bias)
 
+    def set_input_tensor(self, input_tensor: Optional[torch.Tensor]) -> None:
+        """The previous pipeline stage's output: this stage's input in the next forward."""
+        self.input_tensor = input_tensor
+
     def output_weight(self) -> torch.Tensor:
         """The [vocab, hidden] matrix producing logits: the word embeddings unless untied
         (this rank's [vocab / tp, hidden] rows under tensor parallelism)."""
@@ -149,20 +172,26 @@ class GPTModel(nn.Module):
         position embeddings alike). Attention is always causal over the whole sequence.
         Under tensor parallelism the logits are this rank's vocabulary shard [b, s, vocab / tp]
         and the losses, identical on every TP rank, come from the vocab-parallel cross-entropy.
+        A pipeline stage before the last returns its hidden states [b, s, h] instead.
         """
         seq_length = input_ids.shape[1]
-        if self.embedding.position_embeddings is not None:
+        if self.embedding is not None and self.embedding.position_embeddings is not None:
             max_positions = self.config.max_position_embeddings
             if seq_length > max_positions:
                 raise ValueError(
                     f"sequence length {seq_length} exceeds max_position_embeddings="
                     f"{max_positions}; raise --max-position-embeddings or shorten --seq-length"
                 )
-        hidden_states = self.embedding(input_ids, position_ids)
+        if self.embedding is not None:
+            hidden_states = self.embedding(input_ids, position_ids)
+        else:
+            hidden_states = self.input_tensor
         rotary_cos_sin = None
         if self.rotary_pos_emb is not None:
             rotary_cos_sin = self.rotary_pos_emb(seq_length, position_ids, input_ids.device)
         hidden_states = self.decoder(hidden_states, rotary_cos_sin)
+        if not self.post_process:
+            return hidden_states
         if is_tensor_parallel(self.config):
             return self._tensor_parallel_output(hidden_states, labels)
         logits = F.linear(hidden_states, self.output_weight())

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Tuple
+from typing import TYPE_CHECKING, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -47,7 +47,8 @@ RECOMPUTE_METHODS = ("uniform", "block")
 
 
 class TransformerBlock(nn.Module):
-    """`num_layers` TransformerLayers and the final norm.
+    """`num_layers` TransformerLayers and the final norm; a pipeline stage holds the layers
+    numbered `layer_numbers` (global, 0-based) and the final norm only when it is the last.
 
     Full recompute (`recompute_granularity="full"`, training only) keeps just the inputs of
     checkpointed layers and re-runs their forward in backward:
@@ -61,10 +62,17 @@ class TransformerBlock(nn.Module):
     default generator, identical on every rank.
     """
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_numbers: Optional[Sequence[int]] = None,
+        final_norm: bool = True,
+    ) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(TransformerLayer(config, i) for i in range(config.num_layers))
-        self.final_layernorm = build_norm(config)
+        if layer_numbers is None:
+            layer_numbers = range(config.num_layers)
+        self.layers = nn.ModuleList(TransformerLayer(config, i) for i in layer_numbers)
+        self.final_layernorm = build_norm(config) if final_norm else None
         self.tensor_parallel = config.tensor_model_parallel_size > 1
         self.sequence_parallel_dropout = config.sequence_parallel and (
             config.hidden_dropout > 0.0 or config.attention_dropout > 0.0
@@ -112,9 +120,12 @@ class TransformerBlock(nn.Module):
     def forward(
         self, hidden_states: torch.Tensor, rotary_cos_sin: RotaryCosSin = None
     ) -> torch.Tensor:
-        """[b, s, h] -> final-normalized [b, s, h] (sequence shards under sequence parallel)."""
+        """[b, s, h] -> final-normalized [b, s, h] (sequence shards under sequence parallel;
+        not normalized on a pipeline stage before the last)."""
         with sharded_dropout_rng(self.sequence_parallel_dropout and self.training):
             hidden_states = self._run_all_layers(hidden_states, rotary_cos_sin)
+        if self.final_layernorm is None:
+            return hidden_states
         return self.final_layernorm(hidden_states)
 
     def _run_all_layers(

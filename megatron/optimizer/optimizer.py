@@ -5,8 +5,8 @@ updates the model's own parameters: they are the fp32 master weights. Under data
 (torch DDP) the gradients are already averaged when `step` runs, so every rank holds the same
 gradients and computes the same norm; only the overflow flag is all-reduced, so that a rank
 whose own check differed cannot step alone. Under tensor parallelism each rank holds part of
-the gradient, and under expert parallelism its own experts' part: the norm adds the ranks'
-shares (see `MegatronOptimizer._counted_grads`).
+the gradient, under pipeline parallelism its stage's layers, and under expert parallelism
+its own experts' part: the norm adds the ranks' shares (see `MegatronOptimizer._counted_grads`).
 """
 
 from __future__ import annotations
@@ -140,7 +140,11 @@ class MegatronOptimizer:
     def _norm_groups(self) -> List[Optional[dist.ProcessGroup]]:
         """The groups whose ranks hold different parts of the gradient, to sum squares over."""
         groups = []
-        if parallel_state.get_tensor_model_parallel_world_size() > 1:
+        if (
+            parallel_state.get_tensor_model_parallel_world_size() > 1
+            or parallel_state.get_pipeline_model_parallel_world_size() > 1
+        ):
+            # Tensor x pipeline ranks: each stage holds other layers, each TP rank other shards.
             groups.append(parallel_state.get_model_parallel_group())
         if parallel_state.get_expert_model_parallel_world_size() > 1:
             groups.append(parallel_state.get_expert_model_parallel_group())
@@ -155,7 +159,9 @@ class MegatronOptimizer:
         embeddings) only on TP rank 0. Expert parallelism (moe.expert_parallel): each rank of
         an expert-parallel group holds other experts, which all count, while the rest of the
         gradient is the same on all of them after the data-parallel all-reduce and counts only
-        on expert-parallel rank 0.
+        on expert-parallel rank 0. Pipeline parallelism: every stage's parameters count, except
+        the last stage's copy of tied word embeddings (`shared_embedding`), which after the
+        embedding-group all-reduce equals the first stage's and is counted there.
         """
         first_tensor_rank = parallel_state.get_tensor_model_parallel_rank() == 0
         first_expert_rank = parallel_state.get_expert_model_parallel_rank() == 0
@@ -163,6 +169,7 @@ class MegatronOptimizer:
             param.grad
             for param in self._params()
             if param.grad is not None
+            and not getattr(param, "shared_embedding", False)
             and (getattr(param, "tensor_model_parallel", False) or first_tensor_rank)
             and (getattr(param, "expert_model_parallel", False) or first_expert_rank)
         ]

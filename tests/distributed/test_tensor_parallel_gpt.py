@@ -201,7 +201,6 @@ def test_checkpoint_resumes_at_another_tensor_parallel_size(
             "--tensor-model-parallel-size 2 --use-distributed-optimizer",
             "--use-distributed-optimizer with --tensor-model-parallel-size 2",
         ),
-        (2, "--pipeline-model-parallel-size 2", "pipeline parallelism is not available yet"),
         (
             2,
             "--tensor-model-parallel-size 2 --moe-num-experts 4",

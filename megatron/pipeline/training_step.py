@@ -1,0 +1,103 @@
+"""The trainer's view of a pipeline: building the stages of the single-process model, one
+step's forwards and backwards through the schedule, and the reported values brought from the
+last stage to every rank (rank 0 logs them, as without a pipeline)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, Dict, Iterator, List, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron import parallel_state
+from megatron.model import GPTModel
+from megatron.pipeline.p2p import ActivationSpec
+from megatron.pipeline.schedules import (
+    StageForwardStep,
+    forward_backward_pipelining_with_interleaving,
+    forward_backward_pipelining_without_interleaving,
+    forward_only_pipelining,
+)
+from megatron.pipeline.stages import build_stage_model_chunks, full_to_stage_state_dict
+
+if TYPE_CHECKING:
+    from megatron.config import Config, ModelConfig
+
+
+def build_pipeline_model(model_config: ModelConfig) -> Tuple[nn.ModuleList, GPTModel]:
+    """This rank's model chunks holding the single-process model's initial weights, and that
+    whole model (to count its parameters; drop it afterwards).
+
+    The whole model is drawn first, exactly as one process draws it, and each chunk takes its
+    layers from it, so a pipeline run starts from the single-process weights (Megatron draws
+    per stage instead, which gives other weights). That costs one whole model of CPU memory
+    during set-up. The chunks are built under a forked RNG, so the generator state afterwards
+    is the single-process one too (dropout masks then match).
+    """
+    full = GPTModel(model_config)
+    full_state = full.state_dict()
+    with torch.random.fork_rng(devices=[]):
+        chunks = build_stage_model_chunks(model_config)
+    for chunk in chunks:
+        chunk.load_state_dict(full_to_stage_state_dict(full_state, chunk), strict=True)
+    return nn.ModuleList(chunks), full
+
+
+def activation_spec(config: Config, device: torch.device) -> ActivationSpec:
+    """The [micro_batch, seq, hidden] (seq / tp with sequence parallelism) fp32 tensors sent
+    between stages: the residual stream stays fp32 under autocast."""
+    seq_length = config.data.seq_length
+    if config.model.sequence_parallel:
+        seq_length //= config.parallel.tensor_model_parallel_size
+    shape = (config.training.micro_batch_size, seq_length, config.model.hidden_size)
+    return ActivationSpec(shape, torch.float32, device)
+
+
+def pipeline_step(
+    model: nn.ModuleList,
+    forward_step: StageForwardStep,
+    data_iterator: Iterator,
+    config: Config,
+    spec: ActivationSpec,
+    scale_loss: Callable[[torch.Tensor], torch.Tensor],
+    forward_only: bool = False,
+) -> Dict[str, torch.Tensor]:
+    """One global batch's micro-batches through the pipeline (backwards too unless
+    `forward_only`); the last stage's reported values, averaged over micro-batches, on every
+    rank of the pipeline."""
+    num_micro_batches = config.training.num_micro_batches
+    chunks = list(model)
+    if forward_only:
+        reported = forward_only_pipelining(
+            forward_step, data_iterator, chunks, num_micro_batches, spec
+        )
+    elif parallel_state.get_virtual_pipeline_model_parallel_world_size() is None:
+        reported = forward_backward_pipelining_without_interleaving(
+            forward_step, data_iterator, chunks[0], num_micro_batches, spec, scale_loss
+        )
+    else:
+        reported = forward_backward_pipelining_with_interleaving(
+            forward_step, data_iterator, chunks, num_micro_batches, spec, scale_loss
+        )
+    return _from_last_stage(_means(reported), spec.device)
+
+
+def _means(reported: List[Dict[str, torch.Tensor]]) -> Dict[str, float]:
+    if not reported:
+        return {}
+    return {
+        name: sum(values[name].float().item() for values in reported) / len(reported)
+        for name in reported[0]
+    }
+
+
+def _from_last_stage(means: Dict[str, float], device: torch.device) -> Dict[str, torch.Tensor]:
+    # Only the last stage knows the names; an object broadcast carries names and values.
+    box = [means]
+    dist.broadcast_object_list(
+        box,
+        src=parallel_state.get_pipeline_model_parallel_last_rank(),
+        group=parallel_state.get_pipeline_model_parallel_group(),
+    )
+    return {name: torch.tensor(value, device=device) for name, value in box[0].items()}
