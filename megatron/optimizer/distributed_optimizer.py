@@ -38,7 +38,12 @@ from torch import nn
 
 from megatron.config import OptimizerConfig, TrainingConfig
 from megatron.optimizer.grad_scaler import GradScaler
-from megatron.optimizer.optimizer import StepResult, _unscale_and_check_for_inf, build_optimizer
+from megatron.optimizer.optimizer import (
+    StepResult,
+    _unscale_and_check_for_inf,
+    build_optimizer,
+    load_keeping_kernel_flags,
+)
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -304,7 +309,7 @@ class DistributedOptimizer:
                 f"{self._layout()}; a checkpoint written at another data-parallel size must be "
                 "saved with gather_full_state_dict() and loaded with load_full_state_dict()"
             )
-        _load_keeping_kernel_flags(self.optimizer, state_dict["optimizer"])
+        load_keeping_kernel_flags(self.optimizer, state_dict["optimizer"])
         self._load_grad_scaler(state_dict)
 
     def gather_full_state_dict(self) -> Dict[str, Any]:
@@ -382,7 +387,7 @@ class DistributedOptimizer:
         for group, torch_group in zip(param_groups, self.optimizer.param_groups):
             group["params"] = list(range(next_index, next_index + len(torch_group["params"])))
             next_index += len(torch_group["params"])
-        _load_keeping_kernel_flags(
+        load_keeping_kernel_flags(
             self.optimizer, {"state": inner_state, "param_groups": param_groups}
         )
         self._load_grad_scaler(full_state_dict)
@@ -481,15 +486,3 @@ def _state_tensors_per_element(optimizer: torch.optim.Optimizer) -> int:
     if isinstance(optimizer, torch.optim.SGD):
         return 1 if optimizer.defaults.get("momentum", 0.0) != 0.0 else 0
     raise ValueError(f"memory_report does not know the state of {type(optimizer).__name__}")
-
-
-def _load_keeping_kernel_flags(optimizer: torch.optim.Optimizer, state: Dict[str, Any]) -> None:
-    """`optimizer.load_state_dict`, keeping this run's fused/foreach choice (as
-    `MegatronOptimizer.load_state_dict` does) so checkpoints move between CPU and GPU."""
-    kernel_flags = [
-        {key: group[key] for key in ("fused", "foreach") if key in group}
-        for group in optimizer.param_groups
-    ]
-    optimizer.load_state_dict(state)
-    for group, flags in zip(optimizer.param_groups, kernel_flags):
-        group.update(flags)

@@ -102,13 +102,7 @@ class MegatronOptimizer:
         The kernel choice (fused/foreach) stays the one picked for this run's devices, so a
         checkpoint written on GPU loads on CPU and the other way round.
         """
-        kernel_flags = [
-            {key: group[key] for key in ("fused", "foreach") if key in group}
-            for group in self.optimizer.param_groups
-        ]
-        self.optimizer.load_state_dict(state_dict["optimizer"])
-        for group, flags in zip(self.optimizer.param_groups, kernel_flags):
-            group.update(flags)
+        load_keeping_kernel_flags(self.optimizer, state_dict["optimizer"])
         if self.grad_scaler is not None and "grad_scaler" in state_dict:
             self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
 
@@ -269,6 +263,18 @@ def _unscale_and_check_for_inf(
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
     return bool(found_inf.item() > 0)
+
+
+def load_keeping_kernel_flags(optimizer: torch.optim.Optimizer, state: Dict[str, Any]) -> None:
+    """`optimizer.load_state_dict(state)`, keeping this run's fused/foreach choice, so that a
+    checkpoint written on GPU loads on CPU and the other way round."""
+    kernel_flags = [
+        {key: group[key] for key in ("fused", "foreach") if key in group}
+        for group in optimizer.param_groups
+    ]
+    optimizer.load_state_dict(state)
+    for group, flags in zip(optimizer.param_groups, kernel_flags):
+        group.update(flags)
 
 
 def _global_grad_norm(grads: List[torch.Tensor]) -> float:
