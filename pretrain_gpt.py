@@ -61,12 +61,14 @@ def get_batch(
 def make_forward_step(
     eod_token: int,
     eod_mask_loss: bool,
-    auxiliary_losses: Optional[Callable[[], Dict[str, torch.Tensor]]] = None,
+    auxiliary_losses: Optional[Callable[[torch.nn.Module], Dict[str, torch.Tensor]]] = None,
 ):
     """forward_step(model, batch) -> (loss, {"lm loss": loss, ...}) with Megatron's masked mean.
 
-    `auxiliary_losses` (MoE: `MoEAuxiliaryLosses(model)`) returns the latest forward's extra
-    loss terms, e.g. {"load balancing loss": ...}; each is added to the loss and reported.
+    `auxiliary_losses(model)` (MoE: `MoEAuxiliaryLosses`) returns the extra loss terms of the
+    forward `model` just ran, e.g. {"load balancing loss": ...}; each is added to the loss and
+    reported. On a pipeline stage before the last they are that stage's share, returned as its
+    reported values, which the schedule adds to the loss (megatron.pipeline.schedules).
     """
 
     def forward_step(
@@ -74,14 +76,15 @@ def make_forward_step(
     ) -> Tuple[torch.Tensor, Dict]:
         inputs = get_batch(batch, eod_token, eod_mask_loss)
         per_token_losses = model(inputs["tokens"], labels=inputs["labels"])
+        auxiliary = auxiliary_losses(model) if auxiliary_losses else {}
         if not getattr(model, "post_process", True):
             # A pipeline stage before the last: its hidden states go to the next stage.
-            return per_token_losses, {}
+            return per_token_losses, auxiliary
         loss_mask = inputs["loss_mask"]
         lm_loss = torch.sum(per_token_losses.float() * loss_mask) / loss_mask.sum()
         reported = {"lm loss": lm_loss.detach()}
         loss = lm_loss
-        for name, value in (auxiliary_losses() if auxiliary_losses else {}).items():
+        for name, value in auxiliary.items():
             loss = loss + value
             reported[name] = value.detach()
         return loss, reported
@@ -142,17 +145,6 @@ def main(argv: Optional[List[str]] = None) -> TrainingResult:
         raise SystemExit(2)
     parallel = config.parallel
     tensor_parallel_size = parallel.tensor_model_parallel_size
-    for flag, size in (
-        ("--tensor-model-parallel-size", tensor_parallel_size),
-        ("--pipeline-model-parallel-size", parallel.pipeline_model_parallel_size),
-    ):
-        if config.model.moe is not None and size > 1:
-            print(
-                f"error: MoE layers (--moe-* flags) with {flag} {size} are not available yet; "
-                f"use {flag} 1",
-                file=sys.stderr,
-            )
-            raise SystemExit(2)
 
     context = initialize_distributed(parallel.distributed_backend)
     initialize_model_parallel(
@@ -236,7 +228,11 @@ def _setup_and_train(
 
     datasets = build_datasets(config)
     barrier()
-    auxiliary_losses = MoEAuxiliaryLosses(model) if config.model.moe is not None else None
+    auxiliary_losses = None
+    if config.model.moe is not None:
+        # Averaged over the whole model's MoE layers, whichever of them this rank holds.
+        num_moe_layers = config.model.moe.num_moe_layers(config.model.num_layers)
+        auxiliary_losses = MoEAuxiliaryLosses(model, num_moe_layers)
     forward_step = make_forward_step(tokenizer.eod, data.eod_mask_loss, auxiliary_losses)
     return pretrain(config, run_arguments, context, model, datasets, forward_step)
 

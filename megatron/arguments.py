@@ -470,7 +470,9 @@ def _add_distributed_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--use-distributed-optimizer",
         action="store_true",
-        help="Shard optimizer state across data-parallel ranks (not available yet).",
+        help="Shard the fp32 master weights and optimizer state over the data-parallel ranks "
+        "(ZeRO-1; expert-parallel parameters over the expert-data-parallel ranks): gradients "
+        "are reduce-scattered and parameters all-gathered instead of DDP's all-reduce.",
     )
 
 

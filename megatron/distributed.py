@@ -77,9 +77,13 @@ def finalize_gradients(model: nn.Module, config: Config) -> None:
     if config.model.sequence_parallel:
         # Norms saw only this rank's sequence shard: sum their gradients over TP ranks.
         all_reduce_sequence_parallel_grads(model.parameters())
-    if parallel_state.get_expert_model_parallel_world_size() > 1:
+    if (
+        parallel_state.get_expert_model_parallel_world_size() > 1
+        and not config.parallel.use_distributed_optimizer
+    ):
         # Expert gradients hold the contributions of the expert-parallel group's tokens; this
-        # turns them into the data-parallel average DDP gives the other parameters.
+        # turns them into the data-parallel average DDP gives the other parameters. (The
+        # distributed optimizer reduce-scatters them over the same group itself.)
         reduce_expert_gradients(model)
 
 
@@ -100,9 +104,14 @@ def all_reduce_data_parallel_gradients(model: nn.Module) -> None:
     """Average every gradient over the data-parallel group, after the last backward: the
     pipeline's replacement for DDP, whose hooks assume one forward then one backward per
     micro-batch (the 1F1B schedules interleave them). Unbucketed: one all-reduce of all
-    gradients flattened."""
+    gradients flattened. Expert-parallel shards are left to `finalize_gradients`, as DDP
+    leaves them."""
     size = parallel_state.get_data_parallel_world_size()
-    grads = [param.grad for param in model.parameters() if param.grad is not None]
+    grads = [
+        param.grad
+        for param in model.parameters()
+        if param.grad is not None and not is_expert_parameter(param)
+    ]
     if size == 1 or not grads:
         return
     flat = torch._utils._flatten_dense_tensors(grads)

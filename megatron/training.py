@@ -206,7 +206,9 @@ class Trainer:
                 self.activation_spec,
                 self.optimizer.scale_loss,
             )
-            all_reduce_data_parallel_gradients(self.unwrapped_model)
+            if not self.config.parallel.use_distributed_optimizer:
+                # The distributed optimizer reduce-scatters the gradients in its step instead.
+                all_reduce_data_parallel_gradients(self.unwrapped_model)
             reduce_tied_embedding_gradients(list(self.unwrapped_model))
         else:
             means = self._accumulate_micro_batches(data_iterator)

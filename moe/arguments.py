@@ -86,7 +86,7 @@ def add_moe_args(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="Shard each dMoE layer's experts over this many data-parallel ranks, tokens "
         "exchanged by all-to-all (Megatron-core's flag); must divide --moe-num-experts and the "
-        "data-parallel size. Not with --use-distributed-optimizer yet (docs/moe.md).",
+        "data-parallel size.",
     )
     group.add_argument(
         "--moe-expert-model-parallelism",

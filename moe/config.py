@@ -225,11 +225,3 @@ def _check_expert_parallel_layout(
             f"divides {data_parallel_size}, or launch a multiple of {expert_parallel_size} "
             "data-parallel ranks"
         )
-    if getattr(args, "use_distributed_optimizer", False):
-        # Its flat buffers reduce-scatter every gradient over the whole data-parallel group
-        # and shard the state by data-parallel rank; expert shards need their own group.
-        raise ConfigError(
-            "--use-distributed-optimizer with expert parallelism (--expert-model-parallel-size "
-            f"{expert_parallel_size} / --moe-expert-model-parallelism) is not available yet; "
-            "drop one of them"
-        )

@@ -3,6 +3,11 @@
 Weights are stored per expert as matmul operands: w1 (and v1 for GLU) [E, h, f], w2 [E, f, h],
 so one expert is `act(x @ w1[e]) @ w2[e]` (GLU: `(act(x @ w1[e]) * (x @ v1[e])) @ w2[e]`),
 a batch of capacity-padded experts is a `torch.bmm`, and sorted rows are a `grouped_mm`.
+
+Under tensor parallelism (Megatron-core's default, expert tensor parallel size = TP size) each
+TP rank holds f / tp of every expert's ffn channels: w1 and v1 split on their last dim like a
+column-parallel linear, w2 on its ffn dim like a row-parallel one. The experts then compute a
+partial output, which the layer (moe.layers) sums over the TP group.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from megatron.tensor_parallel import set_tensor_model_parallel_attributes
 from moe.expert_parallel import mark_expert_parallel
 
 Projection = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -34,6 +40,10 @@ class Experts(nn.Module):
     With `expert_parallel_size` P > 1 the module holds only the E / P experts of
     `expert_parallel_rank` r, experts [r * E/P, (r + 1) * E/P), as [E/P, ...] parameters marked
     for moe.expert_parallel; local expert i is global expert r * E/P + i.
+
+    With `tensor_parallel_size` T > 1 it holds channels [t * f/T, (t + 1) * f/T) of each
+    expert's ffn, t = `tensor_parallel_rank` (module docstring), marked with Megatron's
+    tensor-parallel attributes so checkpoints and the grad norm treat them as shards.
     """
 
     def __init__(
@@ -48,6 +58,8 @@ class Experts(nn.Module):
         output_init_std: float = 0.02,
         expert_parallel_size: int = 1,
         expert_parallel_rank: int = 0,
+        tensor_parallel_size: int = 1,
+        tensor_parallel_rank: int = 0,
     ) -> None:
         super().__init__()
         if mlp_type not in ("mlp", "glu"):
@@ -59,22 +71,34 @@ class Experts(nn.Module):
                 f"{num_experts} experts do not split evenly over an expert parallel size of "
                 f"{expert_parallel_size}; use a number of experts that is a multiple of it"
             )
+        if ffn_hidden_size % tensor_parallel_size != 0:
+            raise ValueError(
+                f"--ffn-hidden-size {ffn_hidden_size} is not divisible by "
+                f"--tensor-model-parallel-size {tensor_parallel_size}: each tensor-parallel rank "
+                "holds an equal share of every expert's ffn channels; choose a multiple of it"
+            )
         self.num_experts = num_experts
+        self.ffn_hidden_size = ffn_hidden_size
+        self.local_ffn_hidden_size = ffn_hidden_size // tensor_parallel_size
+        self.first_local_channel = tensor_parallel_rank * self.local_ffn_hidden_size
         self.num_local_experts = num_experts // expert_parallel_size
         self.first_local_expert = expert_parallel_rank * self.num_local_experts
         self.mlp_type = mlp_type
         self.activation = gelu_tanh if activation == "gelu" else F.silu
         self.memory_optimized = memory_optimized
-        local = self.num_local_experts
-        self.w1 = nn.Parameter(torch.empty(local, hidden_size, ffn_hidden_size))
+        local, ffn = self.num_local_experts, self.local_ffn_hidden_size
+        self.w1 = nn.Parameter(torch.empty(local, hidden_size, ffn))
         if mlp_type == "glu":
-            self.v1 = nn.Parameter(torch.empty(local, hidden_size, ffn_hidden_size))
+            self.v1 = nn.Parameter(torch.empty(local, hidden_size, ffn))
         else:
             self.register_parameter("v1", None)
-        self.w2 = nn.Parameter(torch.empty(local, ffn_hidden_size, hidden_size))
+        self.w2 = nn.Parameter(torch.empty(local, ffn, hidden_size))
         if expert_parallel_size > 1:
             for param in self.parameters():
                 mark_expert_parallel(param)
+        if tensor_parallel_size > 1:
+            for param in self.parameters():
+                set_tensor_model_parallel_attributes(param, partition_dim=_ffn_dim(param, self))
         self.init_expert_weights(init_std, output_init_std)
 
     @torch.no_grad()
@@ -82,18 +106,23 @@ class Experts(nn.Module):
         """Megatron's init: normal(0, std) input projections, normal(0, output_std) for w2
         (the scaled init of layers that add to the residual stream).
 
-        A shard draws all E experts and keeps its own, so that every expert parallel size
-        consumes the generator alike and gets the single-process weights.
+        A shard draws all E experts with all f channels and keeps its own, so that every
+        expert and tensor parallel size consumes the generator alike and gets the
+        single-process weights.
         """
         for weight, weight_std in ((self.w1, std), (self.v1, std), (self.w2, output_std)):
             if weight is None:
                 continue
-            if self.num_local_experts == self.num_experts:
+            ffn_dim = _ffn_dim(weight, self)
+            full_shape = list(weight.shape)
+            full_shape[0], full_shape[ffn_dim] = self.num_experts, self.ffn_hidden_size
+            if list(weight.shape) == full_shape:
                 nn.init.normal_(weight, mean=0.0, std=weight_std)
                 continue
-            full = weight.new_empty((self.num_experts,) + tuple(weight.shape[1:]))
+            full = weight.new_empty(full_shape)
             nn.init.normal_(full, mean=0.0, std=weight_std)
-            weight.copy_(full.narrow(0, self.first_local_expert, self.num_local_experts))
+            full = full.narrow(0, self.first_local_expert, self.num_local_experts)
+            weight.copy_(full.narrow(ffn_dim, self.first_local_channel, self.local_ffn_hidden_size))
 
     def _mlp(self, x: torch.Tensor, project: Projection) -> torch.Tensor:
         """The expert MLP on x with `project(input, weight)` as the matmul of each projection."""
@@ -146,3 +175,8 @@ class Experts(nn.Module):
             return grouped_projection(inputs, weight, offsets)
 
         return self._mlp(x, project)
+
+
+def _ffn_dim(weight: torch.Tensor, experts: Experts) -> int:
+    """The ffn dimension of an expert weight: 2 of w1 / v1 [E, h, f], 1 of w2 [E, f, h]."""
+    return 1 if weight is experts.w2 else 2

@@ -12,6 +12,8 @@ block-sparse kernels (dMoE only); "reference" is the per-expert loop of moe.refe
 
 With `expert_model_parallel_size` > 1 the dMoE holds only its rank's block of experts and moves
 assignments to the rank of their expert and back by all-to-all (moe.expert_parallel).
+With `tensor_model_parallel_size` > 1 each TP rank holds a slice of every expert's ffn channels
+and the layer routes, combines and reduces as moe.tensor_parallel describes; the two combine.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from torch import nn
 from megatron import parallel_state
 from megatron.config import ModelConfig
 from megatron.model.mlp import MLP
+from megatron.model.parallel_layers import check_tensor_parallel_state
 from moe.config import MoEConfig
 from moe.expert_parallel import ExpertExchange, expert_parallel_rank_and_size
 from moe.experts import Experts
@@ -37,6 +40,11 @@ from moe.router import (
     load_balancing_loss,
     router_z_loss,
     update_expert_bias,
+)
+from moe.tensor_parallel import (
+    mark_sequence_parallel_parameters,
+    reduce_expert_output,
+    route_tensor_parallel,
 )
 
 SPARSE_UNAVAILABLE = (
@@ -88,6 +96,10 @@ class MoELayer(nn.Module):
         self.expert_parallel_rank, self.expert_parallel_size = expert_parallel_rank_and_size(
             moe_config
         )
+        self.tensor_parallel = model_config.tensor_model_parallel_size > 1
+        self.sequence_parallel = self.tensor_parallel and model_config.sequence_parallel
+        if self.tensor_parallel:
+            check_tensor_parallel_state(model_config)
         std = model_config.init_method_std
         output_std = std / math.sqrt(2.0 * model_config.num_layers)
         self.router = Router(model_config.hidden_size, moe_config, init_std=std)
@@ -102,12 +114,17 @@ class MoELayer(nn.Module):
             output_init_std=output_std,
             expert_parallel_size=self.expert_parallel_size,
             expert_parallel_rank=self.expert_parallel_rank,
+            tensor_parallel_size=model_config.tensor_model_parallel_size,
+            tensor_parallel_rank=parallel_state.get_tensor_model_parallel_rank(),
         )
         # MegaBlocks' experts have no biases; the layer adds one output bias (--bias).
         if model_config.add_bias_linear:
             self.bias = nn.Parameter(torch.zeros(model_config.hidden_size))
         else:
             self.register_parameter("bias", None)
+        if self.sequence_parallel:
+            mark_sequence_parallel_parameters(self.router, self.bias)
+        # A dense MLP: under tensor parallelism its own parallel layers split and reduce it.
         self.shared_expert: Optional[MLP] = None
         if moe_config.shared_expert:
             shared_config = dataclasses.replace(
@@ -141,11 +158,20 @@ class MoELayer(nn.Module):
         pending = getattr(self, "pending_tokens_per_expert", None)
         if pending is None or not bool(pending.any()):
             return
-        update_expert_bias(self.router.expert_bias, pending, self.config.router_bias_update_rate)
+        # Summed over the ranks holding this layer: under pipeline parallelism the other
+        # stages hold other layers (and run their forwards at other times).
+        group = (
+            parallel_state.get_data_parallel_group()
+            if parallel_state.model_parallel_is_initialized()
+            else None
+        )
+        update_expert_bias(
+            self.router.expert_bias, pending, self.config.router_bias_update_rate, group
+        )
         pending.zero_()
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """[b, s, h] -> [b, s, h]."""
+        """[b, s, h] -> [b, s, h] ([b, s / tp, h] with sequence parallelism)."""
         recomputing = _in_backward()
         bias_update = self.training and self.config.router_bias_update_rate > 0
         if bias_update and not recomputing:
@@ -156,8 +182,13 @@ class MoELayer(nn.Module):
             # Permute in the compute dtype, as MegaBlocks does: half the bytes moved. The expert
             # kernels are autograd Functions autocast does not see; Experts casts their weights.
             tokens = tokens.to(torch.get_autocast_dtype(device_type))
-        routing = self.router(tokens)
-        output, tokens_per_expert = self.compute_experts(tokens, routing)
+        if self.tensor_parallel:
+            routing, expert_tokens = route_tensor_parallel(
+                self.router, tokens, hidden_states.shape, self.sequence_parallel
+            )
+        else:
+            routing, expert_tokens = self.router(tokens), tokens
+        output, tokens_per_expert = self.compute_experts(expert_tokens, routing)
         # Computed on recomputation too: a checkpointed re-run must save the same tensors.
         probabilities = balancing_probabilities(routing, self.config.router_score)
         balance_loss = load_balancing_loss(tokens_per_expert, probabilities, self.config.top_k)
@@ -168,11 +199,15 @@ class MoELayer(nn.Module):
                 self.tokens_per_expert.copy_(tokens_per_expert)
                 if bias_update:
                     self.pending_tokens_per_expert += tokens_per_expert.float()
+        if self.tensor_parallel:
+            output = reduce_expert_output(output, hidden_states.shape, self.sequence_parallel)
+        else:
+            output = output.view(hidden_states.shape)
         if self.bias is not None:
             output = output + self.bias
         if self.shared_expert is not None:
-            output = output + self.shared_expert(tokens)
-        return output.view(hidden_states.shape)
+            output = output + self.shared_expert(tokens.view(hidden_states.shape))
+        return output
 
     def _reference(
         self, tokens: torch.Tensor, routing: Routing, capacity: Optional[int]
@@ -234,7 +269,7 @@ class DroplessMoE(MoELayer):
                 from moe.kernels.block_sparse import sparse_mlp  # noqa: F401
             except ImportError as error:
                 raise RuntimeError(SPARSE_UNAVAILABLE) from error
-            ffn = model_config.ffn_hidden_size
+            ffn = self.experts.local_ffn_hidden_size
             # MegaBlocks uses 128; smaller blocks let tiny models run the same kernels.
             self.sparse_block_size = next((b for b in (128, 64, 32, 16) if ffn % b == 0), 0)
 
@@ -351,9 +386,11 @@ def build_moe_layer(model_config: ModelConfig, moe_config: MoEConfig) -> MoELaye
             raise ValueError(
                 "--moe-impl sparse supports --mlp-type mlp with GELU only; use --moe-impl grouped"
             )
-        if model_config.ffn_hidden_size % 16 != 0:
+        tensor_parallel_size = model_config.tensor_model_parallel_size
+        if model_config.ffn_hidden_size % (16 * tensor_parallel_size) != 0:
             raise ValueError(
-                f"--moe-impl sparse needs --ffn-hidden-size divisible by 16, got "
+                f"--moe-impl sparse needs --ffn-hidden-size divisible by 16 x "
+                f"--tensor-model-parallel-size {tensor_parallel_size}, got "
                 f"{model_config.ffn_hidden_size}; use --moe-impl grouped"
             )
     layer_class = DroplessMoE if moe_config.dropless else MoE
@@ -378,26 +415,35 @@ class MoEAuxiliaryLosses:
     "load balancing loss": --moe-loss-weight * mean over MoE layers of each layer's loss
     (MegaBlocks' batched_load_balancing_loss when every layer is an MoE layer);
     "router z loss" (only with --moe-zloss-weight > 0): --moe-zloss-weight * mean over layers.
+
+    Under pipeline parallelism each stage holds some of the layers: called with the model
+    chunk that just ran, it returns that chunk's share, the weighted sum of its layers' losses
+    over `num_moe_layers` (the whole model's count), so the shares add up to the terms of one
+    process.
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, num_moe_layers: Optional[int] = None) -> None:
         self.layers = [layer for _, layer in moe_layers(model)]
+        self.num_moe_layers = num_moe_layers or len(self.layers)
 
-    def __call__(self) -> Dict[str, torch.Tensor]:
-        """The losses of the latest forward; clears them from the layers. {} for a dense model."""
-        if not self.layers:
+    def __call__(self, chunk: Optional[nn.Module] = None) -> Dict[str, torch.Tensor]:
+        """The losses of the latest forward of `chunk` (default: the whole model); clears
+        them from its layers. {} when it holds no MoE layer."""
+        layers = self.layers if chunk is None else [layer for _, layer in moe_layers(chunk)]
+        if not layers:
             return {}
-        config = self.layers[0].config
-        if any(layer.load_balancing_loss is None for layer in self.layers):
+        config = layers[0].config
+        if any(layer.load_balancing_loss is None for layer in layers):
             raise RuntimeError(
                 "MoEAuxiliaryLosses called before every MoE layer ran a forward; call it once "
                 "after each model forward"
             )
-        balance = torch.stack([layer.load_balancing_loss for layer in self.layers]).mean()
-        losses = {"load balancing loss": config.loss_weight * balance}
+        # Sum over count: the shares of the stages add up to the mean over the model's layers.
+        balance = torch.stack([layer.load_balancing_loss for layer in layers]).sum()
+        losses = {"load balancing loss": config.loss_weight * (balance / self.num_moe_layers)}
         if config.zloss_weight > 0:
-            z_loss = torch.stack([layer.router_z_loss for layer in self.layers]).mean()
-            losses["router z loss"] = config.zloss_weight * z_loss
-        for layer in self.layers:
+            z_loss = torch.stack([layer.router_z_loss for layer in layers]).sum()
+            losses["router z loss"] = config.zloss_weight * (z_loss / self.num_moe_layers)
+        for layer in layers:
             layer.load_balancing_loss = layer.router_z_loss = None
         return losses

@@ -54,10 +54,18 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> Routing:
         """Route tokens x [T, h]."""
-        config = self.config
-        if self.training and config.jitter_eps is not None:
+        return self.route(self.logits(x))
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The gate's logits [T, E] for tokens x [T, h] (jittered in training)."""
+        if self.training and self.config.jitter_eps is not None:
             x = x * self.jitter(x)
-        logits = self.layer(x)
+        return self.layer(x)
+
+    def route(self, logits: torch.Tensor) -> Routing:
+        """Scores, top-k experts and their weights from logits [T, E]; split from `logits` so
+        that a sequence-parallel layer can gate its shard and route the gathered logits."""
+        config = self.config
         if config.router_score == "softmax":
             scores = logits.softmax(dim=-1)
         else:

@@ -369,18 +369,6 @@ def test_recompute_selective_and_block():
             2,
             ["--seq-length 31", "--tensor-model-parallel-size 2"],
         ),
-        (
-            ("--tensor-model-parallel-size", "2", "--use-distributed-optimizer"),
-            {},
-            4,
-            ["--use-distributed-optimizer", "--tensor-model-parallel-size 2", "not available"],
-        ),
-        (
-            ("--pipeline-model-parallel-size", "2", "--use-distributed-optimizer"),
-            {},
-            8,
-            ["--use-distributed-optimizer", "--pipeline-model-parallel-size 2", "not available"],
-        ),
         ((), {"drop": ("--lr", "--num-layers")}, 1, ["--num-layers", "--lr"]),
         ((), {"drop": ("--max-position-embeddings",)}, 1, ["--max-position-embeddings"]),
         (("--data-impl", "lazy"), {}, 1, ["--data-impl lazy", "mmap"]),

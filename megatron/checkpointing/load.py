@@ -83,12 +83,13 @@ def load_checkpoint(
     if not model_only and not config.no_load_optim:
         if optimizer is not None:
             optimizer_state = _required(state, "optimizer", path, "--no-load-optim")
-            # Checkpoints hold the unsharded state; the distributed optimizer takes its
-            # data-parallel shard, a tensor-parallel rank its tensor-parallel shards.
-            load_full = getattr(optimizer, "load_full_state_dict", None)
-            if load_full is not None:
-                load_full(optimizer_state)
-            elif is_pipeline_parallel():
+            # Checkpoints hold the unsharded state: a rank takes its stage's, tensor-parallel
+            # and expert shards' part, and the distributed optimizer its data-parallel shard
+            # of that.
+            unsharded_view = getattr(optimizer, "unsharded_view", None)
+            if unsharded_view is not None:
+                optimizer = unsharded_view(gather=False)
+            if is_pipeline_parallel():
                 load_pipeline_optimizer_state_dict(
                     optimizer, unwrap_model(model), optimizer_state, state["model"]
                 )

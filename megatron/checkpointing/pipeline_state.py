@@ -12,7 +12,7 @@ parallel shards are gathered (and cut on load) by `full_state` as in other layou
 from __future__ import annotations
 
 import re
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Set
 
 import torch
 import torch.distributed as dist
@@ -48,12 +48,30 @@ def _model_order(name: str) -> tuple:
     return (3, 0)
 
 
-def _optimizer_order(model_state: Dict[str, torch.Tensor]) -> List[List[str]]:
+def _optimizer_order(
+    model_state: Dict[str, torch.Tensor], parameter_names: Set[str]
+) -> List[List[str]]:
     """Parameter names of the single-process optimizer's two groups (decay, no decay), by
-    `param_groups_for_weight_decay`'s rule; `model_state` in single-process order."""
-    decay = [n for n, t in model_state.items() if not (n.endswith(".bias") or t.dim() == 1)]
-    no_decay = [n for n, t in model_state.items() if n.endswith(".bias") or t.dim() == 1]
+    `param_groups_for_weight_decay`'s rule; `model_state` in single-process order. Its
+    persistent buffers (the MoE expert bias and pending counts) are not numbered."""
+    parameters = {n: t for n, t in model_state.items() if n in parameter_names}
+    decay = [n for n, t in parameters.items() if not (n.endswith(".bias") or t.dim() == 1)]
+    no_decay = [n for n, t in parameters.items() if n.endswith(".bias") or t.dim() == 1]
     return [decay, no_decay]
+
+
+def _whole_model_parameter_names(chunks: nn.ModuleList) -> Set[str]:
+    """Single-process names of the parameters of every stage; collective over the pipeline
+    group (from the full state dict alone a stage cannot tell another stage's persistent
+    buffers from its parameters)."""
+    local = [full_name(chunk, name) for chunk in chunks for name, _ in chunk.named_parameters()]
+    gathered: List[Any] = [None] * parallel_state.get_pipeline_model_parallel_world_size()
+    dist.all_gather_object(
+        gathered,
+        [name for name in local if name is not None],
+        group=parallel_state.get_pipeline_model_parallel_group(),
+    )
+    return {name for stage in gathered for name in stage}
 
 
 def _gather_to_first_stage(local: Any) -> Optional[List[Any]]:
@@ -107,6 +125,7 @@ def pipeline_full_optimizer_state_dict(
     state = full_optimizer_state_dict(optimizer)
     inner = state["optimizer"]
     names = _local_names(optimizer, chunks)
+    parameter_names = _whole_model_parameter_names(chunks)
     named = {
         names[index]: {
             key: value.detach().cpu() if torch.is_tensor(value) else value
@@ -119,7 +138,7 @@ def pipeline_full_optimizer_state_dict(
     if gathered is None:
         return None
     merged = {name: value for stage in gathered for name, value in stage.items()}
-    groups = _optimizer_order(model_state)
+    groups = _optimizer_order(model_state, parameter_names)
     _check_two_groups(inner["param_groups"])
     numbered = [name for group in groups for name in group]
     index_of = {name: index for index, name in enumerate(numbered)}
@@ -141,8 +160,10 @@ def load_pipeline_optimizer_state_dict(
     model_state: Dict[str, torch.Tensor],
 ) -> None:
     """Load a single-process optimizer state: each parameter of this stage takes the state of
-    its single-process name (the tied-embedding copy that of the table)."""
-    numbered = [name for group in _optimizer_order(model_state) for name in group]
+    its single-process name (the tied-embedding copy that of the table). Collective over the
+    pipeline group."""
+    parameter_names = _whole_model_parameter_names(chunks)
+    numbered = [name for group in _optimizer_order(model_state, parameter_names) for name in group]
     index_of = {name: index for index, name in enumerate(numbered)}
     full_inner = full_state["optimizer"]
     _check_two_groups(full_inner["param_groups"])

@@ -92,12 +92,14 @@ def save_checkpoint(
         else:
             model_state = full_model_state_dict(model)
     if optimizer is not None and not config.no_save_optim:
-        # The distributed optimizer gathers its shards into the unsharded form (a collective
-        # on every rank), so one checkpoint loads at any data-parallel size, sharded or not.
-        gather_full = getattr(optimizer, "gather_full_state_dict", None)
-        if gather_full is not None:
-            optimizer_state = gather_full()
-        elif in_writing_replica and pipeline:
+        unsharded_view = getattr(optimizer, "unsharded_view", None)
+        if unsharded_view is not None:
+            # The distributed optimizer first gathers its data-parallel shards (a collective on
+            # every rank) into the state a MegatronOptimizer of this rank holds; that state then
+            # goes through the same tensor-, expert- and pipeline-parallel gathering, so one
+            # checkpoint loads in any layout, sharded or not.
+            optimizer = unsharded_view(gather=True)
+        if in_writing_replica and pipeline:
             optimizer_state = pipeline_full_optimizer_state_dict(optimizer, model, model_state)
         elif in_writing_replica:
             optimizer_state = full_optimizer_state_dict(optimizer)

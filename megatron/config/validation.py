@@ -267,12 +267,6 @@ def _check_tensor_parallel(args: argparse.Namespace, notes: List[str]) -> None:
                 f"{world_size}); choose sizes that {tensor} divides, or a smaller "
                 "--tensor-model-parallel-size"
             )
-    if args.use_distributed_optimizer:
-        raise ConfigError(
-            f"--use-distributed-optimizer with --tensor-model-parallel-size {tensor} is not "
-            "available yet (the distributed optimizer shards over data-parallel ranks only); "
-            "drop one of them"
-        )
 
 
 def _check_pipeline_parallel(args: argparse.Namespace) -> None:
@@ -292,16 +286,6 @@ def _check_pipeline_parallel(args: argparse.Namespace) -> None:
         raise ConfigError(
             f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size "
             f"{pipeline}: every stage holds the same number of layers"
-        )
-    unsupported = [
-        flag
-        for flag, value in (("--use-distributed-optimizer", args.use_distributed_optimizer),)
-        if value
-    ]
-    if unsupported:
-        raise ConfigError(
-            f"{', '.join(unsupported)} with --pipeline-model-parallel-size {pipeline} is not "
-            "available yet; drop it or use --pipeline-model-parallel-size 1"
         )
     if per_virtual_stage is None:
         return

@@ -95,11 +95,6 @@ class GPTModel(nn.Module):
             )
         if is_tensor_parallel(config):
             check_tensor_parallel_state(config)
-            if config.moe is not None:
-                raise ValueError(
-                    "MoE layers with tensor_model_parallel_size > 1 are not available yet; "
-                    "use --tensor-model-parallel-size 1 with --moe-* flags"
-                )
         self.config = config
         self.pre_process = pre_process
         self.post_process = post_process

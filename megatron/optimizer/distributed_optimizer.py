@@ -1,113 +1,61 @@
 """`--use-distributed-optimizer`: the optimizer step sharded over data parallelism (ZeRO-1).
 
 A drop-in alternative to `MegatronOptimizer` for a model *not* wrapped in DDP: every rank keeps
-the full parameters but only 1/dp of the optimizer state, as Megatron-LM's DistributedOptimizer.
+its full parameters but only a shard of their optimizer state, as Megatron-LM's
+DistributedOptimizer. Under tensor, pipeline and expert parallelism a rank's parameters are its
+tensor-parallel shards, its pipeline stage's layers and its experts, each sharded over the ranks
+that hold a replica of it: the data-parallel group, or for expert-parallel shards
+(`moe.expert_parallel.is_expert_parameter`) the expert-data-parallel group.
 
-Layout. The parameters of each dtype (all fp32 here: mixed precision is autocast) lie one after
-another, in param-group order, in a flat *parameter buffer* padded at the end to split into
-`dp_size` equal shards; rank r owns `[r * shard_size, (r + 1) * shard_size)`. The model's
-parameters become views into it, so the all-gather writes updated weights in place. A
-parameter may straddle a shard boundary: the inner torch optimizer gets one 1-D *piece* (a view
-of the buffer: fp32 parameters are their own master weights) per parameter the shard overlaps,
-in that parameter's group. A *grad buffer* of the same layout holds the gradients: `zero_grad`
-binds each `param.grad` to its view so backward accumulates there (grads autograd re-created
-elsewhere are copied in at `step`).
+Layout. The parameters are grouped by dtype (all fp32 here: mixed precision is autocast) and by
+that replica group (Megatron-Core's dense and expert buffers). Each group's parameters lie one
+after another, in param-group order, in a flat *parameter buffer* padded at the end to split
+into equal shards over its replica group; rank r of the group owns `[r * shard_size,
+(r + 1) * shard_size)`. The model's parameters become views into it, so the all-gather writes
+updated weights in place. A parameter may straddle a shard boundary: the inner torch optimizer
+gets one 1-D *piece* (a view of the buffer: fp32 parameters are their own master weights) per
+parameter the shard overlaps, in that parameter's group. A *grad buffer* of the same layout
+holds the gradients: `zero_grad` binds each `param.grad` to its view so backward accumulates
+there (grads autograd re-created elsewhere are copied in at `step`).
 
-Step. Reduce-scatter the grad buffer into this rank's shard grad and divide by dp_size (the
-mean over ranks, as DDP and Megatron; after the sum it touches 1/dp of the elements, and the
-buffers are fp32), fp16 unscale + inf check (all-reduced), L2 norm from the shards
-(all-reduced squares), clip, step the inner optimizer on the pieces, all-gather the shards.
+Step. What the trainer reduces before `step` (tied embeddings over the first and last pipeline
+stage, sequence-parallel norms over the TP group) it sums into the grad buffers like any
+gradient. Reduce-scatter each grad buffer over its replica group into this rank's shard grad and
+divide by the data-parallel size: the mean over replicas for dense parameters, as DDP; expert
+gradients already hold the tokens of their expert-parallel group, so their sum over the expert-
+data-parallel group divided by the data-parallel size is the same mean
+(`reduce_expert_gradients`). Then fp16 unscale + inf check (all ranks), the L2 norm from the
+shards (`_global_grad_norm`), clip, step the inner optimizer on the pieces, all-gather.
 
 Collectives: `reduce_scatter_single`/`all_gather_single` (torch 2.13; the deprecated `*_tensor`
 names before). gloo has both since torch 2.2 (pytorch#112144, all-reduce plus slicing inside)
 and this project needs torch>=2.4, so no gloo fallback is needed; the CPU tests run them.
 
-Not covered yet: tensor/pipeline/expert parallelism (the norm is reduced over the DP group only;
-expert parameters need the expert-data-parallel group) and overlap with backward.
+Not covered yet: overlap of the reduce-scatter with backward.
 """
 
 from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatron import parallel_state
 from megatron.config import OptimizerConfig, TrainingConfig
 from megatron.optimizer.grad_scaler import GradScaler
 from megatron.optimizer.optimizer import (
     StepResult,
+    _sum_of_squares,
     _unscale_and_check_for_inf,
     build_optimizer,
     load_keeping_kernel_flags,
 )
-
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-class _FlatBuffer:
-    """The parameters of one dtype, flat and padded to split evenly into data-parallel shards."""
-
-    def __init__(self, params: List[nn.Parameter], dp_size: int, dp_rank: int) -> None:
-        self.params = params
-        self.offsets: List[int] = []
-        self.numel = 0
-        for param in params:
-            self.offsets.append(self.numel)
-            self.numel += param.numel()
-        self.shard_size = -(-self.numel // dp_size)  # ceil: the padding goes at the end
-        self.shard_start = dp_rank * self.shard_size
-        padded = self.shard_size * dp_size
-        dtype, device = params[0].dtype, params[0].device
-        self.param_buffer = torch.zeros(padded, dtype=dtype, device=device)
-        self.grad_buffer = torch.zeros(padded, dtype=dtype, device=device)
-        self.shard_grad = torch.zeros(self.shard_size, dtype=dtype, device=device)
-        with torch.no_grad():
-            for param, offset in zip(params, self.offsets):
-                view = self.param_buffer[offset : offset + param.numel()]
-                view.copy_(param.detach().reshape(-1))
-                param.data = view.view_as(param)
-
-    @property
-    def param_shard(self) -> torch.Tensor:
-        """This rank's shard of the parameter buffer."""
-        return self.param_buffer[self.shard_start : self.shard_start + self.shard_size]
-
-    @property
-    def local_numel(self) -> int:
-        """Parameter elements in this rank's shard, padding excluded."""
-        return max(0, min(self.shard_size, self.numel - self.shard_start))
-
-    def grad_view(self, index: int) -> torch.Tensor:
-        """The grad buffer's slice for `params[index]`, shaped like it."""
-        param, offset = self.params[index], self.offsets[index]
-        return self.grad_buffer[offset : offset + param.numel()].view_as(param)
-
-    def local_range(self, index: int) -> Optional[tuple]:
-        """`(start, end)` of `params[index].view(-1)` inside the local shard, or None."""
-        offset = self.offsets[index]
-        start = max(offset, self.shard_start)
-        end = min(offset + self.params[index].numel(), self.shard_start + self.shard_size)
-        return (start - offset, end - offset) if start < end else None
-
-    def bind_grads(self) -> None:
-        """Zero the grad buffer and make every `param.grad` its view, for backward to fill."""
-        self.grad_buffer.zero_()
-        for index, param in enumerate(self.params):
-            param.grad = self.grad_view(index)
-
-    def collect_grads(self) -> None:
-        """Bring grads that do not live in the buffer (None, or re-created) into it."""
-        for index, param in enumerate(self.params):
-            view = self.grad_view(index)
-            if param.grad is None:
-                view.zero_()
-            elif param.grad.data_ptr() != view.data_ptr():
-                view.copy_(param.grad)
+from megatron.optimizer.sharded_buffer import ShardedBuffer, all_gather_into
+from moe.expert_parallel import is_expert_parameter
 
 
 @dataclass
@@ -116,7 +64,7 @@ class _Piece:
 
     full_index: int  # the parameter's index in a non-distributed optimizer's state_dict
     param: nn.Parameter
-    buffer: _FlatBuffer
+    buffer: ShardedBuffer
     start: int
     end: int
     shard_offset: int  # where the piece begins within the local shard
@@ -125,14 +73,17 @@ class _Piece:
 
 @dataclass(frozen=True)
 class OptimizerMemoryReport:
-    """Optimizer-state bytes on one rank, sharded vs what `MegatronOptimizer` holds.
+    """Optimizer-state bytes on one rank, sharded vs what `MegatronOptimizer` holds there.
 
     Master weights are the fp32 parameters (for the sharded optimizer, views of this rank's
     shard of them); state is the inner optimizer's per-element tensors (Adam's exp_avg and
-    exp_avg_sq, SGD's momentum). The grad buffers are left out: DDP holds as much.
+    exp_avg_sq, SGD's momentum). Both count this rank's parameters only (its tensor-parallel
+    shards, pipeline stage and experts). The grad buffers are left out: DDP holds as much.
     """
 
+    rank: int
     data_parallel_size: int
+    expert_data_parallel_size: Optional[int]  # None without expert-parallel parameters
     parameters: int
     local_parameters: int
     master_bytes_per_rank: int
@@ -147,17 +98,22 @@ class OptimizerMemoryReport:
 
     @property
     def bytes_unsharded(self) -> int:
-        """What the non-distributed optimizer holds on every rank."""
+        """What the non-distributed optimizer holds on this rank."""
         return self.master_bytes_unsharded + self.state_bytes_unsharded
 
     def __str__(self) -> str:
         mib = 1024.0**2
+        experts = (
+            ""
+            if self.expert_data_parallel_size is None
+            else f" (experts over {self.expert_data_parallel_size} expert-data-parallel ranks)"
+        )
         return (
-            f"distributed optimizer over {self.data_parallel_size} data-parallel ranks: "
-            f"optimizer state {self.bytes_per_rank / mib:.2f} MiB per rank (master weights "
-            f"{self.master_bytes_per_rank / mib:.2f} + state {self.state_bytes_per_rank / mib:.2f})"
-            f" instead of {self.bytes_unsharded / mib:.2f} MiB, saving "
-            f"{(self.bytes_unsharded - self.bytes_per_rank) / mib:.2f} MiB per GPU"
+            f"distributed optimizer over {self.data_parallel_size} data-parallel ranks{experts}: "
+            f"optimizer state {self.bytes_per_rank / mib:.2f} MiB on rank {self.rank} (master "
+            f"weights {self.master_bytes_per_rank / mib:.2f} + state "
+            f"{self.state_bytes_per_rank / mib:.2f}) instead of {self.bytes_unsharded / mib:.2f} "
+            f"MiB, saving {(self.bytes_unsharded - self.bytes_per_rank) / mib:.2f} MiB there"
         )
 
 
@@ -167,8 +123,9 @@ class DistributedOptimizer:
     `optimizer` is a torch optimizer built over the model's parameters with no state yet (as
     `build_optimizer` makes it); its param groups are re-pointed at this rank's shard pieces,
     so the LR scheduler's writes to `param_groups` reach the sharded step. The model's
-    parameters become views into flat buffers and are broadcast from data-parallel rank 0,
-    as DDP does at construction; do not move the model afterwards.
+    parameters become views into flat buffers and are broadcast from the first rank of their
+    replica group, as DDP does at construction; do not move the model afterwards. Expert-
+    parallel parameters are sharded over `expert_data_parallel_group` (default: parallel_state's).
     """
 
     def __init__(
@@ -178,6 +135,7 @@ class DistributedOptimizer:
         clip_grad: float,
         log_num_zeros_in_grad: bool = False,
         data_parallel_group: Optional[dist.ProcessGroup] = None,
+        expert_data_parallel_group: Optional[dist.ProcessGroup] = None,
     ) -> None:
         if optimizer.state:
             raise ValueError("DistributedOptimizer needs a torch optimizer that has not stepped")
@@ -186,22 +144,23 @@ class DistributedOptimizer:
         self.clip_grad = clip_grad
         self.log_num_zeros_in_grad = log_num_zeros_in_grad
         self.group = data_parallel_group
-        distributed = dist.is_available() and dist.is_initialized()
-        self.dp_size = dist.get_world_size(data_parallel_group) if distributed else 1
-        self.dp_rank = dist.get_rank(data_parallel_group) if distributed else 0
+        self.dp_size, self.dp_rank = _size_and_rank(data_parallel_group)
         # The model's parameters per group; flattened, a non-distributed state_dict's numbering.
         self.model_param_groups = [list(group["params"]) for group in optimizer.param_groups]
         self.model_params = [param for group in self.model_param_groups for param in group]
-        by_dtype: Dict[torch.dtype, List[nn.Parameter]] = {}
+        by_kind: Dict[Tuple[torch.dtype, bool], List[nn.Parameter]] = {}
         for param in self.model_params:
-            by_dtype.setdefault(param.dtype, []).append(param)
-        self.buffers = [
-            _FlatBuffer(params, self.dp_size, self.dp_rank) for params in by_dtype.values()
-        ]
-        if self.dp_size > 1:
-            source = dist.get_global_rank(data_parallel_group, 0) if data_parallel_group else 0
-            for buffer in self.buffers:
-                dist.broadcast(buffer.param_buffer, src=source, group=data_parallel_group)
+            by_kind.setdefault((param.dtype, is_expert_parameter(param)), []).append(param)
+        if expert_data_parallel_group is None and any(expert for _, expert in by_kind):
+            expert_data_parallel_group = parallel_state.get_expert_data_parallel_group()
+        self.buffers: List[ShardedBuffer] = []
+        for (_, expert), params in by_kind.items():
+            group = expert_data_parallel_group if expert else data_parallel_group
+            size, rank = _size_and_rank(group)
+            # Both kinds end as the mean over the data-parallel replicas (module docstring).
+            self.buffers.append(ShardedBuffer(params, group, size, rank, self.dp_size))
+        for buffer in self.buffers:
+            buffer.broadcast_params()
 
         location = {
             id(param): (buffer, index)
@@ -254,20 +213,16 @@ class DistributedOptimizer:
     def step(self) -> StepResult:
         """One update: `(update_successful, grad_norm, num_zeros_in_grad)`, as `MegatronOptimizer`.
 
-        Collective over the data-parallel group: every rank must call it.
+        Collective over the data-parallel and model-parallel groups: every rank must call it.
         """
         for buffer in self.buffers:
             buffer.collect_grads()
-            if self.dp_size > 1:
-                _reduce_scatter(buffer.shard_grad, buffer.grad_buffer, group=self.group)
-                buffer.shard_grad.div_(self.dp_size)
-            else:
-                buffer.shard_grad.copy_(buffer.grad_buffer)
+            buffer.reduce_scatter_grads()
         shard_grads = [buffer.shard_grad for buffer in self.buffers]
         if self.grad_scaler is not None:
             # All-reduced over the default group: a skip must be taken by every rank.
             found_inf = _unscale_and_check_for_inf(
-                shard_grads, self.grad_scaler.inv_scale, shard_grads[0].device
+                shard_grads, self.grad_scaler.inv_scale, self._device()
             )
             self.grad_scaler.update(found_inf)
             if found_inf:
@@ -279,21 +234,15 @@ class DistributedOptimizer:
                 torch._foreach_mul_(shard_grads, clip_coefficient)
         num_zeros_in_grad = self._count_zeros() if self.log_num_zeros_in_grad else None
         self.optimizer.step()
-        if self.dp_size > 1:
-            for buffer in self.buffers:
-                shard = buffer.param_shard
-                # NCCL all-gathers in place (input is the output's own slice); other backends
-                # get a separate input so they never read a slice they are writing.
-                if dist.get_backend(self.group) != "nccl":
-                    shard = shard.clone()
-                _all_gather(buffer.param_buffer, shard, group=self.group)
+        for buffer in self.buffers:
+            buffer.all_gather_params()
         return True, grad_norm, num_zeros_in_grad
 
     def state_dict(self) -> Dict[str, Any]:
         """This rank's shard: `{"optimizer", "grad_scaler" (fp16 only), "shard_layout"}`.
 
-        Loads back only at the same data-parallel size and model; to change the DP size use
-        `gather_full_state_dict` / `load_full_state_dict`.
+        Loads back only at the same layout and model; to change it use `gather_full_state_dict`
+        / `load_full_state_dict` (the checkpoints do, through `unsharded_view`).
         """
         state = {"optimizer": self.optimizer.state_dict(), "shard_layout": self._layout()}
         if self.grad_scaler is not None:
@@ -313,34 +262,20 @@ class DistributedOptimizer:
         self._load_grad_scaler(state_dict)
 
     def gather_full_state_dict(self) -> Dict[str, Any]:
-        """The unsharded state, structured as `MegatronOptimizer.state_dict()` on one rank.
+        """The unsharded state of this rank's parameters, structured as the state_dict() of a
+        `MegatronOptimizer` over the same model (its tensor-parallel shards, stage, experts).
 
-        Collective over the data-parallel group; every rank gets the full state (CPU tensors).
-        Load it into a `MegatronOptimizer`, or into a `DistributedOptimizer` of any DP size with
+        Collective over the data-parallel group (and the expert-data-parallel group with
+        expert-parallel parameters); every rank gets the full state (CPU tensors). Load it into
+        a `MegatronOptimizer`, or into a `DistributedOptimizer` of any DP size with
         `load_full_state_dict`.
         """
         inner = self.optimizer.state_dict()
-        sharded_keys, small_entries = set(), {}
-        for inner_index, entry in inner["state"].items():
-            piece = self.pieces[inner_index]
-            small = small_entries.setdefault(piece.full_index, {})
-            for key, value in entry.items():
-                if _is_piece_state(value, piece.tensor):
-                    sharded_keys.add(key)
-                else:
-                    small[key] = value.cpu() if torch.is_tensor(value) else value
-        gathered = [(sharded_keys, small_entries)]
-        if self.dp_size > 1:
-            gathered = [None] * self.dp_size
-            dist.all_gather_object(gathered, (sharded_keys, small_entries), group=self.group)
-        full_state: Dict[int, Dict[str, Any]] = {}
-        for rank_keys, rank_entries in gathered:
-            sharded_keys |= rank_keys
-            for full_index, entry in rank_entries.items():
-                full_state.setdefault(full_index, {}).update(entry)
         full_indices = {id(param): index for index, param in enumerate(self.model_params)}
-        for key in sorted(sharded_keys):
-            for buffer in self.buffers:
+        full_state: Dict[int, Dict[str, Any]] = {}
+        for buffer in self.buffers:
+            sharded_keys = self._gather_small_state(buffer, inner["state"], full_state)
+            for key in sorted(sharded_keys):
                 full_flat = self._gather_state_key(buffer, key, inner["state"])
                 for param, offset in zip(buffer.params, buffer.offsets):
                     entry = full_state.get(full_indices[id(param)])
@@ -361,7 +296,7 @@ class DistributedOptimizer:
 
     def load_full_state_dict(self, full_state_dict: Dict[str, Any]) -> None:
         """Take this rank's shard of an unsharded state (`MegatronOptimizer.state_dict()` or
-        `gather_full_state_dict()`), whatever data-parallel size wrote it."""
+        `gather_full_state_dict()` over the same parameters), whatever DP size wrote it."""
         full = full_state_dict["optimizer"]
         group_sizes = [len(group["params"]) for group in full["param_groups"]]
         expected_sizes = [len(group) for group in self.model_param_groups]
@@ -392,14 +327,23 @@ class DistributedOptimizer:
         )
         self._load_grad_scaler(full_state_dict)
 
+    def unsharded_view(self, gather: bool) -> UnshardedView:
+        """This optimizer as the checkpoint code sees a `MegatronOptimizer` of this rank (see
+        `UnshardedView`); `gather` collects the full state now, a collective on every rank."""
+        return UnshardedView(self, self.gather_full_state_dict() if gather else None)
+
     def memory_report(self) -> OptimizerMemoryReport:
         """Optimizer-state bytes on this rank vs unsharded, for the log."""
         element_size = self.buffers[0].param_buffer.element_size()
         parameters = sum(buffer.numel for buffer in self.buffers)
         local = sum(buffer.local_numel for buffer in self.buffers)
         per_element = _state_tensors_per_element(self.optimizer)
+        expert_sizes = [buffer.size for buffer in self.buffers if buffer.expert]
+        distributed = dist.is_available() and dist.is_initialized()
         return OptimizerMemoryReport(
+            rank=dist.get_rank() if distributed else 0,
             data_parallel_size=self.dp_size,
+            expert_data_parallel_size=expert_sizes[0] if expert_sizes else None,
             parameters=parameters,
             local_parameters=local,
             master_bytes_per_rank=local * element_size,
@@ -408,21 +352,75 @@ class DistributedOptimizer:
             state_bytes_unsharded=parameters * per_element * element_size,
         )
 
+    def _counted_grads(self) -> List[torch.Tensor]:
+        """This rank's share of the gradient for the norm, each element counted on one rank.
+
+        Within a replica group every buffer element is in one rank's shard, and the data-
+        parallel group is every expert-parallel rank times its expert-data-parallel replicas:
+        the shards of the data-parallel group cover this model-parallel rank's parameters,
+        every expert included, once. Across model-parallel ranks `MegatronOptimizer`'s rules
+        apply: a tensor-parallel-replicated parameter counts on TP rank 0 only, the last stage's
+        copy of tied embeddings (`shared_embedding`) nowhere.
+        """
+        first_tensor_rank = parallel_state.get_tensor_model_parallel_rank() == 0
+        return [
+            piece.tensor.grad
+            for piece in self.pieces
+            if not getattr(piece.param, "shared_embedding", False)
+            and (getattr(piece.param, "tensor_model_parallel", False) or first_tensor_rank)
+        ]
+
     def _global_grad_norm(self) -> float:
-        squares = sum(buffer.shard_grad.float().square().sum() for buffer in self.buffers)
+        squares = _sum_of_squares(self._counted_grads(), self._device())
         return float(self._sum_over_ranks(squares).sqrt().item())
 
     def _count_zeros(self) -> int:
-        zeros = sum((buffer.shard_grad[: buffer.local_numel] == 0).sum() for buffer in self.buffers)
+        count = sum(int((grad == 0).sum()) for grad in self._counted_grads())
+        zeros = torch.tensor(count, dtype=torch.int64, device=self._device())
         return int(self._sum_over_ranks(zeros).item())
 
     def _sum_over_ranks(self, value: torch.Tensor) -> torch.Tensor:
+        """`value` summed over the data-parallel group, then over the model-parallel one."""
         if self.dp_size > 1:
             dist.all_reduce(value, group=self.group)
+        if (
+            parallel_state.get_tensor_model_parallel_world_size() > 1
+            or parallel_state.get_pipeline_model_parallel_world_size() > 1
+        ):
+            dist.all_reduce(value, group=parallel_state.get_model_parallel_group())
         return value
 
+    def _gather_small_state(
+        self,
+        buffer: ShardedBuffer,
+        inner_state: Dict[int, Dict[str, Any]],
+        full_state: Dict[int, Dict[str, Any]],
+    ) -> set:
+        """Merge the non-per-element state (Adam's `step`) of `buffer`'s pieces on every rank
+        of its group into `full_state`; the names of the per-element state keys."""
+        sharded_keys, small_entries = set(), {}
+        for inner_index, entry in inner_state.items():
+            piece = self.pieces[inner_index]
+            if piece.buffer is not buffer:
+                continue
+            small = small_entries.setdefault(piece.full_index, {})
+            for key, value in entry.items():
+                if _is_piece_state(value, piece.tensor):
+                    sharded_keys.add(key)
+                else:
+                    small[key] = value.cpu() if torch.is_tensor(value) else value
+        gathered = [(sharded_keys, small_entries)]
+        if buffer.size > 1:
+            gathered = [None] * buffer.size
+            dist.all_gather_object(gathered, (sharded_keys, small_entries), group=buffer.group)
+        for rank_keys, rank_entries in gathered:
+            sharded_keys |= rank_keys
+            for full_index, entry in rank_entries.items():
+                full_state.setdefault(full_index, {}).update(entry)
+        return sharded_keys
+
     def _gather_state_key(
-        self, buffer: _FlatBuffer, key: str, inner_state: Dict[int, Dict[str, Any]]
+        self, buffer: ShardedBuffer, key: str, inner_state: Dict[int, Dict[str, Any]]
     ) -> torch.Tensor:
         """All-gather state `key` of `buffer`'s parameters into one flat tensor."""
         local = torch.zeros_like(buffer.shard_grad)
@@ -430,22 +428,58 @@ class DistributedOptimizer:
             value = inner_state.get(inner_index, {}).get(key)
             if value is not None and piece.buffer is buffer:
                 local[piece.shard_offset : piece.shard_offset + value.numel()] = value
-        if self.dp_size == 1:
+        if buffer.size == 1:
             return local
         full = torch.empty_like(buffer.grad_buffer)
-        _all_gather(full, local, group=self.group)
+        all_gather_into(full, local, buffer.group)
         return full
 
     def _layout(self) -> Dict[str, Any]:
         return {
             "data_parallel_size": self.dp_size,
             "data_parallel_rank": self.dp_rank,
-            "buffers": [(str(buffer.param_buffer.dtype), buffer.numel) for buffer in self.buffers],
+            "buffers": [
+                (str(buffer.param_buffer.dtype), buffer.expert, buffer.numel, buffer.size)
+                for buffer in self.buffers
+            ],
         }
+
+    def _device(self) -> torch.device:
+        return self.buffers[0].param_buffer.device
 
     def _load_grad_scaler(self, state_dict: Dict[str, Any]) -> None:
         if self.grad_scaler is not None and "grad_scaler" in state_dict:
             self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
+
+
+class UnshardedView:
+    """A `DistributedOptimizer` as megatron.checkpointing sees the `MegatronOptimizer` of the
+    same rank: `param_groups` over the model's parameters (whose attributes say which are
+    tensor-parallel or expert shards, or a pipeline stage's), `state_dict()` the gathered
+    unsharded state, and `load_state_dict` taking this rank's data-parallel shard of such a
+    state. The tensor-, expert- and pipeline-parallel gathering and cutting of checkpoints then
+    apply to it unchanged, so its checkpoints hold the single-process state."""
+
+    def __init__(self, optimizer: DistributedOptimizer, full_state: Optional[Dict[str, Any]]):
+        self._optimizer = optimizer
+        self._full_state = full_state
+        self.param_groups = [
+            {**{key: value for key, value in group.items() if key != "params"}, "params": params}
+            for group, params in zip(optimizer.param_groups, optimizer.model_param_groups)
+        ]
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The state gathered when the view was made."""
+        if self._full_state is None:
+            raise RuntimeError(
+                "this view was made without gathering the state; call "
+                "DistributedOptimizer.unsharded_view(gather=True) on every rank first"
+            )
+        return self._full_state
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Take this rank's shard of an unsharded state of this rank's parameters."""
+        self._optimizer.load_full_state_dict(state_dict)
 
 
 def build_distributed_optimizer(
@@ -456,7 +490,8 @@ def build_distributed_optimizer(
     log_num_zeros_in_grad: bool = False,
 ) -> DistributedOptimizer:
     """`build_optimizer`'s optimizer (same groups, hyper-parameters and loss scaler), sharded
-    over `data_parallel_group` (the default group when None). The model must not be in DDP."""
+    over `data_parallel_group` (the default group when None), expert-parallel parameters over
+    parallel_state's expert-data-parallel group. The model must not be in DDP."""
     unsharded = build_optimizer(model, optimizer_config, training_config, log_num_zeros_in_grad)
     return DistributedOptimizer(
         unsharded.optimizer,
@@ -465,6 +500,13 @@ def build_distributed_optimizer(
         log_num_zeros_in_grad,
         data_parallel_group,
     )
+
+
+def _size_and_rank(group: Optional[dist.ProcessGroup]) -> Tuple[int, int]:
+    """(size, rank) in `group` (the default group when None); (1, 0) without torch.distributed."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
 
 
 def _is_piece_state(value: Any, piece: torch.Tensor) -> bool:

@@ -7,6 +7,13 @@ the micro-batch's loss and ``reported`` its log values, elsewhere ``output`` is 
 states to send on. Every stage reads the same micro-batches (the first needs the tokens, the
 last the labels and loss mask), so the schedules take the trainer's data iterator as it is.
 
+Loss terms computed before the last stage (MoE auxiliary losses: each stage holds some of the
+MoE layers) come back from a stage before the last as its ``reported`` values, still in the
+autograd graph: the schedule scales their sum like the last stage's loss and attaches it to
+the stage's output (`attach_loss`), so the stage's backward also sends the loss's gradient
+into its layers. Every stage's reported values are its share of the log values: the schedules
+return their sums over micro-batches, which `training_step` adds up over the stages.
+
 1F1B: stage r runs ``P - r - 1`` warm-up forwards, then alternates one forward and one
 backward, then finishes the remaining backwards (cool-down); at most ``P - r`` micro-batches'
 activations are alive at once.
@@ -31,7 +38,29 @@ from megatron.pipeline.p2p import ActivationSpec
 StageForwardStep = Callable[
     [nn.Module, Dict[str, torch.Tensor]], Tuple[torch.Tensor, Dict[str, torch.Tensor]]
 ]
-Reported = List[Dict[str, torch.Tensor]]
+# A rank's reported values, each summed over the micro-batches of every chunk it ran.
+Reported = Dict[str, torch.Tensor]
+
+
+class _AttachedLoss(torch.autograd.Function):
+    """The identity on a stage's output whose backward also gives `loss` the gradient 1: the
+    loss then takes part in the step's backward as if it had been added to the last stage's
+    loss (Megatron-Core's MoEAuxLossAutoScaler, with the scale applied before attaching)."""
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        ctx.loss_shape = (loss.shape, loss.dtype, loss.device)
+        return output
+
+    @staticmethod
+    def backward(ctx, output_grad: torch.Tensor):
+        shape, dtype, device = ctx.loss_shape
+        return output_grad, torch.ones(shape, dtype=dtype, device=device)
+
+
+def attach_loss(output: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+    """`output` unchanged; a backward from it also runs backward from the scalar `loss`."""
+    return _AttachedLoss.apply(output, loss)
 
 
 class _MicroBatches:
@@ -60,7 +89,7 @@ class _StageRunner:
         self.forward_step = forward_step
         self.num_micro_batches = num_micro_batches
         self.scale_loss = scale_loss
-        self.reported: Reported = []
+        self.reported: Reported = {}
 
     def forward(
         self,
@@ -73,7 +102,13 @@ class _StageRunner:
         if parallel_state.is_pipeline_last_stage():
             # The step's loss is the mean over micro-batches, as without a pipeline.
             output = self.scale_loss(output / self.num_micro_batches)
-            self.reported.append({name: value.detach() for name, value in reported.items()})
+        elif reported and torch.is_grad_enabled():
+            # This stage's loss terms, scaled like the last stage's loss (see module docstring).
+            stage_loss = self.scale_loss(sum(reported.values()) / self.num_micro_batches)
+            output = attach_loss(output, stage_loss)
+        for name, value in reported.items():
+            value = value.detach().float()
+            self.reported[name] = self.reported[name] + value if name in self.reported else value
         return output
 
     @staticmethod
@@ -97,8 +132,8 @@ def forward_backward_pipelining_without_interleaving(
     spec: ActivationSpec,
     scale_loss: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss,
 ) -> Reported:
-    """The 1F1B schedule; returns the last stage's reported values per micro-batch (an empty
-    list on the other stages)."""
+    """The 1F1B schedule; returns this stage's reported values summed over micro-batches
+    (empty on a stage that reports nothing)."""
     runner = _StageRunner(forward_step, num_micro_batches, scale_loss)
     batches = _MicroBatches(data_iterator)
     stages = parallel_state.get_pipeline_model_parallel_world_size()

@@ -1,6 +1,6 @@
 """The trainer's view of a pipeline: building the stages of the single-process model, one
-step's forwards and backwards through the schedule, and the reported values brought from the
-last stage to every rank (rank 0 logs them, as without a pipeline)."""
+step's forwards and backwards through the schedule, and the reported values of every stage
+combined on every rank (rank 0 logs them, as without a pipeline)."""
 
 from __future__ import annotations
 
@@ -64,8 +64,9 @@ def pipeline_step(
     forward_only: bool = False,
 ) -> Dict[str, torch.Tensor]:
     """One global batch's micro-batches through the pipeline (backwards too unless
-    `forward_only`); the last stage's reported values, averaged over micro-batches, on every
-    rank of the pipeline."""
+    `forward_only`); the reported values averaged over micro-batches, on every rank of the
+    pipeline. A value reported by several stages (an MoE auxiliary loss, each stage's share
+    from its own layers) is the sum of their shares."""
     num_micro_batches = config.training.num_micro_batches
     chunks = list(model)
     if forward_only:
@@ -80,24 +81,24 @@ def pipeline_step(
         reported = forward_backward_pipelining_with_interleaving(
             forward_step, data_iterator, chunks, num_micro_batches, spec, scale_loss
         )
-    return _from_last_stage(_means(reported), spec.device)
-
-
-def _means(reported: List[Dict[str, torch.Tensor]]) -> Dict[str, float]:
-    if not reported:
-        return {}
+    sums = _sum_over_stages(reported)
     return {
-        name: sum(values[name].float().item() for values in reported) / len(reported)
-        for name in reported[0]
+        name: torch.tensor(value / num_micro_batches, device=spec.device)
+        for name, value in sums.items()
     }
 
 
-def _from_last_stage(means: Dict[str, float], device: torch.device) -> Dict[str, torch.Tensor]:
-    # Only the last stage knows the names; an object broadcast carries names and values.
-    box = [means]
-    dist.broadcast_object_list(
-        box,
-        src=parallel_state.get_pipeline_model_parallel_last_rank(),
-        group=parallel_state.get_pipeline_model_parallel_group(),
+def _sum_over_stages(reported: Dict[str, torch.Tensor]) -> Dict[str, float]:
+    # Stages report different names (only the last knows "lm loss"): an object all-gather
+    # carries names and values; adding in stage order gives every rank the same sums.
+    local = {name: value.item() for name, value in reported.items()}
+    stages = parallel_state.get_pipeline_model_parallel_world_size()
+    gathered: List[Dict[str, float]] = [{} for _ in range(stages)]
+    dist.all_gather_object(
+        gathered, local, group=parallel_state.get_pipeline_model_parallel_group()
     )
-    return {name: torch.tensor(value, device=device) for name, value in box[0].items()}
+    sums: Dict[str, float] = {}
+    for stage in gathered:
+        for name, value in stage.items():
+            sums[name] = sums.get(name, 0.0) + value
+    return sums

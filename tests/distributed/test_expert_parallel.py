@@ -336,7 +336,6 @@ def test_layer_needs_the_expert_parallel_groups():
 def parse(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     add_moe_args(parser)
-    parser.add_argument("--use-distributed-optimizer", action="store_true")
     return parser.parse_args(["--moe-num-experts", "6", *argv])
 
 
@@ -346,11 +345,6 @@ def parse(*argv: str) -> argparse.Namespace:
         (["--expert-model-parallel-size", "4"], None, "--moe-num-experts 6 is not divisible"),
         (["--moe-expert-model-parallelism"], 4, "--moe-num-experts 6 is not divisible"),
         (["--expert-model-parallel-size", "3"], 2, "does not divide the data-parallel size 2"),
-        (
-            ["--expert-model-parallel-size", "2", "--use-distributed-optimizer"],
-            2,
-            "--use-distributed-optimizer with expert parallelism .* not available yet",
-        ),
         (
             ["--moe-expert-model-parallelism", "--expert-model-parallel-size", "2"],
             None,

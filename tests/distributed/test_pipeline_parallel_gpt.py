@@ -159,16 +159,6 @@ def test_checkpoint_resumes_in_another_pipeline_layout(
             "--num-layers-per-virtual-pipeline-stage 1 --global-batch-size 6",
             "number of micro-batches (3 = --global-batch-size 6",
         ),
-        (
-            2,
-            "--pipeline-model-parallel-size 2 --use-distributed-optimizer",
-            "--use-distributed-optimizer with --pipeline-model-parallel-size 2 is not available",
-        ),
-        (
-            2,
-            "--pipeline-model-parallel-size 2 --moe-num-experts 4",
-            "MoE layers (--moe-* flags) with --pipeline-model-parallel-size 2",
-        ),
     ],
 )
 def test_bad_pipeline_sizes_stop_before_any_work(

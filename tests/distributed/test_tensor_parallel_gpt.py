@@ -193,16 +193,6 @@ def test_checkpoint_resumes_at_another_tensor_parallel_size(
             "--tensor-model-parallel-size 2 --sequence-parallel --seq-length 31",
             "--seq-length 31 is not divisible by --tensor-model-parallel-size 2",
         ),
-        (
-            2,
-            "--tensor-model-parallel-size 2 --use-distributed-optimizer",
-            "--use-distributed-optimizer with --tensor-model-parallel-size 2",
-        ),
-        (
-            2,
-            "--tensor-model-parallel-size 2 --moe-num-experts 4",
-            "MoE layers (--moe-* flags) with --tensor-model-parallel-size 2",
-        ),
     ],
 )
 def test_bad_sizes_stop_before_any_work(

@@ -1,0 +1,126 @@
+"""A flat buffer of parameters and one of their gradients, sharded over a replica group: the
+storage of the distributed optimizer (megatron/optimizer/distributed_optimizer.py describes
+the layout)."""
+
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from moe.expert_parallel import is_expert_parameter
+
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class ShardedBuffer:
+    """The parameters of one dtype and replica group, flat and padded to split evenly into
+    shards over that group (`size` ranks, this one `rank`).
+
+    The parameters become views into `param_buffer`; `grad_buffer` has the same layout, and
+    `shard_grad` receives this rank's shard of the reduced gradients. Gradients are divided by
+    `grad_divisor` after the sum over the group.
+    """
+
+    def __init__(
+        self,
+        params: List[nn.Parameter],
+        group: Optional[dist.ProcessGroup],
+        size: int,
+        rank: int,
+        grad_divisor: int,
+    ) -> None:
+        self.params = params
+        self.group = group
+        self.size = size
+        self.grad_divisor = grad_divisor
+        self.expert = is_expert_parameter(params[0])
+        self.offsets: List[int] = []
+        self.numel = 0
+        for param in params:
+            self.offsets.append(self.numel)
+            self.numel += param.numel()
+        self.shard_size = -(-self.numel // size)  # ceil: the padding goes at the end
+        self.shard_start = rank * self.shard_size
+        padded = self.shard_size * size
+        dtype, device = params[0].dtype, params[0].device
+        self.param_buffer = torch.zeros(padded, dtype=dtype, device=device)
+        self.grad_buffer = torch.zeros(padded, dtype=dtype, device=device)
+        self.shard_grad = torch.zeros(self.shard_size, dtype=dtype, device=device)
+        with torch.no_grad():
+            for param, offset in zip(params, self.offsets):
+                view = self.param_buffer[offset : offset + param.numel()]
+                view.copy_(param.detach().reshape(-1))
+                param.data = view.view_as(param)
+
+    @property
+    def param_shard(self) -> torch.Tensor:
+        """This rank's shard of the parameter buffer."""
+        return self.param_buffer[self.shard_start : self.shard_start + self.shard_size]
+
+    @property
+    def local_numel(self) -> int:
+        """Parameter elements in this rank's shard, padding excluded."""
+        return max(0, min(self.shard_size, self.numel - self.shard_start))
+
+    def grad_view(self, index: int) -> torch.Tensor:
+        """The grad buffer's slice for `params[index]`, shaped like it."""
+        param, offset = self.params[index], self.offsets[index]
+        return self.grad_buffer[offset : offset + param.numel()].view_as(param)
+
+    def local_range(self, index: int) -> Optional[Tuple[int, int]]:
+        """`(start, end)` of `params[index].view(-1)` inside the local shard, or None."""
+        offset = self.offsets[index]
+        start = max(offset, self.shard_start)
+        end = min(offset + self.params[index].numel(), self.shard_start + self.shard_size)
+        return (start - offset, end - offset) if start < end else None
+
+    def broadcast_params(self) -> None:
+        """Every replica takes the group's first rank's parameters, as DDP at construction."""
+        if self.size > 1:
+            source = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+            dist.broadcast(self.param_buffer, src=source, group=self.group)
+
+    def bind_grads(self) -> None:
+        """Zero the grad buffer and make every `param.grad` its view, for backward to fill."""
+        self.grad_buffer.zero_()
+        for index, param in enumerate(self.params):
+            param.grad = self.grad_view(index)
+
+    def collect_grads(self) -> None:
+        """Bring grads that do not live in the buffer (None, or re-created) into it."""
+        for index, param in enumerate(self.params):
+            view = self.grad_view(index)
+            if param.grad is None:
+                view.zero_()
+            elif param.grad.data_ptr() != view.data_ptr():
+                view.copy_(param.grad)
+
+    def reduce_scatter_grads(self) -> None:
+        """This rank's shard of the grad buffer summed over the group, over `grad_divisor`
+        (after the sum it touches 1/size of the elements)."""
+        if self.size > 1:
+            _reduce_scatter(self.shard_grad, self.grad_buffer, group=self.group)
+        else:
+            self.shard_grad.copy_(self.grad_buffer)
+        if self.grad_divisor > 1:
+            self.shard_grad.div_(self.grad_divisor)
+
+    def all_gather_params(self) -> None:
+        """Every rank's updated shard into every rank's parameter buffer."""
+        if self.size == 1:
+            return
+        shard = self.param_shard
+        # NCCL all-gathers in place (input is the output's own slice); other backends get a
+        # separate input so they never read a slice they are writing.
+        if dist.get_backend(self.group) != "nccl":
+            shard = shard.clone()
+        all_gather_into(self.param_buffer, shard, self.group)
+
+
+def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group) -> None:
+    """Every rank's `shard` of `group`, in rank order, into the flat `output`."""
+    _all_gather(output, shard, group=group)
