@@ -18,6 +18,9 @@ so any P reproduces the P = 1 numbers). A dMoE layer's forward on rank r then ru
    back to source-major order and `combine` returns them with the reverse all-to-all; the origin
    rank scatters them to its tokens weighted by the router.
 Backward of each all-to-all is the all-to-all of the gradients with the splits swapped.
+`ExpertExchange` is this plain exchange; the dMoE layer runs the same exchange with its
+all-to-alls overlapped with the rank's own rows (moe.overlapped_exchange), which tests check
+against this one.
 
 Routing statistics stay local, as in MegaBlocks: every rank scores all E experts for its own
 tokens, and its load-balancing loss and `tokens_per_expert` count only its own tokens.

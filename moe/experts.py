@@ -12,7 +12,8 @@ partial output, which the layer (moe.layers) sums over the TP group.
 
 from __future__ import annotations
 
-from typing import Callable
+import contextlib
+from typing import Callable, Iterator, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -100,6 +101,8 @@ class Experts(nn.Module):
             for param in self.parameters():
                 set_tensor_model_parallel_attributes(param, partition_dim=_ffn_dim(param, self))
         self.init_expert_weights(init_std, output_init_std)
+        # Set by `weights_cast_once`: (w1, v1, w2) in the compute dtype, shared by every call.
+        self._cast_weights: Optional[Tuple[torch.Tensor, ...]] = None
 
     @torch.no_grad()
     def init_expert_weights(self, std: float, output_std: float) -> None:
@@ -124,10 +127,33 @@ class Experts(nn.Module):
             full = full.narrow(0, self.first_local_expert, self.num_local_experts)
             weight.copy_(full.narrow(ffn_dim, self.first_local_channel, self.local_ffn_hidden_size))
 
+    @contextlib.contextmanager
+    def weights_cast_once(self, dtype: torch.dtype) -> Iterator[None]:
+        """Within it, every projection uses one cast of each weight to `dtype`.
+
+        A layer that runs its experts on several row blocks in one forward (the overlapped
+        expert-parallel exchange runs three) would otherwise cast the fp32 master weights once
+        per block, and accumulate one fp32 gradient per block in the backward.
+        """
+        self._cast_weights = tuple(
+            None if weight is None else weight.to(dtype) for weight in (self.w1, self.v1, self.w2)
+        )
+        try:
+            yield
+        finally:
+            self._cast_weights = None
+
+    def projection_weights(self) -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+        """(w1, v1, w2): the parameters, or their casts inside `weights_cast_once`."""
+        if self._cast_weights is not None:
+            return self._cast_weights
+        return self.w1, self.v1, self.w2
+
     def _mlp(self, x: torch.Tensor, project: Projection) -> torch.Tensor:
         """The expert MLP on x with `project(input, weight)` as the matmul of each projection."""
-        hidden = project(x, self.w1)
-        gate_input = project(x, self.v1) if self.v1 is not None else None
+        w1, v1, w2 = self.projection_weights()
+        hidden = project(x, w1)
+        gate_input = project(x, v1) if v1 is not None else None
 
         def activation_and_output(hidden, gate_input, w2):
             intermediate = self.activation(hidden)
@@ -136,10 +162,8 @@ class Experts(nn.Module):
             return project(intermediate, w2)
 
         if self.memory_optimized and torch.is_grad_enabled():
-            return checkpoint(
-                activation_and_output, hidden, gate_input, self.w2, use_reentrant=False
-            )
-        return activation_and_output(hidden, gate_input, self.w2)
+            return checkpoint(activation_and_output, hidden, gate_input, w2, use_reentrant=False)
+        return activation_and_output(hidden, gate_input, w2)
 
     def forward_expert(self, expert: int, x: torch.Tensor) -> torch.Tensor:
         """Local expert `expert` alone on its tokens x [n, h] (the per-expert loop's building

@@ -30,8 +30,9 @@ from megatron.config import ModelConfig
 from megatron.model.mlp import MLP
 from megatron.model.parallel_layers import check_tensor_parallel_state
 from moe.config import MoEConfig
-from moe.expert_parallel import ExpertExchange, expert_parallel_rank_and_size
+from moe.expert_parallel import expert_parallel_rank_and_size
 from moe.experts import Experts
+from moe.overlapped_exchange import OverlappedExchange, run_experts_overlapped
 from moe.reference import reference_moe
 from moe.router import (
     Router,
@@ -319,27 +320,35 @@ class DroplessMoE(MoELayer):
         self, tokens: torch.Tensor, routing: Routing
     ) -> Tuple[torch.Tensor, torch.Tensor]:
         """compute_experts with the experts sharded over the expert-parallel group: rows to
-        the ranks of their experts, the local experts, rows back (moe.expert_parallel)."""
+        the ranks of their experts, the local experts, rows back (moe.expert_parallel), the
+        all-to-alls overlapped with this rank's own rows (moe.overlapped_exchange)."""
         permute = _permute_ops()
         weights, indices, bins, tokens_per_expert = self._sort(routing)
         top_k = self.config.top_k
         # Sorted by global expert is sorted by destination rank: each rank's rows are one block.
         rows = permute.gather(tokens, indices, bins, top_k)
-        exchange = ExpertExchange.plan(
+        exchange = OverlappedExchange.plan(
             tokens_per_expert, parallel_state.get_expert_model_parallel_group()
         )
-        received = exchange.dispatch(rows)
-        expert_outputs = self._run_experts(
-            received,
-            exchange.local_indices,
-            None,
-            exchange.local_bins,
-            exchange.tokens_per_local_expert,
-            top_k=1,
-        )
-        returned = exchange.combine(expert_outputs)
+        with self.experts.weights_cast_once(rows.dtype):
+            returned = run_experts_overlapped(rows, exchange, self._run_local_experts)
         output = permute.scatter(returned, indices, weights, bins, top_k)
         return output, tokens_per_expert
+
+    def _run_local_experts(
+        self,
+        rows: torch.Tensor,
+        indices: Optional[torch.Tensor],
+        bins: torch.Tensor,
+        tokens_per_local_expert: torch.Tensor,
+    ) -> torch.Tensor:
+        """The local experts on rows in local-expert order (`indices` None) or put in that
+        order by `indices` (moe.overlapped_exchange.RunExperts); outputs in the rows' order."""
+        if indices is None and self.config.mlp_impl != "sparse":
+            return self.experts.forward_grouped(rows, tokens_per_local_expert)
+        if indices is None:  # the block-sparse path pads through a permutation: the identity
+            indices = torch.arange(rows.shape[0], device=rows.device, dtype=torch.int32)
+        return self._run_experts(rows, indices, None, bins, tokens_per_local_expert, top_k=1)
 
     def _grouped_traceable(
         self, tokens: torch.Tensor, routing: Routing
@@ -367,14 +376,15 @@ class DroplessMoE(MoELayer):
         block = self.sparse_block_size
         experts = self.experts
         num_experts, hidden, ffn = experts.w1.shape
+        w1, _, w2 = experts.projection_weights()
         with torch.no_grad():
             padded_bins = permute.padded_bins(tokens_per_expert, block)
             topology = Topology.from_padded_bins(padded_bins, ffn, block)
         expert_inputs = permute.padded_gather(rows, indices, bins, padded_bins, top_k)
         # [E, h, f] -> [h, E*f] and [E, f, h] -> [E*f, h]: the block-sparse operand layouts.
         compute_dtype = expert_inputs.dtype  # autocast's dtype: weights cast like autocast would
-        w1 = experts.w1.to(compute_dtype).permute(1, 0, 2).reshape(hidden, num_experts * ffn)
-        w2 = experts.w2.to(compute_dtype).reshape(num_experts * ffn, hidden)
+        w1 = w1.to(compute_dtype).permute(1, 0, 2).reshape(hidden, num_experts * ffn)
+        w2 = w2.to(compute_dtype).reshape(num_experts * ffn, hidden)
         expert_outputs = sparse_mlp(expert_inputs, w1, w2, topology)
         return permute.padded_scatter(expert_outputs, indices, weights, bins, padded_bins, top_k)
 

@@ -1,0 +1,193 @@
+"""The expert-parallel all-to-all overlapped with computation: the local experts work on this
+rank's own rows while the other ranks' rows are in flight, forward and backward.
+
+Of the rows a rank sends through the expert-parallel exchange (moe.expert_parallel), the block
+for its own experts never needs the network. `run_experts_overlapped` splits that block in two
+halves and orders the work so that each all-to-all has half of it to hide behind:
+
+    forward:  start dispatch(remote rows) | own half 1 | wait | remote rows' experts
+              start combine(remote outputs) | own half 2 | wait
+    backward: start combine's reverse | own half 2 backward | wait | remote rows' backward
+              start dispatch's reverse | own half 1 backward | wait
+
+Each all-to-all runs asynchronously (`async_op=True`) between a start and a wait autograd node.
+The backward order follows from how autograd picks among ready nodes of one device: the one
+created last in the forward first. A wait node's backward starts the reverse exchange; the
+matching start node, created before the own half that followed it in the forward, runs after
+that half's backward, so the reverse exchange overlaps it. On GPUs the exchange runs on NCCL's
+stream while the own rows' kernels run on the compute stream; with gloo on CPUs it runs in
+gloo's thread.
+
+The result is the plain exchange's (dispatch, experts, combine) up to the order in which the
+expert weight gradients sum their rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from moe.expert_parallel import _expert_major_order
+
+# run(rows, indices, bins, tokens_per_local_expert) -> outputs in the rows' order. `indices`
+# None: the rows are already in local-expert order; else moe.kernels.permute's gather indices
+# (with top_k = 1) that put them there, and `bins` their inclusive cumulative counts.
+RunExperts = Callable[
+    [torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor], torch.Tensor
+]
+
+
+@dataclass
+class _InFlight:
+    """One all-to-all between its start and wait nodes, and its reverse in the backward."""
+
+    work: Optional[dist.Work] = None
+    backward_work: Optional[dist.Work] = None
+    backward_result: Optional[torch.Tensor] = None
+    # Inputs of an exchange in flight stay referenced until it completes.
+    keep: Tuple[torch.Tensor, ...] = field(default_factory=tuple)
+
+
+def _start(x, output_splits, input_splits, group):
+    """Starts all_to_all_single of x; (output buffer, work handle, the contiguous input)."""
+    x = x.contiguous()
+    out = x.new_empty((sum(output_splits),) + tuple(x.shape[1:]))
+    work = dist.all_to_all_single(out, x, output_splits, input_splits, group=group, async_op=True)
+    return out, work, x
+
+
+class _StartAllToAll(torch.autograd.Function):
+    """Starts the exchange; its output is valid only after `_WaitAllToAll`. Backward waits for
+    the reverse exchange that `_WaitAllToAll.backward` started."""
+
+    @staticmethod
+    def forward(ctx, x, output_splits, input_splits, group, flight):
+        out, flight.work, sent = _start(x, output_splits, input_splits, group)
+        flight.keep = (sent,)
+        ctx.flight = flight
+        return out
+
+    @staticmethod
+    def backward(ctx, _grad_of_pending):
+        flight = ctx.flight
+        flight.backward_work.wait()
+        grad = flight.backward_result
+        flight.backward_work = flight.backward_result = None
+        flight.keep = ()
+        return grad, None, None, None, None
+
+
+class _WaitAllToAll(torch.autograd.Function):
+    """Waits for the exchange started by `_StartAllToAll`; backward starts the reverse one."""
+
+    @staticmethod
+    def forward(ctx, pending, output_splits, input_splits, group, flight):
+        flight.work.wait()
+        flight.work, flight.keep = None, ()
+        ctx.flight, ctx.splits, ctx.group = flight, (output_splits, input_splits), group
+        return pending.view_as(pending)
+
+    @staticmethod
+    def backward(ctx, grad):
+        output_splits, input_splits = ctx.splits
+        flight = ctx.flight
+        flight.backward_result, flight.backward_work, sent = _start(
+            grad, input_splits, output_splits, ctx.group
+        )
+        flight.keep = (sent,)
+        # What _StartAllToAll.backward receives is ignored: it returns the reverse exchange.
+        return grad, None, None, None, None
+
+
+@dataclass
+class OverlappedExchange:
+    """The plan of one layer's overlapped exchange, from this rank's counts (collective)."""
+
+    group: Optional[dist.ProcessGroup]
+    # Split sizes of the exchange of remote rows only (this rank's entry is 0 on both sides).
+    remote_send_splits: List[int]
+    remote_receive_splits: List[int]
+    own_start: int  # first of the rows this rank sends to itself
+    own_halves: Tuple[int, int]  # rows in the first and second half of that block
+    own_counts: Tuple[torch.Tensor, torch.Tensor]  # per local expert, for each half
+    remote_indices: torch.Tensor  # received remote rows -> local-expert-major order
+    remote_counts: torch.Tensor  # received remote rows per local expert
+    tokens_per_local_expert: torch.Tensor  # all rows per local expert, own ones included
+
+    @classmethod
+    @torch.no_grad()
+    def plan(
+        cls, tokens_per_expert: torch.Tensor, group: Optional[dist.ProcessGroup]
+    ) -> OverlappedExchange:
+        """Like ExpertExchange.plan: one all-to-all of the [P, E/P] counts, one host sync."""
+        world_size, rank = dist.get_world_size(group), dist.get_rank(group)
+        num_local = tokens_per_expert.numel() // world_size
+        sent = tokens_per_expert.to(torch.int64).reshape(world_size, num_local)
+        received = torch.empty_like(sent)
+        dist.all_to_all_single(received, sent, group=group)
+        splits = torch.cat([sent.sum(1), received.sum(1)]).tolist()
+        send_splits, receive_splits = splits[:world_size], splits[world_size:]
+        own_rows = send_splits[rank]
+        own_start = sum(send_splits[:rank])
+        remote_send = list(send_splits)
+        remote_receive = list(receive_splits)
+        remote_send[rank] = remote_receive[rank] = 0
+        remote = received.clone()
+        remote[rank] = 0
+        own = received[rank]
+        half = own_rows // 2
+        # Rows of each local expert that fall in the first half of the own block.
+        ends = torch.cumsum(own, 0)
+        first = ends.clamp(max=half) - (ends - own).clamp(max=half)
+        return cls(
+            group=group,
+            remote_send_splits=remote_send,
+            remote_receive_splits=remote_receive,
+            own_start=own_start,
+            own_halves=(half, own_rows - half),
+            own_counts=(first.int(), (own - first).int()),
+            remote_indices=_expert_major_order(remote, sum(remote_receive)),
+            remote_counts=remote.sum(0).int(),
+            tokens_per_local_expert=received.sum(0).int(),
+        )
+
+
+def _exchange_start(x, output_splits, input_splits, group, flight) -> torch.Tensor:
+    return _StartAllToAll.apply(x, output_splits, input_splits, group, flight)
+
+
+def _exchange_wait(pending, output_splits, input_splits, group, flight) -> torch.Tensor:
+    return _WaitAllToAll.apply(pending, output_splits, input_splits, group, flight)
+
+
+def run_experts_overlapped(
+    rows: torch.Tensor, exchange: OverlappedExchange, run: RunExperts
+) -> torch.Tensor:
+    """Rows sorted by global expert (this rank's sends, rank-major) -> the experts' outputs in
+    the same order, the rows of other ranks' experts computed there (module docstring)."""
+    own_end = exchange.own_start + sum(exchange.own_halves)
+    remote_rows = torch.cat([rows[: exchange.own_start], rows[own_end:]])
+    own_first, own_second = rows[exchange.own_start : own_end].split(list(exchange.own_halves))
+    group = exchange.group
+    send, receive = exchange.remote_send_splits, exchange.remote_receive_splits
+
+    dispatch = _InFlight()
+    pending = _exchange_start(remote_rows, receive, send, group, dispatch)
+    out_first = _run_sorted(run, own_first, exchange.own_counts[0])
+    received = _exchange_wait(pending, receive, send, group, dispatch)
+    remote_bins = torch.cumsum(exchange.remote_counts, 0).int()
+    remote_out = run(received, exchange.remote_indices, remote_bins, exchange.remote_counts)
+
+    combine = _InFlight()
+    pending = _exchange_start(remote_out, send, receive, group, combine)
+    out_second = _run_sorted(run, own_second, exchange.own_counts[1])
+    returned = _exchange_wait(pending, send, receive, group, combine)
+    before = exchange.own_start
+    return torch.cat([returned[:before], out_first, out_second, returned[before:]])
+
+
+def _run_sorted(run: RunExperts, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    return run(rows, None, torch.cumsum(counts, 0).int(), counts)

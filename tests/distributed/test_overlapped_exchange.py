@@ -1,0 +1,153 @@
+"""moe.overlapped_exchange on gloo: the same rows and gradients as the plain exchange
+(moe.expert_parallel: dispatch, experts, combine), and the backward order that lets each
+reverse all-to-all run while the rank's own rows are differentiated."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moe.overlapped_exchange as overlapped
+from moe.expert_parallel import ExpertExchange
+from tests.distributed.launch import run_distributed
+
+HIDDEN, LOCAL_EXPERTS = 6, 3
+
+
+@pytest.fixture(autouse=True)
+def reference_kernels(monkeypatch):
+    monkeypatch.setenv("MOE_KERNELS", "reference")
+
+
+class _Label(torch.autograd.Function):
+    """Identity that logs `name` when its backward runs."""
+
+    @staticmethod
+    def forward(ctx, x, name, log):
+        ctx.name, ctx.log = name, log
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.log.append(ctx.name)
+        return grad, None, None
+
+
+def _experts_runner(weights: torch.Tensor, log: list):
+    """run(rows, indices, bins, counts) of moe.overlapped_exchange with per-expert matrices; the
+    rows' backward is labelled 'own' when they arrive already sorted, else 'remote'."""
+
+    def run(rows, indices, bins, counts):
+        if indices is not None:  # permutations in fp64 (moe.kernels.permute rounds to fp32)
+            rows = rows.index_select(0, indices.long())
+        name = "own" if indices is None else "remote"
+        rows = _Label.apply(rows, f"{name} backward", log)
+        groups = rows.split(counts.tolist())
+        out = torch.cat([group @ weights[e] for e, group in enumerate(groups)])
+        if indices is not None:
+            out = torch.zeros_like(out).index_copy(0, indices.long(), out)
+        return out
+
+    return run
+
+
+def _rank_inputs(rank: int, world_size: int):
+    generator = torch.Generator().manual_seed(100 + rank)
+    num_experts = LOCAL_EXPERTS * world_size
+    counts = torch.randint(0, 5, (num_experts,), generator=generator)
+    counts[rank] = 0  # an expert without rows from this rank
+    rows = torch.randn(int(counts.sum()), HIDDEN, generator=generator, dtype=torch.float64)
+    torch.manual_seed(7)  # the same full expert weights everywhere; each rank keeps its block
+    full = torch.randn(num_experts, HIDDEN, HIDDEN, dtype=torch.float64)
+    block = full[rank * LOCAL_EXPERTS : (rank + 1) * LOCAL_EXPERTS]
+    return counts, rows, block
+
+
+def _compare(rank: int, world_size: int):
+    counts, rows, block = _rank_inputs(rank, world_size)
+    results = {}
+    for name in ("plain", "overlapped"):
+        x = rows.clone().requires_grad_()
+        weights = block.clone().requires_grad_()
+        log: list = []
+        run = _experts_runner(weights, log)
+        if name == "plain":
+            exchange = ExpertExchange.plan(counts, None)
+            received = exchange.dispatch(x)
+            out = run(
+                received,
+                exchange.local_indices,
+                exchange.local_bins,
+                exchange.tokens_per_local_expert,
+            )
+            out = exchange.combine(out)
+        else:
+            exchange = overlapped.OverlappedExchange.plan(counts, None)
+            out = overlapped.run_experts_overlapped(x, exchange, run)
+        generator = torch.Generator().manual_seed(5 + rank)
+        grad = torch.randn(out.shape, generator=generator, dtype=torch.float64)
+        out.backward(grad)
+        results[name] = (out.detach(), x.grad, weights.grad)
+    return [(a - b).abs().max().item() for a, b in zip(results["plain"], results["overlapped"])]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_overlapped_exchange_matches_the_plain_exchange(world_size):
+    for rank_errors in run_distributed(_compare, world_size):
+        # outputs, row gradients, expert weight gradients (fp64; summed in another order)
+        assert max(rank_errors) < 1e-12, rank_errors
+
+
+def _backward_order(rank: int, world_size: int):
+    counts, rows, block = _rank_inputs(rank, world_size)
+    counts += 2  # rows for every expert, so each stage of the schedule has work
+    rows = torch.randn(int(counts.sum()), HIDDEN, dtype=torch.float64)
+    log: list = []
+
+    class _LoggedWork:
+        def __init__(self, work, name):
+            self.work, self.name = work, name
+
+        def wait(self):
+            log.append(f"wait {self.name}")
+            return self.work.wait()
+
+    original_start = overlapped._start
+    starts = iter(["dispatch", "combine", "reverse combine", "reverse dispatch"])
+
+    def logged_start(x, output_splits, input_splits, group):
+        out, work, sent = original_start(x, output_splits, input_splits, group)
+        name = next(starts)
+        log.append(f"start {name}")
+        return out, _LoggedWork(work, name), sent
+
+    overlapped._start = logged_start
+    try:
+        x = rows.requires_grad_()
+        weights = block.clone().requires_grad_()
+        exchange = overlapped.OverlappedExchange.plan(counts, None)
+        out = overlapped.run_experts_overlapped(x, exchange, _experts_runner(weights, log))
+        log.append("forward done")
+        out.sum().backward()
+    finally:
+        overlapped._start = original_start
+    return log
+
+
+def test_each_all_to_all_has_own_rows_to_overlap():
+    # _Label logs in backward only: the forward half of the log shows the start/wait pairs.
+    for log in run_distributed(_backward_order, 2):
+        assert log == [
+            "start dispatch",
+            "wait dispatch",
+            "start combine",
+            "wait combine",
+            "forward done",
+            "start reverse combine",
+            "own backward",  # the second half of the own rows
+            "wait reverse combine",
+            "remote backward",
+            "start reverse dispatch",
+            "own backward",  # the first half
+            "wait reverse dispatch",
+        ], log
