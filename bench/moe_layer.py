@@ -34,11 +34,15 @@ CONFIGS = [
 
 
 COMPILED_SUFFIX = "+compile"
+# torch.compile with CUDA graphs (mode="reduce-overhead"): shows what host launch time costs.
+GRAPHED_SUFFIX = "+compile-cudagraphs"
 
 
 def build_layer(hidden, ffn, experts, top_k, backend, dtype=torch.bfloat16):
     """The layer for `backend`; "grouped+compile" is the grouped layer under torch.compile, as
     training runs it (one graph: moe.kernels.traceable)."""
+    graphed = backend.endswith(GRAPHED_SUFFIX)
+    backend = backend.removesuffix(GRAPHED_SUFFIX)
     compiled = backend.endswith(COMPILED_SUFFIX)
     backend = backend.removesuffix(COMPILED_SUFFIX)
     model = ModelConfig(
@@ -51,6 +55,8 @@ def build_layer(hidden, ffn, experts, top_k, backend, dtype=torch.bfloat16):
     layer = build_moe_layer(model, moe).cuda().to(dtype)
     # One shape per layer, as in training; dynamic=False keeps the later configs from being
     # compiled for symbolic shapes after the first.
+    if graphed:
+        return torch.compile(layer, dynamic=False, mode="reduce-overhead")
     return torch.compile(layer, dynamic=False) if compiled else layer
 
 
@@ -90,8 +96,9 @@ def check(backend):
     results = {}
     # The compiled path is bf16-only (torch._grouped_mm): checked against the eager grouped
     # layer in bf16; the others against the loop reference in fp32.
-    compiled = backend.endswith(COMPILED_SUFFIX)
-    baseline = backend.removesuffix(COMPILED_SUFFIX) if compiled else "reference"
+    eager = backend.removesuffix(GRAPHED_SUFFIX).removesuffix(COMPILED_SUFFIX)
+    compiled = eager != backend
+    baseline = eager if compiled else "reference"
     dtype = torch.bfloat16 if compiled else torch.float32
     for name in (baseline, backend):
         layer = build_layer(hidden, ffn, experts, top_k, name, dtype=dtype)
@@ -115,15 +122,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--backends", nargs="+", default=["grouped", "grouped+compile", "sparse"],
-        help="grouped, sparse, reference, or any of them with +compile",
+        help="grouped, sparse, reference, or any of them with +compile or +compile-cudagraphs",
     )  # fmt: skip
     parser.add_argument("--check", action="store_true")
     parser.add_argument(
-        "--profile", action="store_true", help="top CUDA kernels of the first config"
+        "--profile", action="store_true", help="top CUDA kernels of --profile-configs"
+    )
+    parser.add_argument(
+        "--profile-configs", type=int, nargs="+", default=[0], help="indices into CONFIGS"
     )
     args = parser.parse_args()
-    if args.profile:
-        hidden, ffn, experts, top_k, tokens = CONFIGS[0]
+    for index in args.profile_configs if args.profile else []:
+        hidden, ffn, experts, top_k, tokens = CONFIGS[index]
         x = torch.randn(1, tokens, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         grad = torch.randn_like(x)
         for backend in args.backends:
@@ -135,12 +145,13 @@ def main() -> None:
                 for _ in range(5):
                     layer(x).backward(grad)
                 torch.cuda.synchronize()
-            print(f"== {backend}, config {CONFIGS[0]}, 5 steps")
+            print(f"== {backend}, config {CONFIGS[index]}, 5 steps")
             print(
                 profile.key_averages().table(
-                    sort_by="cuda_time_total", row_limit=22, max_name_column_width=60
+                    sort_by="cuda_time_total", row_limit=30, max_name_column_width=70
                 )
             )
+    if args.profile:
         return
     if args.check:
         for backend in args.backends:
