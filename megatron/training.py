@@ -150,7 +150,7 @@ class Trainer:
             self.optimizer = build_distributed_optimizer(
                 self.unwrapped_model, config.optimizer, config.training, data_parallel_group
             )
-            print_rank_0(f"distributed optimizer: {self.optimizer.memory_report()}")
+            print_rank_0(f"> {self.optimizer.memory_report()}")
         else:
             self.optimizer = build_optimizer(
                 self.unwrapped_model, config.optimizer, config.training

@@ -115,7 +115,7 @@ class MoEConfig:
             )
         config.validate(model)
         if expert_parallel_size > 1:
-            _check_expert_parallel_layout(args, expert_parallel_size, data_parallel_size)
+            _check_expert_parallel_layout(expert_parallel_size, data_parallel_size)
         return config
 
     def notes(self) -> List[str]:
@@ -214,9 +214,9 @@ class MoEConfig:
 
 
 def _check_expert_parallel_layout(
-    args: argparse.Namespace, expert_parallel_size: int, data_parallel_size: Optional[int]
+    expert_parallel_size: int, data_parallel_size: Optional[int]
 ) -> None:
-    """Raise ConfigError for an expert-parallel layout the trainer cannot run (yet)."""
+    """Raise ConfigError for an expert-parallel layout the trainer cannot run."""
     if data_parallel_size is not None and data_parallel_size % expert_parallel_size != 0:
         raise ConfigError(
             f"--expert-model-parallel-size {expert_parallel_size} does not divide the "

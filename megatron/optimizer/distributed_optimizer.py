@@ -109,7 +109,8 @@ class OptimizerMemoryReport:
             else f" (experts over {self.expert_data_parallel_size} expert-data-parallel ranks)"
         )
         return (
-            f"distributed optimizer over {self.data_parallel_size} data-parallel ranks{experts}: "
+            f"distributed optimizer: sharded over {self.data_parallel_size} data-parallel ranks"
+            f"{experts}: "
             f"optimizer state {self.bytes_per_rank / mib:.2f} MiB on rank {self.rank} (master "
             f"weights {self.master_bytes_per_rank / mib:.2f} + state "
             f"{self.state_bytes_per_rank / mib:.2f}) instead of {self.bytes_unsharded / mib:.2f} "
