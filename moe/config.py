@@ -177,6 +177,7 @@ class MoEConfig:
                 "--no-moe-dropless use --moe-impl grouped or reference"
             )
         self.validate_expert_parallelism()
+        self._validate_tensor_parallel_split(model)
         if self.shared_expert_ffn_hidden_size is not None:
             if not self.shared_expert:
                 raise ConfigError("--moe-shared-expert-ffn-hidden-size needs --moe-shared-expert")
@@ -185,6 +186,26 @@ class MoEConfig:
                     "--moe-shared-expert-ffn-hidden-size must be >= 1, got "
                     f"{self.shared_expert_ffn_hidden_size}"
                 )
+
+    def _validate_tensor_parallel_split(self, model: ModelConfig) -> None:
+        """The shared expert's channels split over the tensor-parallel ranks like a dense
+        MLP's, and the block-sparse backend needs whole blocks of 16 on each rank."""
+        tensor = model.tensor_model_parallel_size
+        if tensor == 1:
+            return
+        shared = self.shared_expert_ffn_hidden_size or model.ffn_hidden_size
+        if self.shared_expert and shared % tensor != 0:
+            raise ConfigError(
+                f"--moe-shared-expert-ffn-hidden-size {shared} is not divisible by "
+                f"--tensor-model-parallel-size {tensor}: the shared expert's channels are split "
+                f"evenly over the tensor-parallel ranks; choose a multiple of {tensor}"
+            )
+        if self.mlp_impl == "sparse" and model.ffn_hidden_size % (16 * tensor) != 0:
+            raise ConfigError(
+                f"--moe-impl sparse with --tensor-model-parallel-size {tensor} needs "
+                f"--ffn-hidden-size divisible by {16 * tensor} (each rank's channels of an expert "
+                f"form blocks of 16), got {model.ffn_hidden_size}; use --moe-impl grouped"
+            )
 
     def validate_expert_parallelism(self) -> None:
         """Raise ConfigError unless the layers can shard these experts over

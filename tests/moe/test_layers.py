@@ -286,6 +286,23 @@ def test_config_errors_name_the_flag(overrides, message):
         config.validate(model_config())
 
 
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(shared_expert=True, shared_expert_ffn_hidden_size=9), "--moe-shared-expert-ffn-hidden-size 9"),
+        (dict(shared_expert=True), f"--moe-shared-expert-ffn-hidden-size {FFN + 1}"),
+        (dict(mlp_impl="sparse"), "--tensor-model-parallel-size 2 needs --ffn-hidden-size divisible by 32"),
+    ],
+)  # fmt: skip
+def test_tensor_parallel_splits_are_checked_before_building(overrides, message):
+    # FFN + 1 channels do not split over 2 tensor-parallel ranks (the experts' own channels
+    # are checked with the dense MLP's, megatron.config.validation).
+    config = MoEConfig(**{"num_experts": 4, **overrides})
+    with pytest.raises(ConfigError, match=message.replace("-", r"\-")):
+        config.validate(model_config(tensor_model_parallel_size=2, ffn_hidden_size=FFN + 1))
+    config.validate(model_config(tensor_model_parallel_size=1, ffn_hidden_size=FFN + 1))
+
+
 def test_grouped_dmoe_with_triton_kernels_under_the_interpreter(triton_kernels, monkeypatch):
     """The grouped backend on the real Triton kernels (permute + grouped_mm) == the loop reference."""
     from moe.kernels import grouped_gemm, permute
