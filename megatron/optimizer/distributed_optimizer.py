@@ -1,6 +1,6 @@
 """`--use-distributed-optimizer`: the optimizer step sharded over data parallelism (ZeRO-1).
 
-A drop-in alternative to `MegatronOptimizer` for a model *not* wrapped in DDP: every rank keeps
+A `MegatronOptimizer` (same step, on shards) for a model *not* wrapped in DDP: every rank keeps
 its full parameters but only a shard of their optimizer state, as Megatron-LM's
 DistributedOptimizer. Under tensor, pipeline and expert parallelism a rank's parameters are its
 tensor-parallel shards, its pipeline stage's layers and its experts, each sharded over the ranks
@@ -48,10 +48,10 @@ from megatron import parallel_state
 from megatron.config import OptimizerConfig, TrainingConfig
 from megatron.optimizer.grad_scaler import GradScaler
 from megatron.optimizer.optimizer import (
-    StepResult,
+    MegatronOptimizer,
     _sum_of_squares,
-    _unscale_and_check_for_inf,
     build_optimizer,
+    counted_across_model_parallel_ranks,
     load_keeping_kernel_flags,
 )
 from megatron.optimizer.sharded_buffer import ShardedBuffer, all_gather_into
@@ -118,8 +118,9 @@ class OptimizerMemoryReport:
         )
 
 
-class DistributedOptimizer:
-    """`MegatronOptimizer`'s interface with the optimizer state sharded over data parallelism.
+class DistributedOptimizer(MegatronOptimizer):
+    """`MegatronOptimizer` with the optimizer state sharded over data parallelism: its step
+    (unscale, norm, clip, inner step) runs on this rank's shard of the reduced gradients.
 
     `optimizer` is a torch optimizer built over the model's parameters with no state yet (as
     `build_optimizer` makes it); its param groups are re-pointed at this rank's shard pieces,
@@ -140,10 +141,7 @@ class DistributedOptimizer:
     ) -> None:
         if optimizer.state:
             raise ValueError("DistributedOptimizer needs a torch optimizer that has not stepped")
-        self.optimizer = optimizer
-        self.grad_scaler = grad_scaler
-        self.clip_grad = clip_grad
-        self.log_num_zeros_in_grad = log_num_zeros_in_grad
+        super().__init__(optimizer, grad_scaler, clip_grad, log_num_zeros_in_grad)
         self.group = data_parallel_group
         self.dp_size, self.dp_rank = _size_and_rank(data_parallel_group)
         # The model's parameters per group; flattened, a non-distributed state_dict's numbering.
@@ -187,20 +185,6 @@ class DistributedOptimizer:
             self.pieces.extend(group_pieces)
         self.zero_grad()
 
-    @property
-    def param_groups(self) -> List[Dict[str, Any]]:
-        """The inner optimizer's param groups (the LR scheduler writes `lr` and `weight_decay`)."""
-        return self.optimizer.param_groups
-
-    @property
-    def loss_scale(self) -> float:
-        """The current fp16 loss scale; 1.0 for bf16 and fp32."""
-        return 1.0 if self.grad_scaler is None else self.grad_scaler.scale
-
-    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """`loss` times the loss scale, to call `backward` on."""
-        return loss if self.grad_scaler is None else loss * self.grad_scaler.scale
-
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the grad buffers and bind every `param.grad` to its view of them.
 
@@ -210,34 +194,17 @@ class DistributedOptimizer:
         for buffer in self.buffers:
             buffer.bind_grads()
 
-    @torch.no_grad()
-    def step(self) -> StepResult:
-        """One update: `(update_successful, grad_norm, num_zeros_in_grad)`, as `MegatronOptimizer`.
-
-        Collective over the data-parallel and model-parallel groups: every rank must call it.
-        """
+    def _grads_to_step(self) -> List[torch.Tensor]:
+        """Collective over the data-parallel group: this rank's shard of the reduced
+        gradients, which the inner optimizer's param groups point at."""
         for buffer in self.buffers:
             buffer.collect_grads()
             buffer.reduce_scatter_grads()
-        shard_grads = [buffer.shard_grad for buffer in self.buffers]
-        if self.grad_scaler is not None:
-            # All-reduced over the default group: a skip must be taken by every rank.
-            found_inf = _unscale_and_check_for_inf(
-                shard_grads, self.grad_scaler.inv_scale, self._device()
-            )
-            self.grad_scaler.update(found_inf)
-            if found_inf:
-                return False, None, None
-        grad_norm = self._global_grad_norm()
-        if self.clip_grad > 0.0:
-            clip_coefficient = self.clip_grad / (grad_norm + 1.0e-6)
-            if clip_coefficient < 1.0:
-                torch._foreach_mul_(shard_grads, clip_coefficient)
-        num_zeros_in_grad = self._count_zeros() if self.log_num_zeros_in_grad else None
-        self.optimizer.step()
+        return [buffer.shard_grad for buffer in self.buffers]
+
+    def _after_step(self) -> None:
         for buffer in self.buffers:
             buffer.all_gather_params()
-        return True, grad_norm, num_zeros_in_grad
 
     def state_dict(self) -> Dict[str, Any]:
         """This rank's shard: `{"optimizer", "grad_scaler" (fp16 only), "shard_layout"}`.
@@ -363,15 +330,15 @@ class DistributedOptimizer:
         apply: a tensor-parallel-replicated parameter counts on TP rank 0 only, the last stage's
         copy of tied embeddings (`shared_embedding`) nowhere.
         """
-        first_tensor_rank = parallel_state.get_tensor_model_parallel_rank() == 0
         return [
             piece.tensor.grad
             for piece in self.pieces
-            if not getattr(piece.param, "shared_embedding", False)
-            and (getattr(piece.param, "tensor_model_parallel", False) or first_tensor_rank)
+            if counted_across_model_parallel_ranks(piece.param)
         ]
 
-    def _global_grad_norm(self) -> float:
+    def _global_grad_norm(self, grads: List[torch.Tensor]) -> float:
+        """The norm of the whole model's gradient from every rank's shard (`grads`, the
+        step's shard gradients, are not all counted: see `_counted_grads`)."""
         squares = _sum_of_squares(self._counted_grads(), self._device())
         return float(self._sum_over_ranks(squares).sqrt().item())
 

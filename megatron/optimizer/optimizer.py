@@ -71,7 +71,7 @@ class MegatronOptimizer:
         a non-finite norm does not skip the step (as in Megatron); the norm is returned so the
         caller can count such iterations. `num_zeros_in_grad` is None unless requested.
         """
-        grads = self._grads()
+        grads = self._grads_to_step()
         if self.grad_scaler is not None:
             found_inf = _unscale_and_check_for_inf(
                 grads, self.grad_scaler.inv_scale, self._device()
@@ -87,7 +87,15 @@ class MegatronOptimizer:
                     torch._foreach_mul_(device_grads, clip_coefficient)
         num_zeros_in_grad = self._count_zeros() if self.log_num_zeros_in_grad else None
         self.optimizer.step()
+        self._after_step()
         return True, grad_norm, num_zeros_in_grad
+
+    def _grads_to_step(self) -> List[torch.Tensor]:
+        """The gradients the inner optimizer will read, ready to unscale, measure and clip."""
+        return self._grads()
+
+    def _after_step(self) -> None:
+        """Work after the inner optimizer's step (the distributed optimizer's all-gather)."""
 
     def state_dict(self) -> Dict[str, Any]:
         """`{"optimizer": ..., "grad_scaler": ...}`; the scaler entry only with fp16."""
@@ -157,14 +165,12 @@ class MegatronOptimizer:
         the last stage's copy of tied word embeddings (`shared_embedding`), which after the
         embedding-group all-reduce equals the first stage's and is counted there.
         """
-        first_tensor_rank = parallel_state.get_tensor_model_parallel_rank() == 0
         first_expert_rank = parallel_state.get_expert_model_parallel_rank() == 0
         return [
             param.grad
             for param in self._params()
             if param.grad is not None
-            and not getattr(param, "shared_embedding", False)
-            and (getattr(param, "tensor_model_parallel", False) or first_tensor_rank)
+            and counted_across_model_parallel_ranks(param)
             and (getattr(param, "expert_model_parallel", False) or first_expert_rank)
         ]
 
@@ -176,6 +182,19 @@ class MegatronOptimizer:
 
     def _device(self) -> torch.device:
         return self._params()[0].device
+
+
+def counted_across_model_parallel_ranks(param: torch.Tensor) -> bool:
+    """Whether this rank counts `param`'s gradient in the model's norm, summed over the
+    tensor x pipeline ranks: a tensor-parallel shard on every rank, a TP-replicated parameter
+    on TP rank 0 only, and the last stage's copy of the tied word embeddings
+    (`shared_embedding`) nowhere, since the first stage counts the same values."""
+    if getattr(param, "shared_embedding", False):
+        return False
+    return (
+        getattr(param, "tensor_model_parallel", False)
+        or parallel_state.get_tensor_model_parallel_rank() == 0
+    )
 
 
 def build_optimizer(
