@@ -174,17 +174,7 @@ class ExpertExchange:
     ) -> ExpertExchange:
         """The exchange for this rank's assignments per expert, tokens_per_expert [E] (all E
         experts, E divisible by the group size). Collective over `group`; one host sync."""
-        world_size = dist.get_world_size(group)
-        num_experts = tokens_per_expert.numel()
-        num_local = num_experts // world_size
-        # sent[p, e]: rows for local expert e of rank p. After the exchange received[s, e] is
-        # what rank s sends to this rank's local expert e.
-        sent = tokens_per_expert.to(torch.int64).reshape(world_size, num_local)
-        received = torch.empty_like(sent)
-        dist.all_to_all_single(received, sent, group=group)
-        # The layer's one device-to-host sync: all_to_all_single takes Python split sizes.
-        splits = torch.cat([sent.sum(1), received.sum(1)]).tolist()
-        send_splits, receive_splits = splits[:world_size], splits[world_size:]
+        received, send_splits, receive_splits = exchange_counts(tokens_per_expert, group)
         local_indices = _expert_major_order(received, sum(receive_splits))
         tokens_per_local_expert = received.sum(0).int()
         local_bins = torch.cumsum(tokens_per_local_expert, 0).int()
@@ -201,6 +191,24 @@ class ExpertExchange:
         """Inverse of `dispatch`: expert outputs, source-major, back to the ranks they came
         from, in the order those ranks sent them."""
         return all_to_all(rows, self.send_splits, self.receive_splits, self.group)
+
+
+@torch.no_grad()
+def exchange_counts(
+    tokens_per_expert: torch.Tensor, group: Optional[dist.ProcessGroup]
+) -> Tuple[torch.Tensor, List[int], List[int]]:
+    """(received [P, E/P], send_splits, receive_splits) for this rank's assignments per expert
+    [E]: received[s, e] is what rank s sends to this rank's local expert e, and the splits are
+    the rows sent to / received from each rank. Collective over `group`; one host sync."""
+    world_size = dist.get_world_size(group)
+    num_local = tokens_per_expert.numel() // world_size
+    # sent[p, e]: rows for local expert e of rank p.
+    sent = tokens_per_expert.to(torch.int64).reshape(world_size, num_local)
+    received = torch.empty_like(sent)
+    dist.all_to_all_single(received, sent, group=group)
+    # The layer's one device-to-host sync: all_to_all_single takes Python split sizes.
+    splits = torch.cat([sent.sum(1), received.sum(1)]).tolist()
+    return received, splits[:world_size], splits[world_size:]
 
 
 def _expert_major_order(received: torch.Tensor, total_rows: int) -> torch.Tensor:

@@ -30,7 +30,7 @@ from typing import Callable, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from moe.expert_parallel import _expert_major_order
+from moe.expert_parallel import _expert_major_order, exchange_counts
 
 # run(rows, indices, bins, tokens_per_local_expert) -> outputs in the rows' order. `indices`
 # None: the rows are already in local-expert order; else moe.kernels.permute's gather indices
@@ -123,13 +123,8 @@ class OverlappedExchange:
         cls, tokens_per_expert: torch.Tensor, group: Optional[dist.ProcessGroup]
     ) -> OverlappedExchange:
         """Like ExpertExchange.plan: one all-to-all of the [P, E/P] counts, one host sync."""
-        world_size, rank = dist.get_world_size(group), dist.get_rank(group)
-        num_local = tokens_per_expert.numel() // world_size
-        sent = tokens_per_expert.to(torch.int64).reshape(world_size, num_local)
-        received = torch.empty_like(sent)
-        dist.all_to_all_single(received, sent, group=group)
-        splits = torch.cat([sent.sum(1), received.sum(1)]).tolist()
-        send_splits, receive_splits = splits[:world_size], splits[world_size:]
+        rank = dist.get_rank(group)
+        received, send_splits, receive_splits = exchange_counts(tokens_per_expert, group)
         own_rows = send_splits[rank]
         own_start = sum(send_splits[:rank])
         remote_send = list(send_splits)
