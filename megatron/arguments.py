@@ -274,7 +274,11 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
         "--no-gradient-accumulation-fusion",
         action="store_false",
         dest="gradient_accumulation_fusion",
-        help=_NO_EFFECT,
+        help="In bf16/fp16 MoE training, let autocast cast the fp32 expert weights in every "
+        "micro-batch and autograd accumulate their gradients, instead of bf16/fp16 copies "
+        "refreshed once per step and a fused add of their gradients, two micro-batches at a "
+        "time (moe.experts.refresh_compute_weights): slower, and 4 bytes per expert weight "
+        "less memory. Other layers: no effect.",
     )
     group.add_argument(
         "--no-async-tensor-model-parallel-allreduce",

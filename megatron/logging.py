@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass
 from typing import Dict, Optional
 
+import torch
+
 
 @dataclass
 class IterationStats:
@@ -50,6 +52,18 @@ def format_iteration_line(stats: IterationStats) -> str:
     line += f" throughput per GPU (TFLOP/s/GPU): {stats.tflops_per_gpu:.1f} |"
     line += f" tokens per second: {stats.tokens_per_second:.0f} |"
     line += f" tokens per second per GPU: {stats.tokens_per_second_per_gpu:.0f} |"
+    return line
+
+
+def format_memory_report(rank: int, iteration: int, device: torch.device) -> str:
+    """Megatron's one-time memory line, printed after the first logged iteration:
+    `[Rank R] (after N iterations) memory (MB) | allocated: ... | max allocated: ... | ...`."""
+    mega_bytes = 1024.0 * 1024.0
+    line = f"[Rank {rank}] (after {iteration} iterations) memory (MB)"
+    line += f" | allocated: {torch.cuda.memory_allocated(device) / mega_bytes}"
+    line += f" | max allocated: {torch.cuda.max_memory_allocated(device) / mega_bytes}"
+    line += f" | reserved: {torch.cuda.memory_reserved(device) / mega_bytes}"
+    line += f" | max reserved: {torch.cuda.max_memory_reserved(device) / mega_bytes}"
     return line
 
 

@@ -34,12 +34,14 @@ from megatron.logging import (
     IterationStats,
     TensorBoardLogger,
     format_iteration_line,
+    format_memory_report,
     format_validation_block,
 )
 from megatron.model.flops import num_floating_point_operations
 from megatron.optimizer import build_lr_scheduler, build_optimizer
 from megatron.optimizer.distributed_optimizer import build_distributed_optimizer
 from megatron.pipeline.training_step import activation_spec, pipeline_step
+from moe.experts import flush_expert_gradients, refresh_compute_weights
 
 ForwardStep = Callable[
     [torch.nn.Module, Dict[str, torch.Tensor]], Tuple[torch.Tensor, Dict[str, torch.Tensor]]
@@ -64,6 +66,29 @@ def total_train_iters(config: Config) -> int:
     if training.train_iters is not None:
         return training.train_iters
     return training.train_samples // training.global_batch_size
+
+
+def _expert_compute_dtype(config: Config) -> Optional[torch.dtype]:
+    """The dtype of the expert weights' per-step copies (moe.experts.refresh_compute_weights):
+    the autocast dtype of a bf16/fp16 MoE model, else None. None also under
+    --no-gradient-accumulation-fusion: autocast then casts the weights in every micro-batch and
+    autograd accumulates their gradients, which needs less memory (no copies, no held
+    gradients: the dMoE 125M fits an 80 GB GPU at micro batch 8 only this way)."""
+    if config.model.moe is None or not config.training.gradient_accumulation_fusion:
+        return None
+    if config.training.bf16:
+        return torch.bfloat16
+    if config.training.fp16:
+        return torch.float16
+    return None
+
+
+def _expert_grads_in_place(wrapped_in_ddp: bool) -> bool:
+    """Whether the copies add their gradients into the fp32 expert weights themselves. Not when
+    torch DDP reduces the expert gradients: its hooks fire on autograd's accumulation, so the
+    copies then stand in for the casts and leave accumulation to autograd (expert-parallel
+    shards are outside DDP)."""
+    return not (wrapped_in_ddp and parallel_state.get_expert_model_parallel_world_size() == 1)
 
 
 def _autocast(config: Config, device: torch.device):
@@ -157,11 +182,12 @@ class Trainer:
             )
         self.scheduler = build_lr_scheduler(self.optimizer, config.optimizer, config.training)
         data_parallel_size = parallel_state.get_data_parallel_world_size()
-        if (
+        wrapped_in_ddp = (
             data_parallel_size > 1
             and not config.parallel.use_distributed_optimizer
             and not self.pipeline
-        ):
+        )
+        if wrapped_in_ddp:
             self.model = wrap_data_parallel(
                 self.unwrapped_model, context.device, data_parallel_group
             )
@@ -183,6 +209,8 @@ class Trainer:
             if config.logging.tensorboard_dir and context.is_first
             else None
         )
+        self.expert_compute_dtype = _expert_compute_dtype(config)
+        self.expert_grads_in_place = _expert_grads_in_place(wrapped_in_ddp)
         self.iteration = 0
         self.consumed_train_samples = 0
         self.consumed_valid_samples = 0
@@ -196,6 +224,7 @@ class Trainer:
 
         Returns (reported losses, skipped, grad norm, got nan).
         """
+        self._refresh_expert_weights()
         self.optimizer.zero_grad()
         if self.pipeline:
             means = pipeline_step(
@@ -206,12 +235,14 @@ class Trainer:
                 self.activation_spec,
                 self.optimizer.scale_loss,
             )
+            self._flush_expert_gradients()
             if not self.config.parallel.use_distributed_optimizer:
                 # The distributed optimizer reduce-scatters the gradients in its step instead.
                 all_reduce_data_parallel_gradients(self.unwrapped_model)
             reduce_tied_embedding_gradients(list(self.unwrapped_model))
         else:
             means = self._accumulate_micro_batches(data_iterator)
+            self._flush_expert_gradients()
         finalize_gradients(self.unwrapped_model, self.config)
         update_successful, grad_norm, _ = self.optimizer.step()
         if update_successful:
@@ -221,6 +252,20 @@ class Trainer:
             value != value or value in (float("inf"), float("-inf")) for value in averaged.values()
         )
         return averaged, not update_successful, grad_norm, got_nan
+
+    def _flush_expert_gradients(self) -> None:
+        """Add the expert gradients the copies still hold (moe.experts._GradientAccumulator)
+        into the fp32 gradients, before anything reduces or reads them."""
+        if self.expert_compute_dtype is not None and self.expert_grads_in_place:
+            flush_expert_gradients(self.unwrapped_model)
+
+    def _refresh_expert_weights(self) -> None:
+        """New compute-dtype copies of the expert weights, which the optimizer step or a
+        checkpoint load may have changed (moe.experts.refresh_compute_weights)."""
+        if self.expert_compute_dtype is not None:
+            refresh_compute_weights(
+                self.unwrapped_model, self.expert_compute_dtype, self.expert_grads_in_place
+            )
 
     def _accumulate_micro_batches(self, data_iterator: Iterator) -> Dict[str, torch.Tensor]:
         """Forward and backward of every micro-batch in turn; the reported means."""
@@ -248,6 +293,7 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self, data_iterator: Iterator, eval_iters: int) -> Dict[str, float]:
         """Average reported losses over `eval_iters` global batches, without dropout."""
+        self._refresh_expert_weights()
         self.model.eval()
         sums: Dict[str, torch.Tensor] = defaultdict(
             lambda: torch.zeros((), device=self.context.device)
@@ -353,6 +399,7 @@ def train(trainer: Trainer, train_iterator, valid_iterator, result: TrainingResu
     window_skipped = 0
     window_nan = 0
     last_grad_norm: Optional[float] = None
+    report_memory = True  # once, after the first logged iteration, as Megatron does
     trainer.model.train()
     print_rank_0("training ...")
     train_iters = total_train_iters(config)
@@ -398,6 +445,13 @@ def train(trainer: Trainer, train_iterator, valid_iterator, result: TrainingResu
                 tflops_per_gpu=tflops,
             )
             print_rank_0(format_iteration_line(stats))
+            if report_memory and trainer.context.device.type == "cuda":
+                print_rank_0(
+                    format_memory_report(
+                        trainer.context.rank, trainer.iteration, trainer.context.device
+                    )
+                )
+                report_memory = False
             if trainer.tensorboard is not None:
                 trainer.tensorboard.log_training(stats)
             window_start, window_iterations = time.time(), 0

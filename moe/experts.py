@@ -22,6 +22,7 @@ from torch.utils.checkpoint import checkpoint
 
 from megatron.tensor_parallel import set_tensor_model_parallel_attributes
 from moe.expert_parallel import mark_expert_parallel
+from moe.weight_copies import CachedCast, GradientAccumulator
 
 Projection = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -103,6 +104,10 @@ class Experts(nn.Module):
         self.init_expert_weights(init_std, output_init_std)
         # Set by `weights_cast_once`: (w1, v1, w2) in the compute dtype, shared by every call.
         self._cast_weights: Optional[Tuple[torch.Tensor, ...]] = None
+        # Set by `refresh_compute_weights`: copies in the compute dtype, kept between refreshes.
+        self._compute_weights: Optional[Tuple[Optional[torch.Tensor], ...]] = None
+        self._accumulates_in_place = False
+        self._accumulators: Tuple[GradientAccumulator, ...] = ()
 
     @torch.no_grad()
     def init_expert_weights(self, std: float, output_std: float) -> None:
@@ -127,6 +132,76 @@ class Experts(nn.Module):
             full = full.narrow(0, self.first_local_expert, self.num_local_experts)
             weight.copy_(full.narrow(ffn_dim, self.first_local_channel, self.local_ffn_hidden_size))
 
+    @torch.no_grad()
+    def refresh_compute_weights(self, dtype: torch.dtype, accumulate_in_place: bool) -> None:
+        """Keep a `dtype` copy of each weight for the forwards until the next refresh.
+
+        Under autocast every micro-batch would otherwise cast the fp32 expert weights again
+        (for a dMoE 125M, 3.6 billion weights: 22 GB of memory traffic per micro-batch); the
+        trainer refreshes once per optimizer step and before evaluation instead
+        (`refresh_compute_weights` below).
+
+        How the gradient reaches the fp32 weight (moe.weight_copies):
+        - `accumulate_in_place`: the copy is a leaf of the autograd graph, and its hook
+          (`GradientAccumulator`) adds its gradients into the fp32 weight's `.grad`, two
+          micro-batches per fused pass (Megatron's gradient-accumulation fusion). The fp32 weight
+          then never gets a gradient through autograd, so this is only for weights no autograd
+          hook waits for (torch DDP's do); `flush_gradients` must follow the last backward.
+        - otherwise: the copy stands in for the cast in the autograd graph (`CachedCast`), and
+          the gradient reaches the fp32 weight as the cast's would.
+        """
+        self.flush_gradients()  # a backward nobody flushed: its gradients go where they belong
+        weights = (self.w1, self.v1, self.w2)
+        if self.w1.dtype == dtype:  # the weights themselves are in the compute dtype
+            self._compute_weights = None
+            self._accumulators = ()
+            return
+        copies = self._compute_weights
+        reusable = (
+            copies is not None
+            and self._accumulates_in_place == accumulate_in_place
+            and all(
+                copy is None or (copy.dtype == dtype and copy.device == weight.device)
+                for copy, weight in zip(copies, weights)
+            )
+        )
+        if reusable:
+            for copy, weight in zip(copies, weights):
+                if copy is not None:
+                    copy.copy_(weight)  # in place: a compiled graph holds these very tensors
+                    copy.grad = None
+            return
+        self._accumulates_in_place = accumulate_in_place
+        copies, accumulators = [], []
+        for weight in weights:
+            copy = None if weight is None else weight.detach().to(dtype)
+            if copy is not None and accumulate_in_place:
+                accumulator = GradientAccumulator(weight)
+                copy.requires_grad_(True)
+                copy.register_post_accumulate_grad_hook(accumulator)
+                accumulators.append(accumulator)
+            copies.append(copy)
+        self._compute_weights = tuple(copies)
+        self._accumulators = tuple(accumulators)
+
+    def flush_gradients(self) -> None:
+        """Add any held micro-batch gradients into the fp32 weights (`GradientAccumulator`)."""
+        for accumulator in self._accumulators:
+            accumulator.flush()
+
+    def _in_dtype(self, dtype: torch.dtype) -> Tuple[Optional[torch.Tensor], ...]:
+        """(w1, v1, w2) in `dtype`: the refreshed copies when there are some, else casts."""
+        weights = (self.w1, self.v1, self.w2)
+        copies = self._compute_weights
+        if copies is None or copies[0].dtype != dtype or self.w1.dtype == dtype:
+            return tuple(None if weight is None else weight.to(dtype) for weight in weights)
+        if self._accumulates_in_place:
+            return copies
+        return tuple(
+            None if weight is None else CachedCast.apply(weight, copy)
+            for weight, copy in zip(weights, copies)
+        )
+
     @contextlib.contextmanager
     def weights_cast_once(self, dtype: torch.dtype) -> Iterator[None]:
         """Within it, every projection uses one cast of each weight to `dtype`.
@@ -135,23 +210,27 @@ class Experts(nn.Module):
         expert-parallel exchange runs three) would otherwise cast the fp32 master weights once
         per block, and accumulate one fp32 gradient per block in the backward.
         """
-        self._cast_weights = tuple(
-            None if weight is None else weight.to(dtype) for weight in (self.w1, self.v1, self.w2)
-        )
+        self._cast_weights = self._in_dtype(dtype)
         try:
             yield
         finally:
             self._cast_weights = None
 
-    def projection_weights(self) -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
-        """(w1, v1, w2): the parameters, or their casts inside `weights_cast_once`."""
+    def projection_weights(
+        self, dtype: Optional[torch.dtype] = None
+    ) -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+        """(w1, v1, w2) for inputs of `dtype`: inside `weights_cast_once` its casts; else the
+        refreshed copies when they are in `dtype`; else the parameters (the projections cast)."""
         if self._cast_weights is not None:
             return self._cast_weights
+        copies = self._compute_weights
+        if dtype is not None and copies is not None and copies[0].dtype == dtype:
+            return self._in_dtype(dtype)
         return self.w1, self.v1, self.w2
 
     def _mlp(self, x: torch.Tensor, project: Projection) -> torch.Tensor:
         """The expert MLP on x with `project(input, weight)` as the matmul of each projection."""
-        w1, v1, w2 = self.projection_weights()
+        w1, v1, w2 = self.projection_weights(x.dtype)
         hidden = project(x, w1)
         gate_input = project(x, v1) if v1 is not None else None
 
@@ -204,3 +283,22 @@ class Experts(nn.Module):
 def _ffn_dim(weight: torch.Tensor, experts: Experts) -> int:
     """The ffn dimension of an expert weight: 2 of w1 / v1 [E, h, f], 1 of w2 [E, f, h]."""
     return 1 if weight is experts.w2 else 2
+
+
+def flush_expert_gradients(model: nn.Module) -> None:
+    """Add the expert gradients still held by the copies' accumulators into the fp32 weights'
+    `.grad`. The trainer calls it after the last backward of each step, before the gradients
+    are reduced, clipped or stepped."""
+    for module in model.modules():
+        if isinstance(module, Experts):
+            module.flush_gradients()
+
+
+def refresh_compute_weights(model: nn.Module, dtype: torch.dtype, accumulate_in_place: bool) -> int:
+    """`Experts.refresh_compute_weights` on every Experts module of `model`; returns how many
+    there are. Call it after every change of the weights (the trainer: at the start of each
+    training step and of each evaluation), since forwards use the copies until then."""
+    experts = [module for module in model.modules() if isinstance(module, Experts)]
+    for module in experts:
+        module.refresh_compute_weights(dtype, accumulate_in_place)
+    return len(experts)

@@ -376,7 +376,7 @@ class DroplessMoE(MoELayer):
         block = self.sparse_block_size
         experts = self.experts
         num_experts, hidden, ffn = experts.w1.shape
-        w1, _, w2 = experts.projection_weights()
+        w1, _, w2 = experts.projection_weights(rows.dtype)
         with torch.no_grad():
             padded_bins = permute.padded_bins(tokens_per_expert, block)
             topology = Topology.from_padded_bins(padded_bins, ffn, block)

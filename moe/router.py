@@ -73,7 +73,14 @@ class Router(nn.Module):
         selection_scores = scores
         if self.expert_bias is not None:
             selection_scores = scores.detach() + self.expert_bias.to(scores.dtype)
-        _, expert_indices = torch.topk(selection_scores, config.top_k, dim=-1)
+        if config.top_k == 1 and self.expert_bias is None:
+            # A plain reduction: torch.topk's selection kernel took 0.22 ms per call on
+            # [65536, 64] scores on an H200, 2% of a dMoE 125M training step. Not with the
+            # expert bias: equally biased experts tie often there, and argmax breaks ties
+            # toward the lowest index where topk does not, which changes the balancing.
+            expert_indices = selection_scores.argmax(dim=-1, keepdim=True)
+        else:
+            _, expert_indices = torch.topk(selection_scores, config.top_k, dim=-1)
         expert_weights = scores.gather(1, expert_indices)
         if config.normalize_expert_weights is not None:
             expert_weights = expert_weights / torch.norm(

@@ -68,3 +68,38 @@ def test_bad_moe_flags_are_rejected_before_work(data_prefix, capsys, extra, mess
     assert exit_info.value.code == 2
     error = capsys.readouterr().err
     assert error.startswith("error: ") and message in error, error
+
+
+def test_expert_weight_copies_train_exactly_like_casting_every_micro_batch(
+    data_prefix,  # noqa: F811
+    monkeypatch,
+    capsys,
+):
+    """In bf16 the trainer keeps bf16 copies of the fp32 expert weights, refreshed at each step
+    and evaluation (moe.experts.refresh_compute_weights), instead of a cast per micro-batch,
+    and adds the micro-batches' expert gradients into the fp32 gradients itself, two at a time.
+    Under torch DDP the copies leave accumulation to autograd; --no-gradient-accumulation-fusion
+    turns both off. The copies round as the casts do and the fused adds are autograd's adds in
+    its order, so all three runs are the same, bit for bit. Three micro-batches per step leave
+    one gradient held for the flush after the last backward. A copy left stale after an
+    optimizer step, or a micro-batch's gradient not added, would change the losses from the
+    second iteration on."""
+    import megatron.training
+
+    args = tiny_gpt_args(
+        data_prefix, *SHORT, "--bf16", "--moe-num-experts", "4", "--moe-top-k", "2",
+        "--moe-loss-weight", "0.1", "--eval-interval", "2",
+        train_iters=4, micro_batch=2, global_batch=6,
+    )  # fmt: skip
+    runs = {}
+    for name, extra in (("fused", []), ("cast", ["--no-gradient-accumulation-fusion"])):
+        result = pretrain_gpt.main(args + extra)
+        runs[name] = (result.losses, result.validation)
+    monkeypatch.setattr(megatron.training, "_expert_grads_in_place", lambda wrapped_in_ddp: False)
+    result = pretrain_gpt.main(args)
+    runs["copies, autograd's accumulation"] = (result.losses, result.validation)
+    capsys.readouterr()
+    assert len(runs["fused"][0]) == 4 and len(runs["fused"][1]) >= 2
+    assert runs["fused"] == runs["cast"] == runs["copies, autograd's accumulation"]
+    losses = [step["lm loss"] for step in runs["fused"][0]]
+    assert len(set(losses)) == 4  # the weights did change between iterations

@@ -106,3 +106,48 @@ def test_gpt_model_with_dmoe_layers_traces_as_one_graph_under_bf16_autocast():
         explanation = torch._dynamo.explain(model)(token_ids, labels=token_ids)
     assert explanation.graph_break_count == 0, explanation.break_reasons
     assert explanation.graph_count == 1
+
+
+@pytest.mark.parametrize("accumulate_in_place", [True, False])
+def test_compiled_gpt_uses_the_refreshed_expert_weight_copies(accumulate_in_place):
+    """Training in bf16 keeps bf16 copies of the fp32 expert weights (refreshed each step, see
+    moe.experts.refresh_compute_weights). The compiled model must read the copies as they are
+    at each call (refreshed in place, never baked into the graph) and give the results of the
+    per-call cast, gradients for the fp32 weights included: through the copies' hooks (in
+    place) or through autograd. Two backwards per step check that gradients accumulate."""
+    from megatron.model.gpt_model import GPTModel
+    from moe.experts import flush_expert_gradients, refresh_compute_weights
+
+    torch._dynamo.reset()
+    config = ModelConfig(
+        num_layers=2, hidden_size=32, num_attention_heads=2, ffn_hidden_size=48, seq_length=16,
+        max_position_embeddings=16, padded_vocab_size=64, init_method_std=0.02,
+        hidden_dropout=0.0, attention_dropout=0.0,
+        moe=MoEConfig(num_experts=4, top_k=2, mlp_impl="grouped"),
+    )  # fmt: skip
+    token_ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(3))
+
+    def loss_and_grads(model, run):
+        model.zero_grad()
+        for _ in range(2):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = run(token_ids, labels=token_ids).float().mean()
+            loss.backward()
+        flush_expert_gradients(model)  # the trainer's step does this after the last backward
+        return [loss.detach()] + [p.grad.clone() for p in model.parameters()]
+
+    torch.manual_seed(0)
+    cast, copied = GPTModel(config), GPTModel(config)
+    copied.load_state_dict(cast.state_dict())
+    assert refresh_compute_weights(copied, torch.bfloat16, accumulate_in_place) == 2
+    run_cast = torch.compile(cast, backend="aot_eager", fullgraph=True)
+    run_copied = torch.compile(copied, backend="aot_eager", fullgraph=True)
+    for step in range(2):
+        want, got = loss_and_grads(cast, run_cast), loss_and_grads(copied, run_copied)
+        for a, b in zip(got, want):
+            assert torch.equal(a, b), step
+        with torch.no_grad():  # an optimizer step, then the trainer's refresh
+            for model in (cast, copied):
+                for param in model.parameters():
+                    param.mul_(1.5)
+        refresh_compute_weights(copied, torch.bfloat16, accumulate_in_place)
