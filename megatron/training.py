@@ -227,14 +227,7 @@ class Trainer:
         self._refresh_expert_weights()
         self.optimizer.zero_grad()
         if self.pipeline:
-            means = pipeline_step(
-                self.model,
-                self._stage_forward_step,
-                data_iterator,
-                self.config,
-                self.activation_spec,
-                self.optimizer.scale_loss,
-            )
+            means = self._pipeline_step(data_iterator)
             self._flush_expert_gradients()
             if not self.config.parallel.use_distributed_optimizer:
                 # The distributed optimizer reduce-scatters the gradients in its step instead.
@@ -254,7 +247,7 @@ class Trainer:
         return averaged, not update_successful, grad_norm, got_nan
 
     def _flush_expert_gradients(self) -> None:
-        """Add the expert gradients the copies still hold (moe.experts._GradientAccumulator)
+        """Add the expert gradients the copies still hold (moe.weight_copies.GradientAccumulator)
         into the fp32 gradients, before anything reduces or reads them."""
         if self.expert_compute_dtype is not None and self.expert_grads_in_place:
             flush_expert_gradients(self.unwrapped_model)
@@ -283,6 +276,20 @@ class Trainer:
                 reported_sums[name] += value.detach().float()
         return {name: value / num_micro_batches for name, value in reported_sums.items()}
 
+    def _pipeline_step(
+        self, data_iterator: Iterator, forward_only: bool = False
+    ) -> Dict[str, torch.Tensor]:
+        """One global batch through this rank's pipeline stages (megatron.pipeline)."""
+        return pipeline_step(
+            self.model,
+            self._stage_forward_step,
+            data_iterator,
+            self.config,
+            self.activation_spec,
+            self.optimizer.scale_loss,
+            forward_only=forward_only,
+        )
+
     def _stage_forward_step(
         self, model: torch.nn.Module, batch: Dict[str, torch.Tensor]
     ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
@@ -301,15 +308,7 @@ class Trainer:
         count = 0
         for _ in range(eval_iters):
             if self.pipeline:
-                means = pipeline_step(
-                    self.model,
-                    self._stage_forward_step,
-                    data_iterator,
-                    self.config,
-                    self.activation_spec,
-                    self.optimizer.scale_loss,
-                    forward_only=True,
-                )
+                means = self._pipeline_step(data_iterator, forward_only=True)
                 for name, value in means.items():
                     sums[name] += value
                 count += 1

@@ -71,14 +71,15 @@ def sum_in_fp32_reference(first: torch.Tensor, second: Optional[torch.Tensor] = 
     return total
 
 
-def _kernel_applies(total: torch.Tensor, first: torch.Tensor, second: Optional[torch.Tensor]):
+def _addends_suit_kernel(
+    shape: torch.Size, first: torch.Tensor, second: Optional[torch.Tensor]
+) -> bool:
+    """Whether the kernel can read the addends for a total of `shape`."""
     addends = [first] if second is None else [first, second]
     return (
-        total.dtype == torch.float32
-        and all(addend.shape == total.shape and addend.is_contiguous() for addend in addends)
-        and total.is_contiguous()
-        and total.numel() > 0
-        and use_triton(total, *addends)
+        first.numel() > 0
+        and all(addend.shape == shape and addend.is_contiguous() for addend in addends)
+        and use_triton(*addends)
     )
 
 
@@ -101,7 +102,12 @@ def accumulate_(
     """total += first (+ second) in place, in fp32; returns total. The kernel runs for a
     contiguous fp32 total and contiguous addends of its shape on the GPU; anything else goes to
     torch's add."""
-    if not _kernel_applies(total, first, second):
+    if not (
+        total.dtype == torch.float32
+        and total.is_contiguous()
+        and total.device == first.device
+        and _addends_suit_kernel(total.shape, first, second)
+    ):
         return accumulate_reference_(total, first, second)
     _launch(total, first, second, has_total=True)
     return total
@@ -109,9 +115,9 @@ def accumulate_(
 
 def sum_in_fp32(first: torch.Tensor, second: Optional[torch.Tensor] = None) -> torch.Tensor:
     """first (+ second) as a new fp32 tensor (the first micro-batches' gradient)."""
-    total = torch.empty(first.shape, dtype=torch.float32, device=first.device)
-    if not _kernel_applies(total, first, second):
+    if not _addends_suit_kernel(first.shape, first, second):
         return sum_in_fp32_reference(first, second)
+    total = torch.empty(first.shape, dtype=torch.float32, device=first.device)
     _launch(total, first, second, has_total=False)
     return total
 

@@ -15,13 +15,9 @@ from megatron.kernels.accumulate import (  # noqa: E402
     accumulate_reference_,
     sum_in_fp32,
 )
+from tests.markers import gpu  # noqa: E402
 
 interpreted = pytest.mark.usefixtures("triton_kernels")
-
-
-def gpu(test):
-    needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
-    return pytest.mark.gpu(needs_gpu(test))
 
 
 @pytest.fixture

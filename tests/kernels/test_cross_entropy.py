@@ -18,13 +18,9 @@ from megatron.kernels import cross_entropy as module  # noqa: E402
 from megatron.kernels.cross_entropy import cross_entropy, cross_entropy_reference  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+from tests.markers import gpu  # noqa: E402
+
 interpreted = pytest.mark.usefixtures("triton_kernels")
-
-
-def gpu(test):
-    """Marks a test that needs a CUDA or ROCm GPU; it is skipped cleanly without one."""
-    needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
-    return pytest.mark.gpu(needs_gpu(test))
 
 
 # (rows, vocab): vocabs off the power of two, one of a single chunk of 4 lanes, one of two
