@@ -1,17 +1,20 @@
 """The six expert products of one dMoE layer step, each timed alone, next to the dense matmul of
 the same FLOPs: where the grouped layer's GEMM time goes (bench/moe_layer.py times the layer).
 
-    python bench/grouped_products.py [--configs 0 1 2 3] [--triton]
+    python bench/grouped_products.py [--configs 0 1 2 3] [--triton] [--sweep]
 
 For expert weights w1 [E, h, f] and w2 [E, f, h] and N = tokens * top_k rows sorted by expert:
 forward x @ w1, a @ w2; backward dy @ w2^T, a^T dy (weight gradient), dh @ w1^T, x^T dh. The
 dense counterpart of each has the same M, N, K with one [K, N] weight (cuBLAS). Expert loads
-follow a uniform random routing, as a freshly initialized router gives.
+follow a uniform random routing, as a freshly initialized router gives. `--sweep` times our Triton
+kernels at each launch shape of SWEEP_ROW_TILES / SWEEP_WEIGHT_GRAD_TILES, checks each result
+against torch._grouped_mm, and prints the fastest shape per product.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 
@@ -36,6 +39,95 @@ def median_ms(fn, warmup=5, repeats=20) -> float:
         times.append(start.elapsed_time(end))
     times.sort()
     return times[len(times) // 2]
+
+
+# (block_m, block_n, block_k, group_m, num_warps, num_stages) tried by --sweep.
+SWEEP_ROW_TILES = [
+    (128, 128, 64, 8, 4, 4),
+    (128, 128, 64, 8, 8, 3),
+    (128, 256, 64, 8, 8, 3),
+    (64, 256, 64, 8, 4, 4),
+    (128, 64, 64, 8, 4, 4),
+    (256, 128, 64, 8, 8, 3),
+    (64, 128, 64, 8, 4, 4),
+    (128, 128, 64, 16, 8, 4),
+]
+# For the weight gradient block_m tiles the weight's rows and block_k the tokens.
+SWEEP_WEIGHT_GRAD_TILES = [
+    (128, 128, 64, 1, 4, 3),
+    (128, 128, 64, 1, 8, 4),
+    (128, 256, 64, 1, 8, 3),
+    (64, 128, 64, 1, 4, 4),
+    (128, 128, 32, 1, 4, 4),
+    (256, 128, 64, 1, 8, 3),
+    (64, 256, 64, 1, 4, 4),
+]
+
+
+def _operands(hidden, ffn, experts, top_k, tokens):
+    rows = tokens * top_k
+    device, dtype = "cuda", torch.bfloat16
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    choice = torch.randint(0, experts, (rows,), generator=generator)
+    counts = torch.bincount(choice, minlength=experts).to(device)
+    x = torch.randn(rows, hidden, device=device, dtype=dtype)
+    a = torch.randn(rows, ffn, device=device, dtype=dtype)
+    w1 = torch.randn(experts, hidden, ffn, device=device, dtype=dtype)
+    w2 = torch.randn(experts, ffn, hidden, device=device, dtype=dtype)
+    return counts, x, a, w1, w2
+
+
+def sweep(hidden, ffn, experts, top_k, tokens):
+    """[(product, _grouped_mm ms, best Triton ms, best shape, its relative error)]."""
+    from moe.kernels import grouped_gemm as gg
+
+    counts, x, a, w1, w2 = _operands(hidden, ffn, experts, top_k, tokens)
+    offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+    row = functools.partial(gg._grouped_mm_triton, tokens_per_expert=counts)
+    cases = {
+        "fwd x@w1": (lambda: torch._grouped_mm(x, w1, offs=offsets),
+                     (x, w1, False)),
+        "fwd a@w2": (lambda: torch._grouped_mm(a, w2, offs=offsets),
+                     (a, w2, False)),
+        "dgrad dy@w2^T": (lambda: torch._grouped_mm(x, w2.transpose(-2, -1), offs=offsets),
+                          (x, w2, True)),
+        "wgrad a^T dy": (lambda: torch._grouped_mm(a.t(), x, offs=offsets), (a, x)),
+        "dgrad dh@w1^T": (lambda: torch._grouped_mm(a, w1.transpose(-2, -1), offs=offsets),
+                          (a, w1, True)),
+        "wgrad x^T dh": (lambda: torch._grouped_mm(x.t(), a, offs=offsets), (x, a)),
+    }  # fmt: skip
+    results = []
+    for name, (torch_fn, operands) in cases.items():
+        want = torch_fn().float()
+        if name.startswith("wgrad"):
+            candidates = [
+                ("ptr", shape, functools.partial(gg._weight_grad_triton, *operands, counts))
+                for shape in SWEEP_WEIGHT_GRAD_TILES
+            ]
+        else:
+            first, weight, transpose = operands
+            candidates = [
+                ("ptr", shape, functools.partial(row, first, weight, transpose_weight=transpose))
+                for shape in SWEEP_ROW_TILES
+            ]
+        best = (float("inf"), None, float("nan"))
+        for kind, shape, triton_fn in candidates:
+            tiles = gg.TileSizes(*shape)
+            try:
+                run = functools.partial(triton_fn, tile_sizes=tiles)
+                got = run().float()
+                error = ((got - want).norm() / want.norm()).item()
+                ms = median_ms(run) if error < 1e-2 else float("inf")
+            except Exception as failure:  # out of shared memory, say: report and go on
+                print(
+                    f"{name} {kind} {shape}: {type(failure).__name__}: {failure}"[:300], flush=True
+                )
+                continue
+            print(f"  {name} {kind} {shape}: {ms:.3f} ms, relative error {error:.1e}", flush=True)
+            if ms < best[0]:
+                best = (ms, (kind, *shape), error)
+        results.append((name, median_ms(torch_fn), *best))
+    return results
 
 
 def products(hidden, ffn, experts, top_k, tokens, use_triton):
@@ -71,7 +163,7 @@ def products(hidden, ffn, experts, top_k, tokens, use_triton):
     if use_triton:
         from moe.kernels import grouped_gemm as gg
 
-        tiles = gg.DEFAULT_TILE_SIZES
+        tiles = None  # gg.default_tile_sizes for the device
         triton = {
             "fwd x@w1": lambda: gg._grouped_mm_triton(
                 x, w1, counts, transpose_weight=False, tile_sizes=tiles
@@ -95,7 +187,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--configs", type=int, nargs="+", default=list(range(len(CONFIGS))))
     parser.add_argument("--triton", action="store_true", help="also our Triton grouped GEMM")
+    parser.add_argument("--sweep", action="store_true", help="Triton launch shapes, fastest each")
     args = parser.parse_args()
+    if args.sweep:
+        tables = []
+        for index in args.configs:
+            for row in sweep(*CONFIGS[index]):
+                tables.append((CONFIGS[index], *row))
+        print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, median of 20")
+        print("| config | product | _grouped_mm ms | best Triton ms | Triton / torch | shape "
+              "(loads, bm, bn, bk, group, warps, stages) | rel. error |")  # fmt: skip
+        print("|---|---|---:|---:|---:|---|---:|")
+        for config, name, torch_ms, triton_ms, shape, error in tables:
+            print(f"| {config} | {name} | {torch_ms:.3f} | {triton_ms:.3f} "
+                  f"| {triton_ms / torch_ms:.2f} | {shape} | {error:.1e} |")  # fmt: skip
+        return
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, median of 20")
     print("| config | product | dense ms | _grouped_mm ms | Triton ms | dense TFLOP/s "
           "| grouped TFLOP/s | grouped x dense |")  # fmt: skip

@@ -16,6 +16,7 @@ kernels / the references for every product.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -40,14 +41,43 @@ _GROUPED_MM_MAX_GROUPS = 1024
 
 @dataclass(frozen=True)
 class TileSizes:
-    """Tile sizes of the Triton kernels; each must be a power of two and at least 16 (tl.dot)."""
+    """Launch shape of the Triton kernels.
+
+    block_m/block_n/block_k: tile sizes, each a power of two and at least 16 (tl.dot). In the
+    weight-gradient kernel block_m tiles the weight's rows and block_k the tokens.
+    group_m: row tiles that share one band of the launch order, so that the programs running at
+    once reuse the same expert-weight tiles from L2 (Triton's matmul tutorial's grouped order).
+    num_warps/num_stages: Triton's warps per program and software-pipelining depth.
+    """
 
     block_m: int = 64
     block_n: int = 64
     block_k: int = 32
+    group_m: int = 8
+    num_warps: int = 4
+    num_stages: int = 3
 
 
 DEFAULT_TILE_SIZES = TileSizes()
+# The fastest shapes on an H100 at the issue's first two configurations (bench/grouped_products.py
+# --sweep, BENCHMARKS.md): 1.7x (row products) and 1.4x (weight gradient) faster than the
+# default there. Their shared memory (144 and 96 KiB at 2-byte elements) fits Hopper's 227 KiB;
+# other GPUs (AMD's 64 KiB LDS among them) and fp32 keep the default.
+HOPPER_ROW_TILE_SIZES = TileSizes(block_m=128, block_n=256, block_k=64, num_warps=8)
+HOPPER_WEIGHT_GRAD_TILE_SIZES = TileSizes(block_m=128, block_n=128, block_k=64)
+
+
+def default_tile_sizes(x: torch.Tensor, weight_grad: bool) -> TileSizes:
+    """The Triton kernels' launch shape for operands like x on x's device."""
+    hopper = (
+        x.is_cuda
+        and torch.version.hip is None
+        and x.element_size() == 2
+        and torch.cuda.get_device_capability(x.device)[0] >= 9
+    )
+    if not hopper:
+        return DEFAULT_TILE_SIZES
+    return HOPPER_WEIGHT_GRAD_TILE_SIZES if weight_grad else HOPPER_ROW_TILE_SIZES
 
 
 def grouped_mm(
@@ -55,12 +85,13 @@ def grouped_mm(
     weight: torch.Tensor,
     tokens_per_expert: torch.Tensor,
     *,
-    tile_sizes: TileSizes = DEFAULT_TILE_SIZES,
+    tile_sizes: Optional[TileSizes] = None,
 ) -> torch.Tensor:
     """Per-expert matmul of contiguous row groups: `out[bins[e-1]:bins[e]] = x[...] @ weight[e]`.
 
     x: [N_total, K]; weight: [E, K, N]; tokens_per_expert: integer [E] summing to N_total.
-    Returns [N_total, N] in x's dtype; differentiable w.r.t. x and weight.
+    Returns [N_total, N] in x's dtype; differentiable w.r.t. x and weight. `tile_sizes` sets
+    the Triton kernels' launch shape (default: `default_tile_sizes`).
     """
     _check_shapes(x, weight, tokens_per_expert)
     return _GroupedMM.apply(x, weight, tokens_per_expert, tile_sizes)
@@ -265,14 +296,17 @@ def _dot_input_precision(dtype: torch.dtype) -> str:
     return "ieee"
 
 
-def _grouped_mm_triton(x, weight, tokens_per_expert, *, transpose_weight, tile_sizes):
+def _grouped_mm_triton(x, weight, tokens_per_expert, *, transpose_weight, tile_sizes=None):
     """out_e = x_e @ weight[e] (or @ weight[e]^T) in one launch over all groups."""
+    tile_sizes = tile_sizes or default_tile_sizes(x, weight_grad=False)
     num_experts = weight.shape[0]
     rows = x.shape[0]
     reduce_size = x.shape[1]
     out_cols = weight.shape[1] if transpose_weight else weight.shape[2]
     out = torch.empty(rows, out_cols, device=x.device, dtype=x.dtype)
-    if num_experts == 0 or rows == 0 or out_cols == 0:
+    if num_experts == 0 or rows == 0 or out_cols == 0 or reduce_size == 0:
+        if reduce_size == 0:
+            out.zero_()
         return out
     block_m = tile_sizes.block_m
     row_offsets = _exclusive_cumsum(tokens_per_expert)
@@ -283,7 +317,8 @@ def _grouped_mm_triton(x, weight, tokens_per_expert, *, transpose_weight, tile_s
         stride_bk, stride_bn = stride_bn, stride_bk
     # Each group wastes at most one partial row tile, so this bounds the tile count without
     # reading tokens_per_expert on the host; the surplus programs find no expert and return.
-    grid = (triton.cdiv(rows, block_m) + num_experts, triton.cdiv(out_cols, tile_sizes.block_n))
+    row_tiles = triton.cdiv(rows, block_m) + num_experts
+    grid = (row_tiles * triton.cdiv(out_cols, tile_sizes.block_n),)
     _grouped_mm_kernel[grid](
         x,
         weight,
@@ -291,8 +326,10 @@ def _grouped_mm_triton(x, weight, tokens_per_expert, *, transpose_weight, tile_s
         row_offsets,
         tile_offsets,
         num_experts,
+        rows,
         reduce_size,
         out_cols,
+        row_tiles,
         x.stride(0),
         x.stride(1),
         stride_be,
@@ -304,13 +341,18 @@ def _grouped_mm_triton(x, weight, tokens_per_expert, *, transpose_weight, tile_s
         BLOCK_N=tile_sizes.block_n,
         BLOCK_K=tile_sizes.block_k,
         BLOCK_E=max(16, triton.next_power_of_2(num_experts)),
+        GROUP_M=tile_sizes.group_m,
+        EVEN_K=reduce_size % tile_sizes.block_k == 0,
         INPUT_PRECISION=_dot_input_precision(x.dtype),
+        num_warps=tile_sizes.num_warps,
+        num_stages=tile_sizes.num_stages,
     )
     return out
 
 
-def _weight_grad_triton(x, grad_out, tokens_per_expert, tile_sizes):
+def _weight_grad_triton(x, grad_out, tokens_per_expert, tile_sizes=None):
     """grad_weight[e] = x_e^T @ grad_out_e, one program per (expert, K tile, N tile)."""
+    tile_sizes = tile_sizes or default_tile_sizes(x, weight_grad=True)
     num_experts = tokens_per_expert.shape[0]
     in_features, out_features = x.shape[1], grad_out.shape[1]
     grad_weight = torch.empty(
@@ -319,11 +361,12 @@ def _weight_grad_triton(x, grad_out, tokens_per_expert, tile_sizes):
     if grad_weight.numel() == 0:
         return grad_weight
     # Tiles of K play the row role here, tiles of the tokens the reduction: reuse block_m for K
-    # and block_k for the tokens so that one TileSizes fits both kernels.
+    # and block_k for the tokens so that one TileSizes fits both kernels. The programs of one
+    # expert are consecutive, so its rows stay in L2 while its gradient is written.
     grid = (
-        num_experts,
-        triton.cdiv(in_features, tile_sizes.block_m),
-        triton.cdiv(out_features, tile_sizes.block_n),
+        num_experts
+        * triton.cdiv(in_features, tile_sizes.block_m)
+        * triton.cdiv(out_features, tile_sizes.block_n),
     )
     _grouped_weight_grad_kernel[grid](
         x,
@@ -343,6 +386,8 @@ def _weight_grad_triton(x, grad_out, tokens_per_expert, tile_sizes):
         BLOCK_N=tile_sizes.block_n,
         BLOCK_T=tile_sizes.block_k,
         INPUT_PRECISION=_dot_input_precision(x.dtype),
+        num_warps=tile_sizes.num_warps,
+        num_stages=tile_sizes.num_stages,
     )
     return grad_weight
 
@@ -364,8 +409,10 @@ if TRITON_AVAILABLE:
         row_offsets_ptr,
         tile_offsets_ptr,
         num_experts,
+        num_rows,
         reduce_size,
         out_cols,
+        num_row_tiles,
         stride_am,
         stride_ak,
         stride_be,
@@ -377,11 +424,24 @@ if TRITON_AVAILABLE:
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         BLOCK_E: tl.constexpr,
+        GROUP_M: tl.constexpr,
+        EVEN_K: tl.constexpr,
         INPUT_PRECISION: tl.constexpr,
     ):
-        """out[rows of e] = a[rows of e] @ B_e, B_e[k, n] = b[e*stride_be + k*stride_bk + n*stride_bn]."""
-        tile = tl.program_id(0)
-        col_block = tl.program_id(1)
+        """out[rows of e] = a[rows of e] @ B_e, B_e[k, n] = b[e*stride_be + k*stride_bk + n*stride_bn].
+
+        One program per (row tile, column tile); row tiles are numbered expert after expert
+        (tile_offsets) and bands of GROUP_M of them run column tile by column tile, so that the
+        programs in flight share expert-weight tiles in L2.
+        """
+        pid = tl.program_id(0)
+        num_col_tiles = tl.cdiv(out_cols, BLOCK_N)
+        band_size = GROUP_M * num_col_tiles
+        first_tile = (pid // band_size) * GROUP_M
+        band_rows = tl.minimum(num_row_tiles - first_tile, GROUP_M)
+        tile = first_tile + (pid % band_size) % band_rows
+        col_block = (pid % band_size) // band_rows
+
         # The expert owning this row tile: how many experts' tiles end at or before it.
         experts = tl.arange(0, BLOCK_E)
         tile_ends = tl.load(
@@ -390,38 +450,42 @@ if TRITON_AVAILABLE:
         expert = tl.sum((tile_ends <= tile).to(tl.int32), axis=0)
         if expert >= num_experts:
             return
-        first_tile = tl.load(tile_offsets_ptr + expert)
+        expert_first_tile = tl.load(tile_offsets_ptr + expert)
         row_begin = tl.load(row_offsets_ptr + expert)
         row_end = tl.load(row_offsets_ptr + expert + 1)
 
-        rows = row_begin + (tile - first_tile) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rows = row_begin + (tile - expert_first_tile) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_mask = rows < row_end
-        col_mask = cols < out_cols
-        rows = rows.to(tl.int64)
-        a_rows = a_ptr + rows[:, None] * stride_am
-        b_cols = b_ptr + expert.to(tl.int64) * stride_be + cols[None, :] * stride_bn
+        # Loads need no row or column mask: rows past the expert's end read the next expert's
+        # rows (or wrap), columns past the end wrap; both only feed outputs the store drops.
+        load_rows = (rows % num_rows).to(tl.int64)
+        load_cols = tl.max_contiguous(tl.multiple_of(cols % out_cols, BLOCK_N), BLOCK_N)
+        ks = tl.arange(0, BLOCK_K)
+        a_ptrs = a_ptr + load_rows[:, None] * stride_am + ks[None, :] * stride_ak
+        b_ptrs = (
+            b_ptr
+            + expert.to(tl.int64) * stride_be
+            + ks[:, None] * stride_bk
+            + load_cols[None, :] * stride_bn
+        )
 
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k_start in range(0, reduce_size, BLOCK_K):
-            ks = k_start + tl.arange(0, BLOCK_K)
-            k_mask = ks < reduce_size
-            a = tl.load(
-                a_rows + ks[None, :] * stride_ak,
-                mask=row_mask[:, None] & k_mask[None, :],
-                other=0.0,
-            )
-            b = tl.load(
-                b_cols + ks[:, None] * stride_bk,
-                mask=k_mask[:, None] & col_mask[None, :],
-                other=0.0,
-            )
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+                b = tl.load(b_ptrs)
+            else:
+                k_mask = k_start + ks < reduce_size
+                a = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=k_mask[:, None], other=0.0)
             acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+            a_ptrs += BLOCK_K * stride_ak
+            b_ptrs += BLOCK_K * stride_bk
 
+        rows = rows.to(tl.int64)
         out_ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :] * stride_on
-        tl.store(
-            out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :]
-        )
+        store_mask = (rows[:, None] < row_end) & (cols[None, :] < out_cols)
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=store_mask)
 
     @triton.jit
     def _grouped_weight_grad_kernel(
@@ -444,28 +508,34 @@ if TRITON_AVAILABLE:
         INPUT_PRECISION: tl.constexpr,
     ):
         """grad_weight[e, k tile, n tile] = sum over the rows t of expert e of x[t, k] * grad_out[t, n]."""
-        expert = tl.program_id(0)
-        ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-        ns = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
-        k_mask = ks < in_features
-        n_mask = ns < out_features
+        pid = tl.program_id(0)
+        num_n_tiles = tl.cdiv(out_features, BLOCK_N)
+        tiles_per_expert = tl.cdiv(in_features, BLOCK_K) * num_n_tiles
+        expert = pid // tiles_per_expert
+        within = pid % tiles_per_expert
+        ks = (within // num_n_tiles) * BLOCK_K + tl.arange(0, BLOCK_K)
+        ns = (within % num_n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_begin = tl.load(row_offsets_ptr + expert)
         row_end = tl.load(row_offsets_ptr + expert + 1)
+        # Columns past the end wrap instead of being masked: they only feed outputs the store drops.
+        load_ks = tl.max_contiguous(tl.multiple_of(ks % in_features, BLOCK_K), BLOCK_K)
+        load_ns = tl.max_contiguous(tl.multiple_of(ns % out_features, BLOCK_N), BLOCK_N)
 
         # An expert without rows runs no iteration and stores zeros, the gradient it must get.
         acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
         for t_start in range(row_begin, row_end, BLOCK_T):
             ts = t_start + tl.arange(0, BLOCK_T)
+            # Rows past the expert's end belong to another expert: these masks are the sum's.
             t_mask = ts < row_end
             ts = ts.to(tl.int64)
             x_t = tl.load(
-                x_ptr + ts[None, :] * stride_xm + ks[:, None] * stride_xk,
-                mask=k_mask[:, None] & t_mask[None, :],
+                x_ptr + ts[None, :] * stride_xm + load_ks[:, None] * stride_xk,
+                mask=t_mask[None, :],
                 other=0.0,
             )
             grads = tl.load(
-                grad_out_ptr + ts[:, None] * stride_gm + ns[None, :] * stride_gn,
-                mask=t_mask[:, None] & n_mask[None, :],
+                grad_out_ptr + ts[:, None] * stride_gm + load_ns[None, :] * stride_gn,
+                mask=t_mask[:, None],
                 other=0.0,
             )
             acc = tl.dot(x_t, grads, acc, input_precision=INPUT_PRECISION)
@@ -479,7 +549,7 @@ if TRITON_AVAILABLE:
         tl.store(
             out_ptrs,
             acc.to(grad_weight_ptr.dtype.element_ty),
-            mask=k_mask[:, None] & n_mask[None, :],
+            mask=(ks[:, None] < in_features) & (ns[None, :] < out_features),
         )
 
 
@@ -493,8 +563,10 @@ def _grouped_mm_spec(dtype: str, tile_sizes: TileSizes = DEFAULT_TILE_SIZES) -> 
                 name: "i32"
                 for name in (
                     "num_experts",
+                    "num_rows",
                     "reduce_size",
                     "out_cols",
+                    "num_row_tiles",
                     "stride_am",
                     "stride_ak",
                     "stride_be",
@@ -510,6 +582,8 @@ def _grouped_mm_spec(dtype: str, tile_sizes: TileSizes = DEFAULT_TILE_SIZES) -> 
             "BLOCK_N": tile_sizes.block_n,
             "BLOCK_K": tile_sizes.block_k,
             "BLOCK_E": 64,
+            "GROUP_M": tile_sizes.group_m,
+            "EVEN_K": False,
             "INPUT_PRECISION": "ieee",
         },
     )
