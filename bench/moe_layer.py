@@ -1,7 +1,7 @@
 """Forward + backward of one dMoE layer in bf16 on one GPU, per backend, next to a dense MLP of
 the same FLOPs (hidden -> top_k * ffn -> hidden through cuBLAS), timed in the same run.
 
-    python bench/moe_layer.py [--backends grouped sparse] [--check]
+    python bench/moe_layer.py [--backends grouped sparse] [--check] [--cuda-graphs]
 
 TFLOP/s counts 3 x 2 x tokens x top_k x 2 x hidden x ffn (the expert matmuls, forward and
 backward). `--check` first compares each backend with the loop-over-experts reference at a real
@@ -70,17 +70,38 @@ class DenseSameFlops(nn.Module):
         return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
 
 
-def time_fwd_bwd(module, x, grad, warmup=3, repeats=10):
-    """Median ms of forward + backward, and the peak memory of one step (GiB)."""
-    for _ in range(warmup):
+def time_fwd_bwd(module, x, grad, warmup=3, repeats=10, graphed=False):
+    """Median ms of forward + backward, and the peak memory of one step (GiB).
+
+    Gradients are set to None before each step, as a training loop's zero_grad does, so the
+    backward writes them rather than adding into last step's (for the dMoE that add would be a
+    pass over 64 expert weights the dense layer does not have). `graphed` captures one step in a
+    CUDA graph and times its replays: the GPU's time for the step without the host's launch
+    time, which a whole model under torch.compile hides behind the GPU's work.
+    """
+
+    def step():
+        module.zero_grad(set_to_none=True)
+        x.grad = None
         module(x).backward(grad)
+
+    for _ in range(warmup):
+        step()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
+    run = step
+    if graphed:
+        graph = torch.cuda.CUDAGraph()
+        module.zero_grad(set_to_none=True)
+        x.grad = None
+        with torch.cuda.graph(graph):
+            module(x).backward(grad)
+        run = graph.replay
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        module(x).backward(grad)
+        run()
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
@@ -126,6 +147,9 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--check", action="store_true")
     parser.add_argument(
+        "--cuda-graphs", action="store_true", help="also time each step replayed as a CUDA graph"
+    )
+    parser.add_argument(
         "--profile", action="store_true", help="top CUDA kernels of --profile-configs"
     )
     parser.add_argument(
@@ -143,6 +167,7 @@ def main() -> None:
                 activities=[torch.profiler.ProfilerActivity.CUDA]
             ) as profile:
                 for _ in range(5):
+                    layer.zero_grad(set_to_none=True)
                     layer(x).backward(grad)
                 torch.cuda.synchronize()
             print(f"== {backend}, config {CONFIGS[index]}, 5 steps")
@@ -164,36 +189,46 @@ def main() -> None:
         torch.manual_seed(0)
         x = torch.randn(1, tokens, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         grad = torch.randn_like(x)
-        dense = DenseSameFlops(hidden, top_k * ffn).cuda().to(torch.bfloat16)
-        dense_ms, dense_peak = time_fwd_bwd(dense, x, grad)
-        del dense
-        row = [
-            (hidden, ffn, experts, top_k, tokens),
-            ("dense same-FLOPs", dense_ms, flops / dense_ms / 1e9, dense_peak),
-        ]
-        for backend in args.backends:
+        row = [(hidden, ffn, experts, top_k, tokens)]
+        for name in ["dense same-FLOPs", *args.backends]:
             torch.cuda.empty_cache()
-            try:
-                layer = build_layer(hidden, ffn, experts, top_k, backend)
-                ms, peak = time_fwd_bwd(layer, x, grad)
-                row.append((backend, ms, flops / ms / 1e9, peak))
-                del layer
-            except Exception as error:  # report, keep measuring the others
-                row.append((backend, float("nan"), float("nan"), float("nan")))
-                print(f"{backend} failed on {row[0]}: {error!r}"[:400], flush=True)
+            if name == "dense same-FLOPs":
+                module = DenseSameFlops(hidden, top_k * ffn).cuda().to(torch.bfloat16)
+            else:
+                module = build_layer(hidden, ffn, experts, top_k, name)
+            times = []
+            for graphed in [False, True] if args.cuda_graphs else [False]:
+                try:
+                    times.append(time_fwd_bwd(module, x, grad, graphed=graphed))
+                except Exception as error:  # report, keep measuring the others
+                    print(f"{name} failed on {row[0]}: {error!r}"[:400], flush=True)
+                    times.append((float("nan"), float("nan")))
+            del module
+            row.append((name, times))
         rows.append(row)
         print(row, flush=True)
     print(
-        f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, forward + backward of one layer"
+        f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, forward + backward "
+        "of one layer, gradients set to None before each step"
     )
-    print("| hidden, ffn, experts, top-k, tokens | impl | ms | TFLOP/s | peak GiB | x dense time |")
-    print("|---|---|---:|---:|---:|---:|")
+    graph_columns = " graph replay ms | TFLOP/s | peak GiB | x dense |" if args.cuda_graphs else ""
+    print(f"| hidden, ffn, experts, top-k, tokens | impl | ms | TFLOP/s | peak GiB | x dense |"
+          f"{graph_columns}")  # fmt: skip
+    print("|---|---|" + "---:|" * (8 if args.cuda_graphs else 4))
     for row in rows:
-        dense_ms = row[1][1]
-        for name, ms, tflops, peak in row[1:]:
-            print(
-                f"| {row[0]} | {name} | {ms:.2f} | {tflops:.0f} | {peak:.2f} | {ms / dense_ms:.2f} |"
-            )
+        config = row[0]
+        flops = 3 * 2 * config[4] * config[3] * 2 * config[0] * config[1]
+        dense_times = row[1][1]
+        for name, times in row[1:]:
+            cells = []
+            for (ms, peak), (dense_ms, _) in zip(times, dense_times):
+                cells += [
+                    f"{ms:.2f}",
+                    f"{flops / ms / 1e9:.0f}",
+                    f"{peak:.2f}",
+                    f"{ms / dense_ms:.2f}",
+                ]
+            print(f"| {config} | {name} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":
