@@ -19,7 +19,9 @@ instead of tracing into the kernels. Each runs its Triton kernel where `use_trit
 and its pure-PyTorch reference otherwise (CPU tensors, MOE_KERNELS=reference).
 """
 
-from __future__ import annotations
+# No `from __future__ import annotations`: torch.library.custom_op reads the ops' signatures from
+# their annotations, and older torch (2.4) does not resolve string annotations.
+from typing import Optional, Tuple
 
 import torch
 
@@ -45,7 +47,7 @@ def gather_rows_reference(x: torch.Tensor, order: torch.Tensor, top_k: int) -> t
 
 
 def combine_rows_reference(
-    y: torch.Tensor, weights: torch.Tensor | None, slot_of: torch.Tensor, top_k: int
+    y: torch.Tensor, weights: Optional[torch.Tensor], slot_of: torch.Tensor, top_k: int
 ) -> torch.Tensor:
     """out[t] = sum_j weights[t, j] * y[slot_of[t * top_k + j]] (weights None: plain sum)."""
     rows = y.index_select(0, slot_of).view(-1, top_k, y.shape[-1]).float()
@@ -289,7 +291,7 @@ def _combine_rows_backward_op(
     grad_out: torch.Tensor,
     top_k: int,
     weight_grad: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> Tuple[torch.Tensor, torch.Tensor]:
     if use_triton(y, weights, order, grad_out):
         grad_y, grad_weights = _combine_rows_backward_triton(
             y, weights, order, grad_out, top_k, weight_grad
