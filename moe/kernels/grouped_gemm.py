@@ -343,6 +343,7 @@ def _grouped_mm_triton(x, weight, tokens_per_expert, *, transpose_weight, tile_s
         BLOCK_E=max(16, triton.next_power_of_2(num_experts)),
         GROUP_M=tile_sizes.group_m,
         EVEN_K=reduce_size % tile_sizes.block_k == 0,
+        EVEN_N=out_cols % tile_sizes.block_n == 0,
         INPUT_PRECISION=_dot_input_precision(x.dtype),
         num_warps=tile_sizes.num_warps,
         num_stages=tile_sizes.num_stages,
@@ -385,6 +386,7 @@ def _weight_grad_triton(x, grad_out, tokens_per_expert, tile_sizes=None):
         BLOCK_K=tile_sizes.block_m,
         BLOCK_N=tile_sizes.block_n,
         BLOCK_T=tile_sizes.block_k,
+        EVEN_TILES=in_features % tile_sizes.block_m == 0 and out_features % tile_sizes.block_n == 0,
         INPUT_PRECISION=_dot_input_precision(x.dtype),
         num_warps=tile_sizes.num_warps,
         num_stages=tile_sizes.num_stages,
@@ -426,6 +428,7 @@ if TRITON_AVAILABLE:
         BLOCK_E: tl.constexpr,
         GROUP_M: tl.constexpr,
         EVEN_K: tl.constexpr,
+        EVEN_N: tl.constexpr,
         INPUT_PRECISION: tl.constexpr,
     ):
         """out[rows of e] = a[rows of e] @ B_e, B_e[k, n] = b[e*stride_be + k*stride_bk + n*stride_bn].
@@ -459,7 +462,7 @@ if TRITON_AVAILABLE:
         # Loads need no row or column mask: rows past the expert's end read the next expert's
         # rows (or wrap), columns past the end wrap; both only feed outputs the store drops.
         load_rows = (rows % num_rows).to(tl.int64)
-        load_cols = tl.max_contiguous(tl.multiple_of(cols % out_cols, BLOCK_N), BLOCK_N)
+        load_cols = cols if EVEN_N else cols % out_cols
         ks = tl.arange(0, BLOCK_K)
         a_ptrs = a_ptr + load_rows[:, None] * stride_am + ks[None, :] * stride_ak
         b_ptrs = (
@@ -505,6 +508,7 @@ if TRITON_AVAILABLE:
         BLOCK_K: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_T: tl.constexpr,
+        EVEN_TILES: tl.constexpr,
         INPUT_PRECISION: tl.constexpr,
     ):
         """grad_weight[e, k tile, n tile] = sum over the rows t of expert e of x[t, k] * grad_out[t, n]."""
@@ -518,8 +522,8 @@ if TRITON_AVAILABLE:
         row_begin = tl.load(row_offsets_ptr + expert)
         row_end = tl.load(row_offsets_ptr + expert + 1)
         # Columns past the end wrap instead of being masked: they only feed outputs the store drops.
-        load_ks = tl.max_contiguous(tl.multiple_of(ks % in_features, BLOCK_K), BLOCK_K)
-        load_ns = tl.max_contiguous(tl.multiple_of(ns % out_features, BLOCK_N), BLOCK_N)
+        load_ks = ks if EVEN_TILES else ks % in_features
+        load_ns = ns if EVEN_TILES else ns % out_features
 
         # An expert without rows runs no iteration and stores zeros, the gradient it must get.
         acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
@@ -584,6 +588,7 @@ def _grouped_mm_spec(dtype: str, tile_sizes: TileSizes = DEFAULT_TILE_SIZES) -> 
             "BLOCK_E": 64,
             "GROUP_M": tile_sizes.group_m,
             "EVEN_K": False,
+            "EVEN_N": False,
             "INPUT_PRECISION": "ieee",
         },
     )
@@ -614,6 +619,7 @@ def _weight_grad_spec(dtype: str, tile_sizes: TileSizes = DEFAULT_TILE_SIZES) ->
             "BLOCK_K": tile_sizes.block_m,
             "BLOCK_N": tile_sizes.block_n,
             "BLOCK_T": tile_sizes.block_k,
+            "EVEN_TILES": False,
             "INPUT_PRECISION": "ieee",
         },
     )

@@ -7,7 +7,7 @@ gathered rows at a third of the memory bandwidth (BENCHMARKS.md: 0.80 and 0.63 m
 These ops do the same work in Triton kernels that read and write each row once, in tiles of
 several rows by a run of channels:
 
-- `gather_rows(x, order, top_k)`: out[i] = x[order[i] // top_k]; backward sums each token's
+- `gather_rows(x, order, slot_of, top_k)`: out[i] = x[order[i] // top_k]; backward sums each token's
   top_k rows through `slot_of` (the combine kernel without weights).
 - `combine_rows(y, weights, order, slot_of, top_k)`: out[t] = sum_j weights[t, j] *
   y[slot_of[t * top_k + j]], in fp32; backward is one pass over the sorted rows that writes
