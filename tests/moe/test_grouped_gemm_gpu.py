@@ -15,12 +15,26 @@ def _relative_error(value, exact):
     return ((value.double() - exact).norm() / exact.norm()).item()
 
 
-def test_bf16_grouped_mm_with_empty_experts_matches_fp64():
+# "auto": torch._grouped_mm where it runs (bf16 on Hopper), "triton": our kernel with the tiles
+# default_tile_sizes picks for the GPU; 200 x 328 leaves partial tiles (wrapped loads).
+@pytest.mark.parametrize(
+    "kernels,dtype,in_features,out_features",
+    [
+        ("auto", torch.bfloat16, 256, 512),
+        ("triton", torch.bfloat16, 256, 512),
+        ("triton", torch.float16, 200, 328),
+    ],
+)
+def test_grouped_mm_with_empty_experts_matches_fp64(
+    monkeypatch, kernels, dtype, in_features, out_features
+):
+    monkeypatch.setenv("MOE_KERNELS", kernels)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     torch.manual_seed(0)
     tokens_per_expert = torch.tensor([300, 0, 120, 0, 77, 0, 500, 3], device="cuda")
-    x = torch.randn(int(tokens_per_expert.sum()), 256, device="cuda", dtype=torch.bfloat16)
-    weight = torch.randn(8, 256, 512, device="cuda", dtype=torch.bfloat16)
-    grad_out = torch.randn(x.shape[0], 512, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(int(tokens_per_expert.sum()), in_features, device="cuda", dtype=dtype)
+    weight = torch.randn(8, in_features, out_features, device="cuda", dtype=dtype)
+    grad_out = torch.randn(x.shape[0], out_features, device="cuda", dtype=dtype)
     x.requires_grad_()
     weight.requires_grad_()
     out = grouped_mm(x, weight, tokens_per_expert)
