@@ -132,17 +132,10 @@ def sweep(hidden, ffn, experts, top_k, tokens):
 
 def products(hidden, ffn, experts, top_k, tokens, use_triton):
     rows = tokens * top_k
-    device, dtype = "cuda", torch.bfloat16
-    generator = torch.Generator(device="cpu").manual_seed(0)
-    choice = torch.randint(0, experts, (rows,), generator=generator)
-    counts = torch.bincount(choice, minlength=experts).to(device)
+    counts, x, a, w1, w2 = _operands(hidden, ffn, experts, top_k, tokens)
     offsets = torch.cumsum(counts, 0, dtype=torch.int32)
-    x = torch.randn(rows, hidden, device=device, dtype=dtype)
-    a = torch.randn(rows, ffn, device=device, dtype=dtype)
-    w1 = torch.randn(experts, hidden, ffn, device=device, dtype=dtype)
-    w2 = torch.randn(experts, ffn, hidden, device=device, dtype=dtype)
-    d1 = torch.randn(hidden, ffn, device=device, dtype=dtype)
-    d2 = torch.randn(ffn, hidden, device=device, dtype=dtype)
+    d1 = torch.randn(hidden, ffn, device="cuda", dtype=torch.bfloat16)
+    d2 = torch.randn(ffn, hidden, device="cuda", dtype=torch.bfloat16)
     grouped = {
         "fwd x@w1": lambda: torch._grouped_mm(x, w1, offs=offsets),
         "fwd a@w2": lambda: torch._grouped_mm(a, w2, offs=offsets),
