@@ -70,6 +70,17 @@ class DenseSameFlops(nn.Module):
         return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
 
 
+def drop_kept_losses(module):
+    """Drop the losses a MoE layer keeps for the model to collect: they hold the step's autograd
+    graph alive, and with it the AccumulateGrad nodes of the input and the weights. A node made
+    on the default stream and reused in a graph capture on a side stream makes the capture fail
+    ("operation would make the legacy stream depend on a capturing blocking stream")."""
+    for layer in module.modules():
+        for name in ("load_balancing_loss", "router_z_loss"):
+            if getattr(layer, name, None) is not None:
+                setattr(layer, name, None)
+
+
 def time_fwd_bwd(module, x, grad, warmup=3, repeats=10, graphed=False):
     """Median ms of forward + backward, and the peak memory of one step (GiB).
 
@@ -84,9 +95,15 @@ def time_fwd_bwd(module, x, grad, warmup=3, repeats=10, graphed=False):
         module.zero_grad(set_to_none=True)
         x.grad = None
         module(x).backward(grad)
+        drop_kept_losses(module)
 
-    for _ in range(warmup):
-        step()
+    # A graph is captured on a side stream; the warm-up runs there too, as torch's CUDA graph
+    # notes advise.
+    stream = torch.cuda.Stream() if graphed else torch.cuda.current_stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            step()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     run = step
@@ -94,7 +111,7 @@ def time_fwd_bwd(module, x, grad, warmup=3, repeats=10, graphed=False):
         graph = torch.cuda.CUDAGraph()
         module.zero_grad(set_to_none=True)
         x.grad = None
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, stream=stream):
             module(x).backward(grad)
         run = graph.replay
     times = []
