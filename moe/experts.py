@@ -228,21 +228,28 @@ class Experts(nn.Module):
             return self._in_dtype(dtype)
         return self.w1, self.v1, self.w2
 
-    def _mlp(self, x: torch.Tensor, project: Projection) -> torch.Tensor:
-        """The expert MLP on x with `project(input, weight)` as the matmul of each projection."""
+    def _mlp(
+        self, x: torch.Tensor, project: Projection, row_scale: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        """The expert MLP on x with `project(input, weight)` as the matmul of each projection;
+        `row_scale` [rows] multiplies each row's activations before the second projection."""
         w1, v1, w2 = self.projection_weights(x.dtype)
         hidden = project(x, w1)
         gate_input = project(x, v1) if v1 is not None else None
 
-        def activation_and_output(hidden, gate_input, w2):
+        def activation_and_output(hidden, gate_input, w2, row_scale):
             intermediate = self.activation(hidden)
             if gate_input is not None:
                 intermediate = intermediate * gate_input
+            if row_scale is not None:
+                intermediate = intermediate * row_scale.unsqueeze(-1).to(intermediate.dtype)
             return project(intermediate, w2)
 
         if self.memory_optimized and torch.is_grad_enabled():
-            return checkpoint(activation_and_output, hidden, gate_input, w2, use_reentrant=False)
-        return activation_and_output(hidden, gate_input, w2)
+            return checkpoint(
+                activation_and_output, hidden, gate_input, w2, row_scale, use_reentrant=False
+            )
+        return activation_and_output(hidden, gate_input, w2, row_scale)
 
     def forward_expert(self, expert: int, x: torch.Tensor) -> torch.Tensor:
         """Local expert `expert` alone on its tokens x [n, h] (the per-expert loop's building
@@ -269,15 +276,23 @@ class Experts(nn.Module):
 
         return self._mlp(x, project)
 
-    def forward_sorted_rows(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    def forward_sorted_rows(
+        self, x: torch.Tensor, offsets: torch.Tensor, row_scale: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
         """forward_grouped for torch.compile: rows sorted by expert, expert e's rows ending at
-        offsets[e] (int32, inclusive cumulative counts), through torch._grouped_mm directly."""
+        offsets[e] (int32, inclusive cumulative counts), through torch._grouped_mm directly.
+
+        `row_scale` [rows] (the router's weight of each row) scales the activations before the
+        second projection, where Inductor fuses it into the activation's kernels, forward and
+        backward: the same as scaling the output rows (the projection is linear), without a
+        pass over them.
+        """
         from moe.kernels.traceable import grouped_projection
 
         def project(inputs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
             return grouped_projection(inputs, weight, offsets)
 
-        return self._mlp(x, project)
+        return self._mlp(x, project, row_scale)
 
 
 def _ffn_dim(weight: torch.Tensor, experts: Experts) -> int:

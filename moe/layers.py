@@ -363,10 +363,12 @@ class DroplessMoE(MoELayer):
         )
         expert_inputs = traceable.gather_rows(tokens, order, slot_of, top_k)
         offsets = torch.cumsum(tokens_per_expert, 0, dtype=torch.int32)
-        expert_outputs = self.experts.forward_sorted_rows(expert_inputs, offsets)
-        output = traceable.combine_rows(
-            expert_outputs, routing.expert_weights, order, slot_of, top_k
-        )
+        # The router's weights scale the activations inside the experts rather than the
+        # expert outputs in the combine: the combine's backward is then a plain gather, and the
+        # weights' gradient a reduction fused into the activation's backward (BENCHMARKS.md).
+        row_weights = routing.expert_weights.reshape(-1).index_select(0, order)
+        expert_outputs = self.experts.forward_sorted_rows(expert_inputs, offsets, row_weights)
+        output = traceable.sum_rows(expert_outputs, order, slot_of, top_k)
         return output, tokens_per_expert
 
     def _sparse(self, rows, weights, indices, bins, tokens_per_expert, top_k) -> torch.Tensor:

@@ -5,8 +5,8 @@ needs about as many launches as a whole dense transformer layer, and the eager l
 that host work (BENCHMARKS.md: 3.0 ms to enqueue a 3.1 ms step). Under torch.compile those
 launches break the graph. These functions compute the same results with static shapes and no
 host synchronization (no data-dependent sizes, no `.item()`), so Dynamo captures the whole
-layer; Inductor then generates the Triton kernels itself, fusing the permutations with the
-casts, weighting and bias around them. Used by `DroplessMoE` while compiling.
+layer; Inductor then generates the Triton kernels itself, fusing the permutations and the
+router's weighting into the kernels around them. Used by `DroplessMoE` while compiling.
 
 Assignment a = t * top_k + j is token t's j-th choice; sorting assignments by expert gives
 `order` (sorted slot -> assignment) and its inverse `slot_of` (assignment -> sorted slot).
@@ -30,13 +30,16 @@ def sort_assignments(
     slot_of: int64, its inverse permutation; tokens_per_expert: int32 [num_experts].
     """
     flat = expert_indices.reshape(-1)
-    _, order = torch.sort(flat, stable=True)
+    # 16-bit keys: the GPU's radix sort makes one pass per key byte, 8 for int64 indices.
+    key_dtype = torch.int16 if num_experts <= torch.iinfo(torch.int16).max else flat.dtype
+    sorted_experts, order = torch.sort(flat.to(key_dtype), stable=True)
     positions = torch.arange(flat.numel(), device=flat.device)
     slot_of = torch.empty_like(order).scatter_(0, order, positions)
-    # scatter_add rather than bincount: bincount's output size depends on the data.
-    ones = torch.ones_like(flat, dtype=torch.int32)
-    tokens_per_expert = torch.zeros(num_experts, dtype=torch.int32, device=flat.device)
-    tokens_per_expert = tokens_per_expert.scatter_add(0, flat.long(), ones)
+    # Counts from where each expert's run starts in the sorted keys, rather than a scatter_add
+    # (atomics on E counters) or bincount (whose output size depends on the data).
+    experts = torch.arange(num_experts + 1, device=flat.device, dtype=key_dtype)
+    starts = torch.searchsorted(sorted_experts, experts)
+    tokens_per_expert = (starts[1:] - starts[:-1]).to(torch.int32)
     return order, slot_of, tokens_per_expert
 
 
@@ -62,41 +65,6 @@ class _GatherRows(torch.autograd.Function):
         return grad_x, None, None, None
 
 
-class _CombineRows(torch.autograd.Function):
-    """out[t] = sum_j weights[t, j] * y[slot_of[t * top_k + j]], accumulated in fp32.
-
-    Backward: grad_y[i] = weights[a] * grad_out[a // top_k] with a = order[i], and
-    grad_weights[a] = dot(y[slot_of[a]], grad_out[a // top_k]); both gathers.
-    """
-
-    @staticmethod
-    def forward(ctx, y, weights, order, slot_of, top_k: int):
-        ctx.save_for_backward(y, weights, order, slot_of)
-        ctx.top_k = top_k
-        hidden = y.shape[-1]
-        rows = y.index_select(0, slot_of).view(-1, top_k, hidden).float()
-        combined = (rows * weights.view(-1, top_k, 1).float()).sum(1)
-        return combined.to(y.dtype)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        y, weights, order, slot_of = ctx.saved_tensors
-        top_k = ctx.top_k
-        flat_weights = weights.reshape(-1)
-        grad_y = grad_weights = None
-        if ctx.needs_input_grad[0]:
-            token_of_slot = order // top_k
-            slot_weights = flat_weights.index_select(0, order).float()
-            grad_rows = grad_out.index_select(0, token_of_slot).float()
-            grad_y = (grad_rows * slot_weights[:, None]).to(y.dtype)
-        if ctx.needs_input_grad[1]:
-            rows = y.index_select(0, slot_of).float()
-            grad_per_assignment = grad_out.float().repeat_interleave(top_k, dim=0)
-            grad_weights = (rows * grad_per_assignment).sum(-1).to(weights.dtype)
-            grad_weights = grad_weights.view_as(weights)
-        return grad_y, grad_weights, None, None, None
-
-
 def gather_rows(
     x: torch.Tensor, order: torch.Tensor, slot_of: torch.Tensor, top_k: int
 ) -> torch.Tensor:
@@ -110,17 +78,17 @@ def gather_rows(
     return _GatherRows.apply(x, order, slot_of, top_k)
 
 
-def combine_rows(
-    y: torch.Tensor, weights: torch.Tensor, order: torch.Tensor, slot_of: torch.Tensor, top_k: int
+def sum_rows(
+    rows: torch.Tensor, order: torch.Tensor, slot_of: torch.Tensor, top_k: int
 ) -> torch.Tensor:
-    """Inverse of gather_rows weighted by the router: [T * top_k, H], weights [T, top_k] -> [T, H].
-
-    With top_k > 1 through moe.kernels.token_rows (see gather_rows); with top_k = 1 Inductor
-    fuses the permutation into the kernels around it.
-    """
+    """Inverse of gather_rows: [T * top_k, H] rows in expert order -> [T, H], each token's
+    top_k rows summed in fp32 (the router's weights are applied before, see
+    Experts.forward_sorted_rows). Its backward is gather_rows."""
     if top_k > 1:
-        return token_rows.combine_rows(y, weights, order, slot_of, top_k)
-    return _CombineRows.apply(y, weights, order, slot_of, top_k)
+        return token_rows.sum_rows(rows, order, slot_of, top_k)
+    # With top_k = 1 a permutation, whose backward permutes back: gather_rows with the roles
+    # of order and slot_of swapped (out[t] = rows[slot_of[t]], grad[i] = grad_out[order[i]]).
+    return _GatherRows.apply(rows, slot_of, order, 1)
 
 
 def grouped_projection(

@@ -31,27 +31,26 @@ def test_sort_assignments_matches_the_stable_sort_and_histogram(top_k):
 
 
 @pytest.mark.parametrize("top_k", [1, 2, 4])
-def test_gather_and_combine_match_the_permute_references_with_gradients(top_k):
+def test_gather_and_sum_match_the_permute_references_with_gradients(top_k):
     tokens, hidden, num_experts = 29, 8, 5
-    expert_indices, weights = _routing(tokens, top_k, num_experts, seed=top_k)
+    expert_indices, _ = _routing(tokens, top_k, num_experts, seed=top_k)
     order, slot_of, tokens_per_expert = traceable.sort_assignments(expert_indices, num_experts)
     bins = torch.cumsum(tokens_per_expert, 0).int()
     x = torch.randn(tokens, hidden, dtype=torch.float64, requires_grad=True)
     y = torch.randn(tokens * top_k, hidden, dtype=torch.float64, requires_grad=True)
-    w = weights.clone().requires_grad_()
     results = {}
-    for name, gather, combine in (
+    for name, gather, sum_rows in (
         ("traceable", lambda x: traceable.gather_rows(x, order, slot_of, top_k),
-         lambda y, w: traceable.combine_rows(y, w, order, slot_of, top_k)),
+         lambda y: traceable.sum_rows(y, order, slot_of, top_k)),
         ("reference", lambda x: permute.gather_reference(x, order.int(), bins, top_k),
-         lambda y, w: permute.scatter_reference(y, order.int(), w, bins, top_k)),
+         lambda y: permute.scatter_reference(y, order.int(), None, bins, top_k)),
     ):  # fmt: skip
-        for tensor in (x, y, w):
+        for tensor in (x, y):
             tensor.grad = None
         gathered = gather(x)
-        combined = combine(y, w)
-        (gathered.sin().sum() + combined.cos().sum()).backward()
-        results[name] = (gathered, combined, x.grad, y.grad, w.grad)
+        summed = sum_rows(y)
+        (gathered.sin().sum() + summed.cos().sum()).backward()
+        results[name] = (gathered, summed, x.grad, y.grad)
     for got, want in zip(results["traceable"], results["reference"]):
         # both accumulate the top_k rows in fp32, in different orders
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
@@ -85,8 +84,11 @@ def test_compiled_grouped_dmoe_is_one_graph_and_matches_eager(top_k):
     assert torch.equal(results[0][-1], results[1][-1])  # the same routing
     assert results[1][-1].sum() == 32 * top_k
     for got, want in zip(results[1][:-1], results[0][:-1]):
-        # bf16 results of the same math, summed in another order for top_k > 1
-        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+        # bf16 results of the same math, rounded at other places (the compiled layer scales
+        # the activations by the router's weights, the eager one the outputs; sums in another
+        # order): about 4e-3 apart in norm. Elementwise, entries near zero differ by more.
+        got, want = got.double(), want.double()
+        assert (got - want).norm() / want.norm() < 1e-2
 
 
 def test_gpt_model_with_dmoe_layers_traces_as_one_graph_under_bf16_autocast():
