@@ -11,6 +11,7 @@ shape on the GPU (outputs and gradients, relative error against an fp32 run).
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 from pathlib import Path
 
@@ -208,7 +209,14 @@ def main() -> None:
         grad = torch.randn_like(x)
         row = [(hidden, ffn, experts, top_k, tokens)]
         for name in ["dense same-FLOPs", *args.backends]:
+            # Peaks count this layer's weights, inputs and step only: whatever earlier
+            # measurements left allocated (compiled code's caches, say) is subtracted.
+            x.grad = None
+            gc.collect()
             torch.cuda.empty_cache()
+            leftover = torch.cuda.memory_allocated() - 2 * x.numel() * x.element_size()
+            if leftover > 2**26:
+                print(f"{name}: {leftover / 2**30:.2f} GiB still allocated before it, subtracted")
             if name == "dense same-FLOPs":
                 module = DenseSameFlops(hidden, top_k * ffn).cuda().to(torch.bfloat16)
             else:
@@ -216,7 +224,8 @@ def main() -> None:
             times = []
             for graphed in [False, True] if args.cuda_graphs else [False]:
                 try:
-                    times.append(time_fwd_bwd(module, x, grad, graphed=graphed))
+                    ms, peak = time_fwd_bwd(module, x, grad, graphed=graphed)
+                    times.append((ms, peak - leftover / 2**30))
                 except Exception as error:  # report, keep measuring the others
                     print(f"{name} failed on {row[0]}: {error!r}"[:400], flush=True)
                     times.append((float("nan"), float("nan")))
