@@ -242,7 +242,10 @@ class Experts(nn.Module):
             if gate_input is not None:
                 intermediate = intermediate * gate_input
             if row_scale is not None:
-                intermediate = intermediate * row_scale.unsqueeze(-1).to(intermediate.dtype)
+                # In fp32, as the combine did before: the router's weights (fp32 under
+                # autocast) are not rounded to bf16 before they scale the row.
+                scaled = intermediate.float() * row_scale.float().unsqueeze(-1)
+                intermediate = scaled.to(intermediate.dtype)
             return project(intermediate, w2)
 
         if self.memory_optimized and torch.is_grad_enabled():
