@@ -42,6 +42,7 @@ from megatron.optimizer import build_lr_scheduler, build_optimizer
 from megatron.optimizer.distributed_optimizer import build_distributed_optimizer
 from megatron.pipeline.training_step import activation_spec, pipeline_step
 from moe.experts import flush_expert_gradients, refresh_compute_weights
+from moe.kernels import traceable
 
 ForwardStep = Callable[
     [torch.nn.Module, Dict[str, torch.Tensor]], Tuple[torch.Tensor, Dict[str, torch.Tensor]]
@@ -138,14 +139,19 @@ class _ExitSignal:
         return bool(flag.item())
 
 
-def _compiles_whole(config: Config) -> bool:
+def _compiles_whole(config: Config, device: torch.device) -> bool:
     """Whether torch.compile captures the model without graph breaks: dense models, and the
-    dropless grouped MoE in bf16 (moe.kernels.traceable); other MoE layers launch Triton
-    kernels from Python and run faster eagerly."""
+    dropless grouped MoE in bf16 where torch._grouped_mm is fast (moe.kernels.traceable); other
+    MoE layers launch Triton kernels from Python and run faster eagerly."""
     moe = config.model.moe
     if moe is None:
         return True
-    return moe.dropless and moe.mlp_impl == "grouped" and config.training.bf16
+    return (
+        moe.dropless
+        and moe.mlp_impl == "grouped"
+        and config.training.bf16
+        and traceable.runs_on(device)
+    )
 
 
 class Trainer:
@@ -194,7 +200,7 @@ class Trainer:
         else:
             self.model = self.unwrapped_model
         if config.training.torch_compile and context.device.type == "cuda" and not self.pipeline:
-            if _compiles_whole(config):
+            if _compiles_whole(config, context.device):
                 # Fuses the elementwise work (norms, GELU, dropout, the loss) around the matmuls.
                 self.model = torch.compile(self.model)
             else:
@@ -202,7 +208,8 @@ class Trainer:
                 # eager, the graph breaking around the Triton-launched MoE kernels.
                 print_rank_0(
                     "note: this MoE model runs without torch.compile (only the dropless grouped "
-                    "backend in bf16 compiles as one graph)"
+                    "backend in bf16 compiles as one graph, on GPUs where torch._grouped_mm is "
+                    "fast: NVIDIA Hopper/Blackwell with torch 2.8 or newer)"
                 )
         self.tensorboard = (
             TensorBoardLogger(config.logging.tensorboard_dir, config.logging.tensorboard_queue_size)

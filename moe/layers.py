@@ -72,6 +72,15 @@ def _compiling() -> bool:
     return compiler is not None and compiler.is_compiling()
 
 
+def _traceable_path_runs(tokens: torch.Tensor) -> bool:
+    """Whether the compiled dropless layer can be one graph (moe.kernels.traceable): bf16, the
+    only dtype torch._grouped_mm takes, on a device where it is fast. Otherwise the Triton path
+    runs, breaking the graph."""
+    from moe.kernels import traceable
+
+    return tokens.dtype == torch.bfloat16 and traceable.runs_on(tokens.device)
+
+
 def _in_backward() -> bool:
     """True while autograd runs a backward pass, i.e. when a checkpointed forward is being
     recomputed; such a re-run must not count tokens or move the expert bias again.
@@ -282,8 +291,7 @@ class DroplessMoE(MoELayer):
             return self._reference(tokens, routing, None)
         if self.expert_parallel_size > 1:
             return self._compute_experts_expert_parallel(tokens, routing)
-        # torch._grouped_mm takes bf16 only; other dtypes keep the Triton path (graph breaks).
-        if impl == "grouped" and _compiling() and tokens.dtype == torch.bfloat16:
+        if impl == "grouped" and _compiling() and _traceable_path_runs(tokens):
             return self._grouped_traceable(tokens, routing)
         weights, indices, bins, tokens_per_expert = self._sort(routing)
         output = self._run_experts(

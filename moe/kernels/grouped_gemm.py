@@ -242,20 +242,34 @@ def _grouped_mm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
         return False
 
 
+def torch_has_grouped_mm() -> bool:
+    """torch._grouped_mm exists from torch 2.8 on."""
+    return hasattr(torch, "_grouped_mm")
+
+
+def torch_grouped_mm_is_fast_on(device: torch.device) -> bool:
+    """Whether the running torch has torch._grouped_mm (2.8 and newer) with its CUTLASS kernel
+    on `device` (NVIDIA sm90 / sm100, bf16). Elsewhere it is missing (older torch) or falls back
+    to copying the offsets to the host and looping over torch.mm, a device sync per call,
+    slower than the Triton kernels; on ROCm only gfx942/gfx950 builds with CK have a fast path,
+    not detected here, so AMD GPUs take the Triton kernels."""
+    if not torch_has_grouped_mm() or torch.version.hip is not None:
+        return False
+    if device.type != "cuda":
+        return False
+    major, _ = torch.cuda.get_device_capability(device)
+    return major in (9, 10)
+
+
 def _grouped_mm_supported_or_raise(x: torch.Tensor, weight: torch.Tensor) -> bool:
     # Constraints from aten/src/ATen/native/cuda/GroupedBlas.cpp (_grouped_mm_cuda),
     # GroupedMMUtils.h (_grouped_mm_validate_inputs) and cuda/GroupMM.cu (bf16 CUTLASS kernel).
-    if not hasattr(torch, "_grouped_mm") or torch.version.hip is not None:
-        # On ROCm only gfx942/gfx950 builds with CK have a fast path; the others loop on the host.
-        return False
     if not (x.is_cuda and weight.is_cuda) or x.device != weight.device:
         return False
-    # Any other dtype (or arch) goes to a fallback that copies the offsets to the host and
-    # loops over torch.mm: a device sync per call, slower than the Triton kernel.
-    if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
+    if not torch_grouped_mm_is_fast_on(x.device):
         return False
-    major, _ = torch.cuda.get_device_capability(x.device)
-    if major not in (9, 10):
+    # Any other dtype goes to the fallback described in torch_grouped_mm_is_fast_on.
+    if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
         return False
     if x.dim() != 2 or weight.dim() != 3:
         return False

@@ -6,7 +6,7 @@ that host work (BENCHMARKS.md: 3.0 ms to enqueue a 3.1 ms step). Under torch.com
 launches break the graph. These functions compute the same results with static shapes and no
 host synchronization (no data-dependent sizes, no `.item()`), so Dynamo captures the whole
 layer; Inductor then generates the Triton kernels itself, fusing the permutations and the
-router's weighting into the kernels around them. Used by `DroplessMoE` while compiling.
+router's weighting into the kernels around them. Used by `DroplessMoE` while compiling, where `runs_on` says so.
 
 Assignment a = t * top_k + j is token t's j-th choice; sorting assignments by expert gives
 `order` (sorted slot -> assignment) and its inverse `slot_of` (assignment -> sorted slot).
@@ -18,7 +18,17 @@ from typing import Tuple
 
 import torch
 
-from moe.kernels import token_rows
+from moe.kernels import grouped_gemm, token_rows
+
+
+def runs_on(device: torch.device) -> bool:
+    """Whether a compiled dMoE takes this path on `device`: where torch._grouped_mm has its
+    fast kernel, and on CPU (where it loops over experts; the tests) whenever torch has it.
+    Elsewhere (torch before 2.8, AMD GPUs, NVIDIA before Hopper) the layer runs the Triton
+    kernels of moe.kernels.grouped_gemm and permute, which break the graph."""
+    if device.type == "cpu":
+        return grouped_gemm.torch_has_grouped_mm()
+    return grouped_gemm.torch_grouped_mm_is_fast_on(device)
 
 
 def sort_assignments(

@@ -153,3 +153,45 @@ def test_compiled_gpt_uses_the_refreshed_expert_weight_copies(accumulate_in_plac
                 for param in model.parameters():
                     param.mul_(1.5)
         refresh_compute_weights(copied, torch.bfloat16, accumulate_in_place)
+
+
+# Dynamo warns about each op it cannot trace on the eager path: the graph breaks asserted below.
+@pytest.mark.filterwarnings("ignore:Dynamo does not know how to trace")
+def test_without_torch_grouped_mm_the_compiled_layer_runs_the_triton_path(monkeypatch):
+    """torch before 2.8 has no torch._grouped_mm (and AMD or pre-Hopper GPUs have no fast one):
+    the compiled layer must not call it but take the eager path (Triton kernels, here their
+    references), graph breaks and all, with the eager layer's results; training then does not
+    compile the MoE model (megatron.training._compiles_whole). Simulated by patching the one
+    check (deleting torch._grouped_mm would also break torch's own tracing)."""
+    from megatron.training import _compiles_whole
+    from moe.kernels import grouped_gemm
+
+    assert traceable.runs_on(torch.device("cpu")) == hasattr(torch, "_grouped_mm")
+    monkeypatch.setattr(grouped_gemm, "torch_has_grouped_mm", lambda: False)
+    assert not traceable.runs_on(torch.device("cpu"))
+    torch._dynamo.reset()
+    eager, compiled_layer = _layer(2), _layer(2)
+    x = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    explanation = torch._dynamo.explain(compiled_layer)(x)
+    assert explanation.graph_break_count > 0
+    torch._dynamo.reset()
+    compiled = torch.compile(compiled_layer, backend="aot_eager")
+    results = []
+    for layer, run in ((eager, eager), (compiled_layer, compiled)):
+        inputs = x.clone().requires_grad_()
+        out = run(inputs)
+        out.float().square().sum().backward()
+        results.append([out, inputs.grad, layer.experts.w1.grad, layer.experts.w2.grad])
+    for got, want in zip(results[1], results[0]):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+    class _Section:
+        def __init__(self, **fields):
+            self.__dict__.update(fields)
+
+    config = _Section(
+        model=_Section(moe=MoEConfig(num_experts=4, top_k=2, mlp_impl="grouped")),
+        training=_Section(bf16=True),
+    )
+    assert not _compiles_whole(config, torch.device("cpu"))
+    assert _compiles_whole(_Section(model=_Section(moe=None)), torch.device("cpu"))
