@@ -232,7 +232,11 @@ def main() -> None:
             del module
             row.append((name, times))
         rows.append(row)
-        print(row, flush=True)
+        # Progress as each configuration completes; the table follows at the end.
+        measured = ", ".join(
+            f"{name} " + " / ".join(f"{ms:.2f} ms" for ms, _ in times) for name, times in row[1:]
+        )
+        print(f"{row[0]}: {measured}", flush=True)
     print(
         f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, forward + backward "
         "of one layer, gradients set to None before each step"
