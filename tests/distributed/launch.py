@@ -12,8 +12,8 @@ Usage::
         assert run_distributed(_check, 2, 0.5) == [1.0, 1.0]
 
 Rules for ``fn``:
-- it is called as ``fn(rank, world_size, *args)`` after ``init_process_group("gloo")`` and the
-  process group is destroyed afterwards, also when ``fn`` raises;
+- it is called as ``fn(rank, world_size, *args)`` after ``init_process_group("gloo")``; the
+  process ends right after it (the group is not destroyed, see ``_child``);
 - it must be a module-level function (so it pickles when the children are spawned), and its
   return value must be picklable by ``torch.save`` (tensors, numbers, lists, dicts...);
 - an exception in any rank fails the test with that rank's traceback, and the other ranks are
@@ -25,6 +25,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import sys
 import tempfile
 from typing import Any, Callable
 
@@ -72,13 +73,21 @@ def _child(
         world_size=world_size,
         timeout=datetime.timedelta(seconds=timeout_s),
     )
-    try:
-        result = fn(rank, world_size, *args)
-    finally:
-        dist.destroy_process_group()
+    result = fn(rank, world_size, *args)
     # Results go through files rather than a pipe: a large result in a pipe would block the
     # child before the parent starts reading (it reads only after join).
     torch.save(result, _result_path(result_dir, rank))
+    # No rank leaves while another may still talk to rank 0's store (a late new_group would find
+    # it gone: "Connection reset by peer").
+    dist.barrier()
+    # The process group is not destroyed: the process ends without destructors. Before torch 2.8
+    # ProcessGroupGloo's destructor joins its worker threads holding the GIL, and a worker that
+    # drops the last reference to a collective's tensor waits for the GIL: the two deadlock now
+    # and then (seen on torch 2.4; fixed by pytorch/pytorch#154976). A forked child ends through
+    # os._exit anyway; a spawned one would run the destructors at interpreter exit.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _result_path(result_dir: str, rank: int) -> str:
