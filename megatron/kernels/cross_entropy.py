@@ -17,7 +17,8 @@ NaN check then catches (the reference raises).
 
 On torch >= 2.6 the op is a `torch.library.triton_op` whose forward and backward launch the
 kernels through `wrap_triton`, so `torch.compile` traces through it without a graph break and
-Inductor sees the kernels themselves; older torch gets a plain autograd.Function (a graph break).
+Inductor sees the kernels themselves; older torch (2.4, 2.5) gets an opaque `torch.library.custom_op`
+launching the same kernels (no graph break either; Inductor does not see inside it).
 """
 
 from __future__ import annotations
@@ -171,71 +172,64 @@ def _backward(
     return grad_logits
 
 
-class _CrossEntropy(torch.autograd.Function):
-    """The op for torch < 2.6 (no triton_op): the same kernels, opaque to torch.compile."""
-
-    @staticmethod
-    def forward(ctx, logits, labels, ignore_index):
-        losses, lse = _forward(logits, labels, ignore_index)
-        ctx.save_for_backward(logits, labels, lse)
-        ctx.ignore_index = ignore_index
-        return losses
-
-    @staticmethod
-    def backward(ctx, grad_losses):
-        logits, labels, lse = ctx.saved_tensors
-        # .contiguous(): the kernel reads grad_losses[row] densely, and a grad from .sum() or a
-        # mask multiply arrives expanded (stride 0); copying N floats is nothing next to N * V.
-        grad_logits = _backward(logits, labels, lse, grad_losses.contiguous(), ctx.ignore_index)
-        return grad_logits, None, None
-
-
 HAS_TRITON_OP = hasattr(torch.library, "triton_op")
 # TRITON_INTERPRET=1 (the CPU tests) turns the kernels into interpreted functions, which cannot run
-# on the fake tensors torch.compile traces with and which wrap_triton hands back unwrapped. There
-# the ops are opaque custom_ops whose fakes only allocate the outputs: compiled graphs still trace
-# without a break and call the interpreter at run time, but nothing sees inside the op.
+# on the fake tensors torch.compile traces with and which wrap_triton hands back unwrapped. There,
+# and on torch < 2.6, which has no triton_op, the ops are opaque custom_ops whose fakes only
+# allocate the outputs: compiled graphs still trace without a break and launch the kernels at run
+# time, but nothing sees inside the op.
 KERNELS_INTERPRETED = not isinstance(_cross_entropy_forward_kernel, triton.runtime.JITFunction)
+OPS_OPAQUE = KERNELS_INTERPRETED or not HAS_TRITON_OP
 
-if HAS_TRITON_OP:
-    _define_op = torch.library.custom_op if KERNELS_INTERPRETED else torch.library.triton_op
-    _forward_op = _define_op("megatron::cross_entropy_forward", _forward, mutates_args=())
-    _backward_op = _define_op("megatron::cross_entropy_backward", _backward, mutates_args=())
-    if KERNELS_INTERPRETED:
+_define_op = torch.library.custom_op if OPS_OPAQUE else torch.library.triton_op
+# Schemas spelled out: torch 2.4 cannot infer them from this module's postponed annotations.
+_forward_op = _define_op(
+    "megatron::cross_entropy_forward",
+    _forward,
+    mutates_args=(),
+    schema="(Tensor logits, Tensor labels, int ignore_index) -> (Tensor, Tensor)",
+)
+_backward_op = _define_op(
+    "megatron::cross_entropy_backward",
+    _backward,
+    mutates_args=(),
+    schema="(Tensor logits, Tensor labels, Tensor lse, Tensor grad_losses, int ignore_index) -> Tensor",
+)
+if OPS_OPAQUE:
 
-        @_forward_op.register_fake
-        def _(logits, labels, ignore_index):
-            rows = logits.shape[0]
-            return logits.new_empty(rows, dtype=torch.float32), logits.new_empty(
-                rows, dtype=torch.float32
-            )
+    @_forward_op.register_fake
+    def _(logits, labels, ignore_index):
+        rows = logits.shape[0]
+        return logits.new_empty(rows, dtype=torch.float32), logits.new_empty(
+            rows, dtype=torch.float32
+        )
 
-        @_backward_op.register_fake
-        def _(logits, labels, lse, grad_losses, ignore_index):
-            return torch.empty_like(logits)
+    @_backward_op.register_fake
+    def _(logits, labels, lse, grad_losses, ignore_index):
+        return torch.empty_like(logits)
 
-    def _setup_context(ctx, inputs, output) -> None:
-        logits, labels, ignore_index = inputs
-        _, lse = output
-        ctx.mark_non_differentiable(lse)
-        ctx.save_for_backward(logits, labels, lse)
-        ctx.ignore_index = ignore_index
 
-    def _backward_of_forward_op(ctx, grad_losses, grad_lse):
-        logits, labels, lse = ctx.saved_tensors
-        # .contiguous() as in _CrossEntropy.backward.
-        grad_logits = _backward_op(logits, labels, lse, grad_losses.contiguous(), ctx.ignore_index)
-        return grad_logits, None, None
+def _setup_context(ctx, inputs, output) -> None:
+    logits, labels, ignore_index = inputs
+    _, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(logits, labels, lse)
+    ctx.ignore_index = ignore_index
 
-    _forward_op.register_autograd(_backward_of_forward_op, setup_context=_setup_context)
 
-    def _cross_entropy_kernel(logits, labels, ignore_index):
-        return _forward_op(logits, labels, ignore_index)[0]
+def _backward_of_forward_op(ctx, grad_losses, grad_lse):
+    logits, labels, lse = ctx.saved_tensors
+    # .contiguous(): the kernel reads grad_losses[row] densely, and a grad from .sum() or a
+    # mask multiply arrives expanded (stride 0); copying N floats is nothing next to N * V.
+    grad_logits = _backward_op(logits, labels, lse, grad_losses.contiguous(), ctx.ignore_index)
+    return grad_logits, None, None
 
-else:
 
-    def _cross_entropy_kernel(logits, labels, ignore_index):
-        return _CrossEntropy.apply(logits, labels, ignore_index)
+_forward_op.register_autograd(_backward_of_forward_op, setup_context=_setup_context)
+
+
+def _cross_entropy_kernel(logits, labels, ignore_index):
+    return _forward_op(logits, labels, ignore_index)[0]
 
 
 def cross_entropy_reference(

@@ -164,17 +164,6 @@ def test_out_of_range_label_gives_nan_row_instead_of_raising():
 
 
 @interpreted
-def test_autograd_function_for_old_torch_matches_reference(monkeypatch, launches):
-    """The torch < 2.6 path: the same kernels behind a plain autograd.Function."""
-    monkeypatch.setattr(module, "_cross_entropy_kernel", module._CrossEntropy.apply)
-    logits, labels, grad_losses = _inputs(16, 1000, torch.bfloat16)
-    labels[3] = -100
-    _assert_matches_reference(logits, labels, grad_losses)
-    _assert_matches_reference(logits.float(), labels, grad_losses)
-    assert launches == {"forward": 2, "backward": 2}
-
-
-@interpreted
 def test_no_rows(launches):
     logits = torch.zeros(0, 10, requires_grad=True)
     losses = cross_entropy(logits, torch.zeros(0, dtype=torch.long))
@@ -197,6 +186,12 @@ def test_shapes_are_checked():
 
 
 @interpreted
+@pytest.mark.xfail(
+    not module.HAS_TRITON_OP,
+    reason="torch < 2.6 (no triton_op): dynamo breaks the graph once after the opaque op, "
+    "naming no reason",
+    strict=True,
+)
 def test_compiles_without_graph_break():
     """torch.compile(fullgraph=True) traces the op and its backward, and the result is unchanged.
 
