@@ -7,6 +7,7 @@ kernel is decorated. tests/conftest.py calls it at session start on machines wit
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import os
 
 
@@ -20,16 +21,22 @@ def enable() -> bool:
 
 
 def _patch_interpreter_bugs() -> None:
-    """Work around three bugs of Triton 3.6's CPU interpreter; compiled kernels have none.
+    """Work around three bugs of Triton's CPU interpreter (3.0 and 3.6); compiled kernels have none.
 
     - A scalar tensor (a loaded value, a scalar argument) used as a `range` bound is turned into
       an int by int() on a 1-element array, which numpy >= 2.4 refuses (triton-lang/triton#9171).
     - tl.dot multiplies bf16 operands as their raw uint16 bits (bf16 is stored as uint16 there).
     - `.to(tl.bfloat16)` on fp32 truncates the mantissa; GPUs round to nearest even, so kernels
       would look up to twice as inexact on the CPU as they are.
+    And three of Triton 3.0's (torch 2.4): its interpreter takes a `tl.constexpr` argument for a
+    runtime one when the kernel's module postpones annotations (`from __future__ import
+    annotations`, as ours do), since it then sees the string "tl.constexpr"; `kernel[grid]`
+    bypasses `kernel.run`; and a scalar store whose scalar mask is False stores all the same
+    (`tl.store` tests the mask with `not mask`, which the interpreter answers from its value).
     """
     import numpy as np
     import torch
+    import triton
     import triton.language as tl
     from triton.runtime import interpreter
 
@@ -37,9 +44,20 @@ def _patch_interpreter_bugs() -> None:
         return
     patch_tensor = interpreter._patch_lang_tensor
 
-    def patch_tensor_with_scalar_index(tensor, scope):
-        patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+    def scalar_index(self):
+        return int(self.handle.data.reshape(-1)[0])
+
+    if len(inspect.signature(patch_tensor).parameters) == 2:  # (tensor, scope): Triton 3.6
+
+        def patch_tensor_with_scalar_index(tensor, scope):
+            patch_tensor(tensor, scope)
+            scope.set_attr(tensor, "__index__", scalar_index)
+
+    else:  # (tensor): Triton 3.0 (torch 2.4), which sets the attributes itself
+
+        def patch_tensor_with_scalar_index(tensor):
+            patch_tensor(tensor)
+            tensor.__index__ = scalar_index
 
     create_dot = interpreter.InterpreterBuilder.create_dot
 
@@ -63,4 +81,34 @@ def _patch_interpreter_bugs() -> None:
     interpreter.InterpreterBuilder.cast_impl = cast_rounding_to_nearest_even
     interpreter._patch_lang_tensor = patch_tensor_with_scalar_index
     interpreter.InterpreterBuilder.create_dot = create_dot_of_bf16_values
+    grid_executor_init = interpreter.GridExecutor.__init__
+
+    def grid_executor_init_with_postponed_annotations(self, fn, arg_names, *args, **kwargs):
+        grid_executor_init(self, fn, arg_names, *args, **kwargs)
+        annotations = fn.__annotations__
+        self.constexprs = [
+            name for name in arg_names if "constexpr" in str(annotations.get(name, ""))
+        ]
+
+    def launch_through_run(self, grid):
+        return lambda *args, **kwargs: self.run(*args, grid=grid, **kwargs)
+
+    def store_honouring_a_false_scalar_mask(
+        ptr, val, mask, boundary_check, cache, eviction, builder
+    ):
+        if mask is None or ptr.type.is_block():
+            return store_legacy(ptr, val, mask, boundary_check, cache, eviction, builder)
+        val = semantic.cast(val, ptr.type.scalar.element_ty, builder)
+        store = builder.create_masked_store(ptr.handle, val.handle, mask.handle, cache, eviction)
+        return tl.tensor(store, tl.void)
+
+    if triton.__version__.startswith("3.0."):
+        from triton.language import semantic
+
+        store_legacy = semantic._store_legacy
+        semantic._store_legacy = store_honouring_a_false_scalar_mask
+        interpreter.GridExecutor.__init__ = grid_executor_init_with_postponed_annotations
+        # kernel[grid](...) through kernel.run, as compiled kernels and newer interpreters do,
+        # so that the tests' launch counters (which wrap .run) see every launch.
+        interpreter.InterpretedFunction.__getitem__ = launch_through_run
     interpreter._moe_bugs_patched = True

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 import json
 import os
 import pkgutil
@@ -103,13 +104,23 @@ def compile_for(spec: AotSpec, target: GPUTarget) -> Any:
             f"{spec.name}: AOT_SPECS entry does not match the kernel's arguments {arg_names}: "
             f"unknown {sorted(unknown)}, missing {sorted(missing)}"
         )
+    return triton.compile(_ast_source(spec, arg_names), target=target)
+
+
+def _ast_source(spec: AotSpec, arg_names: list[str]) -> Any:
+    """The kernel's source for triton.compile, in the form the installed Triton takes."""
+    ast_source = triton.compiler.ASTSource
+    if "constexprs" in inspect.signature(ast_source.__init__).parameters:
+        # Newer Triton (3.6 here): every argument in the signature, constexprs typed "constexpr".
+        signature = {name: spec.signature.get(name, "constexpr") for name in arg_names}
+        return ast_source(fn=spec.kernel, signature=signature, constexprs=dict(spec.constexprs))
+    # Older Triton (3.0, as torch 2.4 brings): runtime arguments only, constexprs as `constants`.
     signature = {
-        name: spec.signature.get(name, "constexpr") for name in arg_names
-    }  # in argument order
-    source = triton.compiler.ASTSource(
-        fn=spec.kernel, signature=signature, constexprs=dict(spec.constexprs)
-    )
-    return triton.compile(source, target=target)
+        name: spec.signature[name]
+        for name in arg_names
+        if name in spec.signature and name not in spec.constexprs
+    }
+    return ast_source(fn=spec.kernel, signature=signature, constants=dict(spec.constexprs))
 
 
 def artifacts(compiled: Any, target: GPUTarget) -> dict[str, int]:

@@ -59,6 +59,10 @@ def test_specs_cover_every_kernel_file():
 @pytest.mark.parametrize("spec_name", SPEC_NAMES)
 def test_compiles(report, spec_name, target):
     result = report[spec_name][target]
+    if isinstance(result, str) and "ld.lld not found" in result:
+        # Triton 3.0 (torch 2.4) links AMD code objects with ROCm's ld.lld, which only a ROCm
+        # install has; newer Triton links them itself. The build stops at that last step.
+        pytest.skip(f"this Triton needs ROCm's linker to build for {target}: {result}")
     assert not isinstance(result, str), f"{spec_name} does not build for {target}: {result}"
     assert result[ASSEMBLY_STAGE[target]] > 0
     assert result[FINAL_STAGE[target]] > 0
