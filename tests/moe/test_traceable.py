@@ -6,8 +6,15 @@ import torch
 
 from megatron.config import ModelConfig
 from moe.config import MoEConfig
-from moe.kernels import permute, traceable
+from moe.kernels import grouped_gemm, permute, traceable
 from moe.layers import build_moe_layer
+
+# The one-graph compiled dMoE is built on torch._grouped_mm, which torch has from 2.8 on; older
+# torch compiles the layer around its Triton ops (the last test below covers that path).
+needs_torch_grouped_mm = pytest.mark.skipif(
+    not grouped_gemm.torch_has_grouped_mm(),
+    reason=f"torch {torch.__version__} has no torch._grouped_mm (2.8 and newer)",
+)
 
 
 def _routing(tokens: int, top_k: int, num_experts: int, seed: int = 0):
@@ -66,6 +73,7 @@ def _layer(top_k: int, shared_expert: bool = False):
     return build_moe_layer(model, moe).to(torch.bfloat16)
 
 
+@needs_torch_grouped_mm
 @pytest.mark.parametrize("top_k", [1, 2])
 def test_compiled_grouped_dmoe_is_one_graph_and_matches_eager(top_k):
     torch._dynamo.reset()
@@ -91,6 +99,7 @@ def test_compiled_grouped_dmoe_is_one_graph_and_matches_eager(top_k):
         assert (got - want).norm() / want.norm() < 1e-2
 
 
+@needs_torch_grouped_mm
 def test_gpt_model_with_dmoe_layers_traces_as_one_graph_under_bf16_autocast():
     """What training compiles (megatron.training._compiles_whole): no graph break anywhere."""
     from megatron.model.gpt_model import GPTModel
@@ -110,6 +119,7 @@ def test_gpt_model_with_dmoe_layers_traces_as_one_graph_under_bf16_autocast():
     assert explanation.graph_count == 1
 
 
+@needs_torch_grouped_mm
 @pytest.mark.parametrize("accumulate_in_place", [True, False])
 def test_compiled_gpt_uses_the_refreshed_expert_weight_copies(accumulate_in_place):
     """Training in bf16 keeps bf16 copies of the fp32 expert weights (refreshed each step, see
