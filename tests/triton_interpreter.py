@@ -21,13 +21,15 @@ def enable() -> bool:
 
 
 def _patch_interpreter_bugs() -> None:
-    """Work around three bugs of Triton's CPU interpreter (3.0 and 3.6); compiled kernels have none.
+    """Work around bugs of Triton's CPU interpreter (3.0 to 3.9); compiled kernels have none.
 
     - A scalar tensor (a loaded value, a scalar argument) used as a `range` bound is turned into
       an int by int() on a 1-element array, which numpy >= 2.4 refuses (triton-lang/triton#9171).
     - tl.dot multiplies bf16 operands as their raw uint16 bits (bf16 is stored as uint16 there).
     - `.to(tl.bfloat16)` on fp32 truncates the mantissa; GPUs round to nearest even, so kernels
       would look up to twice as inexact on the CPU as they are.
+    - Triton 3.9 can hand a load or store an int32 mask (seen for `block_mask & scalar_mask`),
+      which its interpreter then refuses ("mask has unsupported dtype"); a GPU reads it as bool.
     And three of Triton 3.0's (torch 2.4): its interpreter takes a `tl.constexpr` argument for a
     runtime one when the kernel's module postpones annotations (`from __future__ import
     annotations`, as ours do), since it then sees the string "tl.constexpr"; `kernel[grid]`
@@ -78,6 +80,20 @@ def _patch_interpreter_bugs() -> None:
             return interpreter.TensorHandle(bits, dst_type.scalar)
         return cast(self, src, dst_type)
 
+    masked_load = interpreter.InterpreterBuilder.create_masked_load
+    masked_store = interpreter.InterpreterBuilder.create_masked_store
+
+    def boolean(mask):
+        return interpreter.TensorHandle(np.asarray(mask.data).astype(np.bool_), tl.int1)
+
+    def masked_load_of_any_mask(self, ptrs, mask, *args):
+        return masked_load(self, ptrs, boolean(mask), *args)
+
+    def masked_store_of_any_mask(self, ptrs, value, mask, *args):
+        return masked_store(self, ptrs, value, boolean(mask), *args)
+
+    interpreter.InterpreterBuilder.create_masked_load = masked_load_of_any_mask
+    interpreter.InterpreterBuilder.create_masked_store = masked_store_of_any_mask
     interpreter.InterpreterBuilder.cast_impl = cast_rounding_to_nearest_even
     interpreter._patch_lang_tensor = patch_tensor_with_scalar_index
     interpreter.InterpreterBuilder.create_dot = create_dot_of_bf16_values
