@@ -14,10 +14,6 @@ import torch
 
 TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
 
-# Always set, so that reading it never misses: torch.compile before torch 2.6 cannot trace
-# os.environ.get of an absent key (a graph break in every compiled step that calls use_triton).
-os.environ.setdefault("MOE_KERNELS", "auto")
-
 
 def kernel_mode() -> str:
     """MOE_KERNELS: "auto" (default), "triton" or "reference"."""

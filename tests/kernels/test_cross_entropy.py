@@ -188,9 +188,9 @@ def test_shapes_are_checked():
 @interpreted
 @pytest.mark.xfail(
     not module.HAS_TRITON_OP,
-    reason="torch < 2.6 (no triton_op): dynamo breaks the graph once after the opaque op, "
-    "naming no reason",
-    strict=True,
+    reason="torch 2.4's dynamo cannot trace the os.environ.get in moe.kernels.dispatch "
+    "(MOE_KERNELS) and breaks the graph there (2.5 not tried)",
+    strict=False,
 )
 def test_compiles_without_graph_break():
     """torch.compile(fullgraph=True) traces the op and its backward, and the result is unchanged.
