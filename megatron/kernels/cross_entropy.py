@@ -17,8 +17,9 @@ NaN check then catches (the reference raises).
 
 On torch >= 2.6 the op is a `torch.library.triton_op` whose forward and backward launch the
 kernels through `wrap_triton`, so `torch.compile` traces through it without a graph break and
-Inductor sees the kernels themselves; older torch (2.4, 2.5) gets an opaque `torch.library.custom_op`
-launching the same kernels (no graph break either; Inductor does not see inside it).
+Inductor sees the kernels themselves; older torch (2.4, 2.5) gets an opaque
+`torch.library.custom_op` launching the same kernels: one node in a compiled graph, whose inside
+Inductor does not see.
 """
 
 from __future__ import annotations

@@ -81,9 +81,8 @@ def _reduce_scatter(tensor: torch.Tensor, dim: int) -> torch.Tensor:
     if world_size == 1:
         return tensor
     _check_divisible(tensor, dim, world_size)
-    # The one-tensor form: gloo has it in every supported torch (the list form only from 2.8),
-    # and NCCL/RCCL take the one buffer as it is.
-    # Its input holds the ranks' chunks one after another along dim 0.
+    # The one-tensor collective, whose input holds the ranks' chunks one after another along
+    # dim 0: gloo has it in every supported torch, the list form only from torch 2.8.
     chunks = tensor.chunk(world_size, dim)
     result = torch.empty_like(chunks[0], memory_format=torch.contiguous_format)
     laid_out = torch.cat(chunks, dim=0)

@@ -12,8 +12,8 @@ Usage::
         assert run_distributed(_check, 2, 0.5) == [1.0, 1.0]
 
 Rules for ``fn``:
-- it is called as ``fn(rank, world_size, *args)`` after ``init_process_group("gloo")``; the
-  process ends right after it (the group is not destroyed, see ``_child``);
+- it is called as ``fn(rank, world_size, *args)`` after ``init_process_group("gloo")``; then
+  the ranks meet at a barrier and end (the group is not destroyed, see ``_child``);
 - it must be a module-level function (so it pickles when the children are spawned), and its
   return value must be picklable by ``torch.save`` (tensors, numbers, lists, dicts...);
 - an exception in any rank fails the test with that rank's traceback, and the other ranks are
