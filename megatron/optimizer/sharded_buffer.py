@@ -10,10 +10,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatron.collectives import all_gather_single as _all_gather
+from megatron.collectives import reduce_scatter_single as _reduce_scatter
 from moe.expert_parallel import is_expert_parameter
-
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class ShardedBuffer:

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from megatron import parallel_state
+from megatron.collectives import reduce_scatter_single
 
 
 def _world_size() -> int:
@@ -81,17 +82,13 @@ def _reduce_scatter(tensor: torch.Tensor, dim: int) -> torch.Tensor:
     if world_size == 1:
         return tensor
     _check_divisible(tensor, dim, world_size)
-    # The one-tensor collective, whose input holds the ranks' chunks one after another along
-    # dim 0: gloo has it in every supported torch, the list form only from torch 2.8.
+    # The one-tensor collective (megatron/collectives.py says why): its input holds the ranks'
+    # chunks one after another along dim 0.
     chunks = tensor.chunk(world_size, dim)
     result = torch.empty_like(chunks[0], memory_format=torch.contiguous_format)
     laid_out = torch.cat(chunks, dim=0)
-    _reduce_scatter_single(result, laid_out, group=parallel_state.get_tensor_model_parallel_group())
+    reduce_scatter_single(result, laid_out, group=parallel_state.get_tensor_model_parallel_group())
     return result
-
-
-# torch 2.13 renames reduce_scatter_tensor to reduce_scatter_single (the old name is deprecated).
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class _CopyToTensorModelParallelRegion(torch.autograd.Function):
