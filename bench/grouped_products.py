@@ -1,14 +1,17 @@
 """The six expert products of one dMoE layer step, each timed alone, next to the dense matmul of
 the same FLOPs: where the grouped layer's GEMM time goes (bench/moe_layer.py times the layer).
 
-    python bench/grouped_products.py [--configs 0 1 2 3] [--triton] [--sweep]
+    python bench/grouped_products.py [--configs 0 1 2 3] [--triton] [--sweep] [--layouts]
 
 For expert weights w1 [E, h, f] and w2 [E, f, h] and N = tokens * top_k rows sorted by expert:
 forward x @ w1, a @ w2; backward dy @ w2^T, a^T dy (weight gradient), dh @ w1^T, x^T dh. The
 dense counterpart of each has the same M, N, K with one [K, N] weight (cuBLAS). Expert loads
 follow a uniform random routing, as a freshly initialized router gives. `--sweep` times our Triton
 kernels at each launch shape of SWEEP_ROW_TILES / SWEEP_WEIGHT_GRAD_TILES, checks each result
-against torch._grouped_mm, and prints the fastest shape per product.
+against torch._grouped_mm, and prints the fastest shape per product. `--layouts` times each
+weight's three products (forward, input gradient, weight gradient) with the weight stored
+[E, K, N] (N contiguous) and [E, N, K] (K contiguous): CUTLASS picks its kernel by operand
+layout, and the two need not be equally fast at one shape.
 """
 
 from __future__ import annotations
@@ -176,12 +179,62 @@ def products(hidden, ffn, experts, top_k, tokens, use_triton):
     return results, flops, weight_bytes
 
 
+def _layout_products(rows_in, rows_out, weight, offsets):
+    """Each product of one weight [E, K, N] with it stored as is and stored as [E, N, K]."""
+    weight_t = weight.transpose(-2, -1).contiguous()
+    mm = functools.partial(torch._grouped_mm, offs=offsets)
+    kn = {
+        "fwd": functools.partial(mm, rows_in, weight),
+        "dgrad": functools.partial(mm, rows_out, weight.transpose(-2, -1)),
+        "wgrad": functools.partial(mm, rows_in.t(), rows_out),
+    }
+    nk = {
+        "fwd": functools.partial(mm, rows_in, weight_t.transpose(-2, -1)),
+        "dgrad": functools.partial(mm, rows_out, weight_t),
+        "wgrad": functools.partial(mm, rows_out.t(), rows_in),  # [E, N, K]
+    }
+    return kn, nk
+
+
+def layouts(hidden, ffn, experts, top_k, tokens, repeats=2):
+    """[(weight, product, [(ms stored [E, K, N], ms stored [E, N, K])] * repeats, max abs
+    difference of the two results)]."""
+    counts, x, a, w1, w2 = _operands(hidden, ffn, experts, top_k, tokens)
+    offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+    results = []
+    # (name, row input [M, K], row output gradient [M, N], weight [E, K, N])
+    for name, rows_in, rows_out, weight in (("w1", x, a, w1), ("w2", a, x, w2)):
+        kn, nk = _layout_products(rows_in, rows_out, weight, offsets)
+        for product in kn:
+            other = nk[product]().float()
+            if product == "wgrad":
+                other = other.transpose(-2, -1)
+            same = (kn[product]().float() - other).abs().max().item()
+            times = [(median_ms(kn[product]), median_ms(nk[product])) for _ in range(repeats)]
+            results.append((name, product, times, same))
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--configs", type=int, nargs="+", default=list(range(len(CONFIGS))))
     parser.add_argument("--triton", action="store_true", help="also our Triton grouped GEMM")
     parser.add_argument("--sweep", action="store_true", help="Triton launch shapes, fastest each")
+    parser.add_argument("--layouts", action="store_true", help="weights [E,K,N] against [E,N,K]")
     args = parser.parse_args()
+    if args.layouts:
+        print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, median of 20")
+        print("| config | weight | product | [E, K, N] ms | [E, N, K] ms | max abs difference |")
+        print("|---|---|---|---|---|---:|")
+        for index in args.configs:
+            for name, product, times, same in layouts(*CONFIGS[index]):
+                kn = " / ".join(f"{t[0]:.3f}" for t in times)
+                nk = " / ".join(f"{t[1]:.3f}" for t in times)
+                print(
+                    f"| {CONFIGS[index]} | {name} | {product} | {kn} | {nk} | {same:.1e} |",
+                    flush=True,
+                )
+        return
     if args.sweep:
         tables = []
         for index in args.configs:

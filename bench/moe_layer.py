@@ -34,14 +34,20 @@ CONFIGS = [
 ]
 
 
+DENSE = "dense same-FLOPs"
 COMPILED_SUFFIX = "+compile"
 # torch.compile with CUDA graphs (mode="reduce-overhead"): shows what host launch time costs.
 GRAPHED_SUFFIX = "+compile-cudagraphs"
+INDUCTOR_ACTIVATION = "+inductor-activation"
 
 
 def build_layer(hidden, ffn, experts, top_k, backend, dtype=torch.bfloat16):
     """The layer for `backend`; "grouped+compile" is the grouped layer under torch.compile, as
-    training runs it (one graph: moe.kernels.traceable)."""
+    training runs it (one graph: moe.kernels.traceable). A backend ending in INDUCTOR_ACTIVATION
+    leaves the experts' activation and its scaling to Inductor instead of
+    moe.kernels.scaled_activation (what the compiled layer ran before that op)."""
+    inductor_activation = backend.endswith(INDUCTOR_ACTIVATION)
+    backend = backend.removesuffix(INDUCTOR_ACTIVATION)
     graphed = backend.endswith(GRAPHED_SUFFIX)
     backend = backend.removesuffix(GRAPHED_SUFFIX)
     compiled = backend.endswith(COMPILED_SUFFIX)
@@ -54,6 +60,7 @@ def build_layer(hidden, ffn, experts, top_k, backend, dtype=torch.bfloat16):
     moe = MoEConfig(num_experts=experts, top_k=top_k, mlp_impl=backend)
     torch.manual_seed(0)
     layer = build_moe_layer(model, moe).cuda().to(dtype)
+    layer.experts.fused_scaled_activation = not inductor_activation
     # One shape per layer, as in training; dynamic=False keeps the later configs from being
     # compiled for symbolic shapes after the first.
     if graphed:
@@ -83,7 +90,8 @@ def drop_kept_losses(module):
 
 
 def time_fwd_bwd(module, x, grad, warmup=3, repeats=10, graphed=False):
-    """Median ms of forward + backward, and the peak memory of one step (GiB).
+    """(Median ms of one forward + backward timed alone, the peak memory of one step in GiB,
+    ms per step of steps run back to back).
 
     Gradients are set to None before each step, as a training loop's zero_grad does, so the
     backward writes them rather than adding into last step's (for the dMoE that add would be a
@@ -91,6 +99,42 @@ def time_fwd_bwd(module, x, grad, warmup=3, repeats=10, graphed=False):
     CUDA graph and times its replays: the GPU's time for the step without the host's launch
     time, which a whole model under torch.compile hides behind the GPU's work.
     """
+    run = prepare_step(module, x, grad, warmup, graphed)
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    times.sort()
+    return times[len(times) // 2], peak, back_to_back_ms(run)
+
+
+def back_to_back_ms(run, steps=10, rounds=5):
+    """Median over `rounds` of the mean ms per step of `steps` steps run back to back, as a
+    training loop runs them: the GPU never waits for the host between steps. (Timed one by
+    one, each step starts on a GPU that sat idle during the host's synchronization; the
+    dense layer, whose first kernel is its largest matmul, measured up to 15% slower that way
+    on an H200; BENCHMARKS.md.)"""
+    means = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(steps):
+            run()
+        end.record()
+        torch.cuda.synchronize()
+        means.append(start.elapsed_time(end) / steps)
+    means.sort()
+    return means[len(means) // 2]
+
+
+def prepare_step(module, x, grad, warmup=3, graphed=False):
+    """One training step of `module` (gradients set to None first), warmed up; with `graphed`
+    a CUDA graph's replay of it. Resets the peak memory statistics after the warm-up."""
 
     def step():
         module.zero_grad(set_to_none=True)
@@ -107,25 +151,31 @@ def time_fwd_bwd(module, x, grad, warmup=3, repeats=10, graphed=False):
             step()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    run = step
-    if graphed:
-        graph = torch.cuda.CUDAGraph()
-        module.zero_grad(set_to_none=True)
-        x.grad = None
-        with torch.cuda.graph(graph, stream=stream):
-            module(x).backward(grad)
-        run = graph.replay
-    times = []
-    for _ in range(repeats):
+    if not graphed:
+        return step
+    graph = torch.cuda.CUDAGraph()
+    module.zero_grad(set_to_none=True)
+    x.grad = None
+    with torch.cuda.graph(graph, stream=stream):
+        module(x).backward(grad)
+    return graph.replay
+
+
+def profile_steps(module, x, grad, graphed, steps=5):
+    """(GPU operations per step, ms of GPU time per step, ms per step start to end, the
+    profiler) over `steps` steps, launched or replayed as a CUDA graph."""
+    run = prepare_step(module, x, grad, graphed=graphed)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        run()
+        for _ in range(steps):
+            run()
         end.record()
         torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    peak = torch.cuda.max_memory_allocated() / 2**30
-    times.sort()
-    return times[len(times) // 2], peak
+    cuda = torch.autograd.DeviceType.CUDA
+    kernels = [event for event in profile.events() if event.device_type == cuda]
+    busy_ms = sum(event.time_range.elapsed_us() for event in kernels) / 1e3 / steps
+    return len(kernels) / steps, busy_ms, start.elapsed_time(end) / steps, profile
 
 
 def check(backend):
@@ -135,8 +185,9 @@ def check(backend):
     results = {}
     # The compiled path is bf16-only (torch._grouped_mm): checked against the eager grouped
     # layer in bf16; the others against the loop reference in fp32.
-    eager = backend.removesuffix(GRAPHED_SUFFIX).removesuffix(COMPILED_SUFFIX)
-    compiled = eager != backend
+    plain = backend.removesuffix(INDUCTOR_ACTIVATION)
+    eager = plain.removesuffix(GRAPHED_SUFFIX).removesuffix(COMPILED_SUFFIX)
+    compiled = eager != plain
     baseline = eager if compiled else "reference"
     dtype = torch.bfloat16 if compiled else torch.float32
     for name in (baseline, backend):
@@ -161,11 +212,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--backends", nargs="+", default=["grouped", "grouped+compile", "sparse"],
-        help="grouped, sparse, reference, or any of them with +compile or +compile-cudagraphs",
+        help="grouped, sparse, reference, or any of them with +compile or +compile-cudagraphs; "
+        f"grouped+compile{INDUCTOR_ACTIVATION}; --profile also takes '{DENSE}'",
     )  # fmt: skip
     parser.add_argument("--check", action="store_true")
     parser.add_argument(
-        "--cuda-graphs", action="store_true", help="also time each step replayed as a CUDA graph"
+        "--cuda-graphs",
+        action="store_true",
+        help="also time (or with --profile, profile) each step replayed as a CUDA graph",
     )
     parser.add_argument(
         "--profile", action="store_true", help="top CUDA kernels of --profile-configs"
@@ -179,21 +233,22 @@ def main() -> None:
         x = torch.randn(1, tokens, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         grad = torch.randn_like(x)
         for backend in args.backends:
-            layer = build_layer(hidden, ffn, experts, top_k, backend)
-            time_fwd_bwd(layer, x, grad)
-            with torch.profiler.profile(
-                activities=[torch.profiler.ProfilerActivity.CUDA]
-            ) as profile:
-                for _ in range(5):
-                    layer.zero_grad(set_to_none=True)
-                    layer(x).backward(grad)
-                torch.cuda.synchronize()
-            print(f"== {backend}, config {CONFIGS[index]}, 5 steps")
-            print(
-                profile.key_averages().table(
-                    sort_by="cuda_time_total", row_limit=30, max_name_column_width=70
+            if backend == DENSE:
+                layer = DenseSameFlops(hidden, top_k * ffn).cuda().to(torch.bfloat16)
+            else:
+                layer = build_layer(hidden, ffn, experts, top_k, backend)
+            for graphed in [False, True] if args.cuda_graphs else [False]:
+                operations, busy_ms, wall_ms, profile = profile_steps(layer, x, grad, graphed)
+                how = "replayed as a CUDA graph" if graphed else "launched"
+                print(f"== {backend}, config {CONFIGS[index]}, 5 steps {how}: {operations:.0f} "
+                      f"GPU operations, {busy_ms:.3f} ms of GPU time and {wall_ms:.3f} ms from "
+                      "start to end per step")  # fmt: skip
+                print(
+                    profile.key_averages().table(
+                        sort_by="cuda_time_total", row_limit=40, max_name_column_width=150
+                    )
                 )
-            )
+            del layer
     if args.profile:
         return
     if args.check:
@@ -208,7 +263,7 @@ def main() -> None:
         x = torch.randn(1, tokens, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         grad = torch.randn_like(x)
         row = [(hidden, ffn, experts, top_k, tokens)]
-        for name in ["dense same-FLOPs", *args.backends]:
+        for name in [DENSE, *args.backends]:
             # Peaks count this layer's weights, inputs and step only: whatever earlier
             # measurements left allocated (compiled code's caches, say) is subtracted.
             x.grad = None
@@ -217,18 +272,20 @@ def main() -> None:
             leftover = torch.cuda.memory_allocated() - 2 * x.numel() * x.element_size()
             if leftover > 2**26:
                 print(f"{name}: {leftover / 2**30:.2f} GiB still allocated before it, subtracted")
-            if name == "dense same-FLOPs":
+            if name == DENSE:
                 module = DenseSameFlops(hidden, top_k * ffn).cuda().to(torch.bfloat16)
             else:
                 module = build_layer(hidden, ffn, experts, top_k, name)
             times = []
             for graphed in [False, True] if args.cuda_graphs else [False]:
                 try:
-                    ms, peak = time_fwd_bwd(module, x, grad, graphed=graphed)
+                    ms, peak, steady_ms = time_fwd_bwd(module, x, grad, graphed=graphed)
                     times.append((ms, peak - leftover / 2**30))
+                    if graphed:
+                        times.append((steady_ms, float("nan")))
                 except Exception as error:  # report, keep measuring the others
                     print(f"{name} failed on {row[0]}: {error!r}"[:400], flush=True)
-                    times.append((float("nan"), float("nan")))
+                    times += [(float("nan"), float("nan"))] * (1 + graphed)
             del module
             row.append((name, times))
         rows.append(row)
@@ -241,10 +298,15 @@ def main() -> None:
         f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, forward + backward "
         "of one layer, gradients set to None before each step"
     )
-    graph_columns = " graph replay ms | TFLOP/s | peak GiB | x dense |" if args.cuda_graphs else ""
+    graph_columns = (
+        " graph replay ms | TFLOP/s | peak GiB | x dense | 10 replays back to back, ms per step"
+        " | TFLOP/s | | x dense |"
+        if args.cuda_graphs
+        else ""
+    )
     print(f"| hidden, ffn, experts, top-k, tokens | impl | ms | TFLOP/s | peak GiB | x dense |"
           f"{graph_columns}")  # fmt: skip
-    print("|---|---|" + "---:|" * (8 if args.cuda_graphs else 4))
+    print("|---|---|" + "---:|" * (12 if args.cuda_graphs else 4))
     for row in rows:
         config = row[0]
         flops = 3 * 2 * config[4] * config[3] * 2 * config[0] * config[1]
@@ -255,7 +317,7 @@ def main() -> None:
                 cells += [
                     f"{ms:.2f}",
                     f"{flops / ms / 1e9:.0f}",
-                    f"{peak:.2f}",
+                    "" if peak != peak else f"{peak:.2f}",  # no peak of its own: NaN
                     f"{ms / dense_ms:.2f}",
                 ]
             print(f"| {config} | {name} | " + " | ".join(cells) + " |")

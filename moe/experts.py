@@ -22,6 +22,7 @@ from torch.utils.checkpoint import checkpoint
 
 from megatron.tensor_parallel import set_tensor_model_parallel_attributes
 from moe.expert_parallel import mark_expert_parallel
+from moe.kernels.scaled_activation import scaled_activation
 from moe.weight_copies import CachedCast, GradientAccumulator
 
 Projection = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -86,7 +87,11 @@ class Experts(nn.Module):
         self.num_local_experts = num_experts // expert_parallel_size
         self.first_local_expert = expert_parallel_rank * self.num_local_experts
         self.mlp_type = mlp_type
+        self.activation_name = activation
         self.activation = gelu_tanh if activation == "gelu" else F.silu
+        # Whether forward_sorted_rows runs moe.kernels.scaled_activation (True) or leaves the
+        # activation and its scaling to Inductor (bench/moe_layer.py compares the two).
+        self.fused_scaled_activation = True
         self.memory_optimized = memory_optimized
         local, ffn = self.num_local_experts, self.local_ffn_hidden_size
         self.w1 = nn.Parameter(torch.empty(local, hidden_size, ffn))
@@ -238,6 +243,16 @@ class Experts(nn.Module):
         gate_input = project(x, v1) if v1 is not None else None
 
         def activation_and_output(hidden, gate_input, w2, row_scale):
+            if (
+                row_scale is not None
+                and gate_input is None
+                and hidden.dim() == 2
+                and self.fused_scaled_activation
+            ):
+                # One op, forward and backward, for the activation, the scaling and the
+                # scaling's gradient (moe.kernels.scaled_activation: the same rounding).
+                scaled = scaled_activation(hidden, row_scale, self.activation_name)
+                return project(scaled, w2)
             intermediate = self.activation(hidden)
             if gate_input is not None:
                 intermediate = intermediate * gate_input
@@ -286,9 +301,10 @@ class Experts(nn.Module):
         offsets[e] (int32, inclusive cumulative counts), through torch._grouped_mm directly.
 
         `row_scale` [rows] (the router's weight of each row) scales the activations before the
-        second projection, where Inductor fuses it into the activation's kernels, forward and
-        backward: the same as scaling the output rows (the projection is linear), without a
-        pass over them.
+        second projection: the same as scaling the output rows (the projection is linear),
+        without a pass over them. For the plain MLP one op does the activation, the scaling and
+        their gradients (moe.kernels.scaled_activation); for GLU Inductor fuses the scaling into
+        the activation's kernels.
         """
         from moe.kernels.traceable import grouped_projection
 
