@@ -1,11 +1,14 @@
 """Forward + backward of one dMoE layer in bf16 on one GPU, per backend, next to a dense MLP of
 the same FLOPs (hidden -> top_k * ffn -> hidden through cuBLAS), timed in the same run.
 
-    python bench/moe_layer.py [--backends grouped sparse] [--check] [--cuda-graphs]
+    python bench/moe_layer.py [--backends grouped sparse] [--check] [--cuda-graphs] [--profile]
 
 TFLOP/s counts 3 x 2 x tokens x top_k x 2 x hidden x ffn (the expert matmuls, forward and
 backward). `--check` first compares each backend with the loop-over-experts reference at a real
-shape on the GPU (outputs and gradients, relative error against an fp32 run).
+shape on the GPU (outputs and gradients, relative error against an fp32 run). `--cuda-graphs`
+also times each step captured as a CUDA graph: one replay at a time, and 10 replays back to back
+as a training loop runs them. `--profile` prints the top GPU kernels of --profile-configs
+instead (launched, and with --cuda-graphs also replayed).
 """
 
 from __future__ import annotations
@@ -285,7 +288,10 @@ def main() -> None:
                         times.append((steady_ms, float("nan")))
                 except Exception as error:  # report, keep measuring the others
                     print(f"{name} failed on {row[0]}: {error!r}"[:400], flush=True)
-                    times += [(float("nan"), float("nan"))] * (1 + graphed)
+                    # A failed run keeps its columns: an infinite peak prints, a NaN one not.
+                    times += [(float("nan"), float("inf"))] + [
+                        (float("nan"), float("nan"))
+                    ] * graphed
             del module
             row.append((name, times))
         rows.append(row)
@@ -300,13 +306,13 @@ def main() -> None:
     )
     graph_columns = (
         " graph replay ms | TFLOP/s | peak GiB | x dense | 10 replays back to back, ms per step"
-        " | TFLOP/s | | x dense |"
+        " | TFLOP/s | x dense |"
         if args.cuda_graphs
         else ""
     )
     print(f"| hidden, ffn, experts, top-k, tokens | impl | ms | TFLOP/s | peak GiB | x dense |"
           f"{graph_columns}")  # fmt: skip
-    print("|---|---|" + "---:|" * (12 if args.cuda_graphs else 4))
+    print("|---|---|" + "---:|" * (11 if args.cuda_graphs else 4))
     for row in rows:
         config = row[0]
         flops = 3 * 2 * config[4] * config[3] * 2 * config[0] * config[1]
@@ -314,10 +320,11 @@ def main() -> None:
         for name, times in row[1:]:
             cells = []
             for (ms, peak), (dense_ms, _) in zip(times, dense_times):
+                peak_cell = [] if peak != peak else [f"{peak:.2f}"]  # NaN: no peak of its own
                 cells += [
                     f"{ms:.2f}",
                     f"{flops / ms / 1e9:.0f}",
-                    "" if peak != peak else f"{peak:.2f}",  # no peak of its own: NaN
+                    *peak_cell,
                     f"{ms / dense_ms:.2f}",
                 ]
             print(f"| {config} | {name} | " + " | ".join(cells) + " |")
