@@ -40,26 +40,31 @@ def _eager(h, scale):
 def _step(fn, h, scale, grad):
     """Forward + backward of fn, captured as a CUDA graph: its replay times the GPU's work
     alone, not the host's launches (the op's autograd costs more host time than Inductor's)."""
+    return _graphed(fn, [h, scale], grad)
 
+
+def _graphed(fn, inputs, grad):
+    """fn(*inputs) forward + backward on fresh leaves (gradients set to None before each step,
+    so the backward writes them instead of adding), warmed up and captured as a CUDA graph;
+    returns its replay."""
     # Fresh leaves: autograd nodes of the earlier steps' tensors were made on another stream,
     # which a capture cannot depend on.
-    h = h.detach().requires_grad_(True)
-    scale = scale.detach().requires_grad_(True)
+    leaves = [tensor.detach().requires_grad_(True) for tensor in inputs]
 
-    def run():
-        h.grad = scale.grad = None
-        fn(h, scale).backward(grad)
+    def step():
+        for leaf in leaves:
+            leaf.grad = None
+        fn(*leaves).backward(grad)
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for _ in range(3):
-            run()
+            step()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    h.grad = scale.grad = None
     with torch.cuda.graph(graph, stream=stream):
-        fn(h, scale).backward(grad)
+        step()
     return graph.replay
 
 

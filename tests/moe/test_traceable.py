@@ -63,21 +63,24 @@ def test_gather_and_sum_match_the_permute_references_with_gradients(top_k):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
-def _layer(top_k: int, shared_expert: bool = False):
+def _layer(top_k: int, shared_expert: bool = False, mlp_type: str = "mlp"):
     model = ModelConfig(
         num_layers=1, hidden_size=32, num_attention_heads=2, ffn_hidden_size=48,
         seq_length=16, max_position_embeddings=16, add_bias_linear=True, init_method_std=0.2,
     )  # fmt: skip
-    moe = MoEConfig(num_experts=4, top_k=top_k, mlp_impl="grouped", shared_expert=shared_expert)
+    moe = MoEConfig(
+        num_experts=4, top_k=top_k, mlp_impl="grouped", shared_expert=shared_expert,
+        mlp_type=mlp_type,
+    )  # fmt: skip
     torch.manual_seed(0)
     return build_moe_layer(model, moe).to(torch.bfloat16)
 
 
 @needs_torch_grouped_mm
-@pytest.mark.parametrize("top_k", [1, 2])
-def test_compiled_grouped_dmoe_is_one_graph_and_matches_eager(top_k):
+@pytest.mark.parametrize("top_k,mlp_type", [(1, "mlp"), (2, "mlp"), (2, "glu")])
+def test_compiled_grouped_dmoe_is_one_graph_and_matches_eager(top_k, mlp_type):
     torch._dynamo.reset()
-    eager, compiled_layer = _layer(top_k), _layer(top_k)
+    eager, compiled_layer = _layer(top_k, mlp_type=mlp_type), _layer(top_k, mlp_type=mlp_type)
     compiled = torch.compile(compiled_layer, backend="aot_eager", fullgraph=True)
     x = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     results = []
@@ -85,8 +88,10 @@ def test_compiled_grouped_dmoe_is_one_graph_and_matches_eager(top_k):
         inputs = x.clone().requires_grad_()
         out = run(inputs)
         (out.float().square().sum() + layer.load_balancing_loss).backward()
+        experts = layer.experts
+        gate_grad = [experts.v1.grad] if experts.v1 is not None else []
         results.append(
-            [out, inputs.grad, layer.experts.w1.grad, layer.experts.w2.grad,
+            [out, inputs.grad, experts.w1.grad, *gate_grad, experts.w2.grad,
              layer.router.layer.weight.grad, layer.tokens_per_expert]
         )  # fmt: skip
     assert torch.equal(results[0][-1], results[1][-1])  # the same routing
