@@ -103,25 +103,17 @@ def time_fwd_bwd(module, x, grad, warmup=3, repeats=10, graphed=False):
     time, which a whole model under torch.compile hides behind the GPU's work.
     """
     run = prepare_step(module, x, grad, warmup, graphed)
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
+    alone_ms = median_step_ms(run, steps=1, rounds=repeats)
     peak = torch.cuda.max_memory_allocated() / 2**30
-    times.sort()
-    return times[len(times) // 2], peak, back_to_back_ms(run)
+    return alone_ms, peak, median_step_ms(run, steps=10, rounds=5)
 
 
-def back_to_back_ms(run, steps=10, rounds=5):
-    """Median over `rounds` of the mean ms per step of `steps` steps run back to back, as a
-    training loop runs them: the GPU never waits for the host between steps. (Timed one by
-    one, each step starts on a GPU that sat idle during the host's synchronization; the
-    dense layer, whose first kernel is its largest matmul, measured up to 15% slower that way
-    on an H200; BENCHMARKS.md.)"""
+def median_step_ms(run, steps, rounds):
+    """Median over `rounds` of the mean ms per step of `steps` calls of `run` between two
+    events. With steps=1 each step is timed alone, after the host's synchronization left the
+    GPU idle; with more, the steps run back to back, as a training loop runs them (on an H200
+    at configuration 3 the dMoE layer measured up to 0.57 ms per step slower that way, the
+    dense layer 0.03 ms; BENCHMARKS.md)."""
     means = []
     for _ in range(rounds):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

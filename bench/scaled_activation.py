@@ -7,8 +7,9 @@ over the same bytes), in one run.
 
 Rows and width per configuration of bench/moe_layer.py: tokens * top_k rows of ffn channels.
 Bytes per step: the forward reads h and writes the output, the backward reads the gradient and
-h and writes h's gradient: 5 x rows x width x 2 bytes. Steps are timed as CUDA graph replays. `--sweep` also times each kernel
-alone at other tile shapes.
+h and writes h's gradient: 5 x rows x width x 2 bytes. Steps are timed as CUDA graph replays,
+so that the op's autograd, which costs more host time than Inductor's, does not count. `--sweep`
+also times each kernel alone at other tile shapes.
 """
 
 from __future__ import annotations
@@ -37,13 +38,7 @@ def _eager(h, scale):
     return (value.float() * scale.float().unsqueeze(-1)).to(h.dtype)
 
 
-def _step(fn, h, scale, grad):
-    """Forward + backward of fn, captured as a CUDA graph: its replay times the GPU's work
-    alone, not the host's launches (the op's autograd costs more host time than Inductor's)."""
-    return _graphed(fn, [h, scale], grad)
-
-
-def _graphed(fn, inputs, grad):
+def _step(fn, inputs, grad):
     """fn(*inputs) forward + backward on fresh leaves (gradients set to None before each step,
     so the backward writes them instead of adding), warmed up and captured as a CUDA graph;
     returns its replay."""
@@ -93,8 +88,8 @@ def main() -> None:
             f"{(a.float() - b.float()).abs().max().item():.1e}"
             for a, b in zip(results["op"], results["inductor"])
         )
-        plain = _step(lambda h, scale: F.gelu(h, approximate="tanh"), h, scale, grad)
-        times = [median_ms(_step(fn, h, scale, grad)) for fn in (compiled, op)]
+        plain = _step(lambda h, scale: F.gelu(h, approximate="tanh"), [h, scale], grad)
+        times = [median_ms(_step(fn, [h, scale], grad)) for fn in (compiled, op)]
         plain_ms = median_ms(plain)
         rate = 5 * rows * ffn * 2 / times[1] / 1e9
         print(f"| {rows} x {ffn} | {plain_ms:.3f} | {times[0]:.3f} | {times[1]:.3f} | {rate:.2f} "
