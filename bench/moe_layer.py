@@ -7,8 +7,9 @@ TFLOP/s counts 3 x 2 x tokens x top_k x 2 x hidden x ffn (the expert matmuls, fo
 backward). `--check` first compares each backend with the loop-over-experts reference at a real
 shape on the GPU (outputs and gradients, relative error against an fp32 run). `--cuda-graphs`
 also times each step captured as a CUDA graph: one replay at a time, and 10 replays back to back
-as a training loop runs them. `--profile` prints the top GPU kernels of --profile-configs
-instead (launched, and with --cuda-graphs also replayed).
+as a training loop runs them. Every timing follows a second of steps back to back, so that each
+layer is timed at the clock the GPU holds under steady work (see heat_gpu). `--profile` prints
+the top GPU kernels of --profile-configs instead (launched, and with --cuda-graphs also replayed).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import gc
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -100,20 +102,33 @@ def time_fwd_bwd(module, x, grad, warmup=3, repeats=10, graphed=False):
     backward writes them rather than adding into last step's (for the dMoE that add would be a
     pass over 64 expert weights the dense layer does not have). `graphed` captures one step in a
     CUDA graph and times its replays: the GPU's time for the step without the host's launch
-    time, which a whole model under torch.compile hides behind the GPU's work.
+    time, which a whole model under torch.compile hides behind the GPU's work. Both timings
+    follow `heat_gpu`, so that every layer is timed at the clock a training run holds.
     """
     run = prepare_step(module, x, grad, warmup, graphed)
+    heat_gpu(run)
     alone_ms = median_step_ms(run, steps=1, rounds=repeats)
     peak = torch.cuda.max_memory_allocated() / 2**30
+    heat_gpu(run)
     return alone_ms, peak, median_step_ms(run, steps=10, rounds=5)
+
+
+def heat_gpu(run, seconds=1.0):
+    """Run steps back to back for about `seconds`. A cold H200 runs its SMs at 1,980 MHz; within
+    a second of steady work at these sizes it reaches its 700 W power limit and holds about
+    1,550 MHz, 15-20% slower per step (bench/replay_clocks.py, BENCHMARKS.md). Timing a layer
+    cold and the next one hot compared them at different clocks."""
+    start = time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        for _ in range(5):
+            run()
+        torch.cuda.synchronize()
 
 
 def median_step_ms(run, steps, rounds):
     """Median over `rounds` of the mean ms per step of `steps` calls of `run` between two
     events. With steps=1 each step is timed alone, after the host's synchronization left the
-    GPU idle; with more, the steps run back to back, as a training loop runs them (on an H200
-    at configuration 3 the dMoE layer measured up to 0.57 ms per step slower that way, the
-    dense layer 0.03 ms; BENCHMARKS.md)."""
+    GPU idle; with more, the steps run back to back, as a training loop runs them."""
     means = []
     for _ in range(rounds):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

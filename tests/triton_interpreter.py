@@ -86,11 +86,12 @@ def _patch_interpreter_bugs() -> None:
     def boolean(mask):
         return interpreter.TensorHandle(np.asarray(mask.data).astype(np.bool_), tl.int1)
 
-    def masked_load_of_any_mask(self, ptrs, mask, *args):
-        return masked_load(self, ptrs, boolean(mask), *args)
+    # Keyword arguments pass through: tensor-descriptor loads call with cache_policy=... .
+    def masked_load_of_any_mask(self, ptrs, mask, *args, **kwargs):
+        return masked_load(self, ptrs, boolean(mask), *args, **kwargs)
 
-    def masked_store_of_any_mask(self, ptrs, value, mask, *args):
-        return masked_store(self, ptrs, value, boolean(mask), *args)
+    def masked_store_of_any_mask(self, ptrs, value, mask, *args, **kwargs):
+        return masked_store(self, ptrs, value, boolean(mask), *args, **kwargs)
 
     interpreter.InterpreterBuilder.create_masked_load = masked_load_of_any_mask
     interpreter.InterpreterBuilder.create_masked_store = masked_store_of_any_mask
