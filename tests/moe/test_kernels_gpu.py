@@ -226,3 +226,19 @@ def test_scaled_activation_kernels_match_the_reference(activation, rows, width):
     assert _relative_error(got_out, want_out) < 5e-3
     assert _relative_error(got_grads[0], want_grads[0]) < 5e-3
     assert _relative_error(got_grads[1], want_grads[1]) < 1e-4
+
+
+@pytest.mark.parametrize("tokens,experts,k", [(65536, 64, 8), (16384, 64, 2), (8192, 8, 2)])
+def test_router_topk_kernel_matches_the_reference(tokens, experts, k):
+    from moe.kernels import router_topk
+
+    generator = torch.Generator(device="cuda").manual_seed(tokens + k)
+    logits = torch.randn(tokens, experts, device="cuda", generator=generator)
+    for scores in (logits.softmax(-1), logits.softmax(-1).bfloat16()):  # bf16: many ties
+        got = router_topk.topk_indices(scores, k)
+        assert torch.equal(got, router_topk.topk_indices_reference(scores, k))
+    # The scores torch.topk picks, in its order (fp32 softmax scores can tie, rarely: there the
+    # two may name different experts of the same score).
+    scores = logits.softmax(-1)
+    chosen = scores.gather(1, router_topk.topk_indices(scores, k))
+    assert torch.equal(chosen, torch.topk(scores, k).values)
