@@ -62,18 +62,18 @@ if TRITON_AVAILABLE:
             other=0.0,
         ).to(tl.float32)
         # NaN above every number, as torch.topk ranks it. Padding columns count as taken.
+        # (`taken` is int32, not a boolean mask: Triton 3.0's interpreter cannot invert one.)
         values = tl.where(values != values, float("inf"), values)
-        taken = (
-            tl.zeros((BLOCK_TOKENS, BLOCK_E), dtype=tl.int32) + experts[None, :]
-        ) >= num_experts
+        columns = tl.zeros((BLOCK_TOKENS, BLOCK_E), dtype=tl.int32) + experts[None, :]
+        taken = (columns >= num_experts).to(tl.int32)
         for choice in tl.static_range(K):
-            candidates = tl.where(taken, float("-inf"), values)
+            candidates = tl.where(taken != 0, float("-inf"), values)
             best = tl.max(candidates, axis=1)
             # The lowest untaken index at the maximum: -inf scores tie with taken columns.
-            is_best = (candidates == best[:, None]) & ~taken
-            index = tl.min(tl.where(is_best, experts[None, :], BLOCK_E), axis=1)
+            is_best = (candidates == best[:, None]) & (taken == 0)
+            index = tl.min(tl.where(is_best, columns, BLOCK_E), axis=1)
             tl.store(out_ptr + tokens * K + choice, index.to(tl.int64), mask=token_mask)
-            taken = taken | (experts[None, :] == index[:, None])
+            taken = tl.where(columns == index[:, None], 1, taken)
 
 
 def _topk_triton(scores: torch.Tensor, k: int) -> torch.Tensor:
