@@ -21,21 +21,22 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.grouped_products import _operands  # noqa: E402
-from bench.moe_layer import CONFIGS  # noqa: E402
-from moe.kernels.grouped_gemm_tma import TmaTiles, grouped_mm_tma, weight_grad_tma  # noqa: E402
+from bench.moe_layer import CONFIGS, median_step_ms  # noqa: E402
+from moe.kernels.grouped_gemm import TileSizes  # noqa: E402
+from moe.kernels.grouped_gemm_tma import grouped_mm_tma, weight_grad_tma  # noqa: E402
 
 # (block_m, block_n, block_k, group_m, warps, stages)
 ROW_TILES = [
-    TmaTiles(128, 256, 64, 8, 8, 3),
-    TmaTiles(128, 256, 64, 16, 8, 3),
-    TmaTiles(128, 128, 64, 8, 4, 4),
-    TmaTiles(256, 128, 64, 8, 8, 3),
-    TmaTiles(128, 128, 128, 8, 8, 3),
+    TileSizes(128, 256, 64, 8, 8, 3),
+    TileSizes(128, 256, 64, 16, 8, 3),
+    TileSizes(128, 128, 64, 8, 4, 4),
+    TileSizes(256, 128, 64, 8, 8, 3),
+    TileSizes(128, 128, 128, 8, 8, 3),
 ]
 WEIGHT_GRAD_TILES = [
-    TmaTiles(128, 256, 64, 0, 8, 3),
-    TmaTiles(128, 128, 64, 0, 4, 4),
-    TmaTiles(128, 128, 128, 0, 8, 3),
+    TileSizes(128, 256, 64, 0, 8, 3),
+    TileSizes(128, 128, 64, 0, 4, 4),
+    TileSizes(128, 128, 128, 0, 8, 3),
 ]
 
 
@@ -55,16 +56,7 @@ def median_ms(fn, calls=20, rounds=5) -> float:
             fn()
     graph.replay()
     torch.cuda.synchronize()
-    means = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        means.append(start.elapsed_time(end) / calls)
-    means.sort()
-    return means[len(means) // 2]
+    return median_step_ms(graph.replay, steps=1, rounds=rounds) / calls
 
 
 def relative_error(got, want) -> float:

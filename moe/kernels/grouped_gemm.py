@@ -418,6 +418,14 @@ def _exclusive_cumsum(counts: torch.Tensor) -> torch.Tensor:
 if TRITON_AVAILABLE:
 
     @triton.jit
+    def _tile_coords(tile_id, num_row_tiles, num_col_tiles, GROUP_M: tl.constexpr):
+        """(row tile, column tile) of tile_id: bands of GROUP_M row tiles, column by column."""
+        band = GROUP_M * num_col_tiles
+        first = (tile_id // band) * GROUP_M
+        band_rows = tl.minimum(num_row_tiles - first, GROUP_M)
+        return first + (tile_id % band) % band_rows, (tile_id % band) // band_rows
+
+    @triton.jit
     def _grouped_mm_kernel(
         a_ptr,
         b_ptr,
@@ -451,13 +459,9 @@ if TRITON_AVAILABLE:
         (tile_offsets) and bands of GROUP_M of them run column tile by column tile, so that the
         programs in flight share expert-weight tiles in L2.
         """
-        pid = tl.program_id(0)
-        num_col_tiles = tl.cdiv(out_cols, BLOCK_N)
-        band_size = GROUP_M * num_col_tiles
-        first_tile = (pid // band_size) * GROUP_M
-        band_rows = tl.minimum(num_row_tiles - first_tile, GROUP_M)
-        tile = first_tile + (pid % band_size) % band_rows
-        col_block = (pid % band_size) // band_rows
+        tile, col_block = _tile_coords(
+            tl.program_id(0), num_row_tiles, tl.cdiv(out_cols, BLOCK_N), GROUP_M
+        )
 
         # The expert owning this row tile: how many experts' tiles end at or before it.
         experts = tl.arange(0, BLOCK_E)

@@ -18,16 +18,18 @@ operand optionally read through row_index. References: moe.kernels.grouped_gemm'
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from moe.kernels.dispatch import TRITON_AVAILABLE
+from moe.kernels.grouped_gemm import HOPPER_ROW_TILE_SIZES, TileSizes, _exclusive_cumsum
 
 if TRITON_AVAILABLE:
     import triton
     import triton.language as tl
+
+    from moe.kernels.grouped_gemm import _tile_coords
 else:  # pragma: no cover
     triton = None
     tl = None
@@ -42,21 +44,10 @@ def available() -> bool:
     )
 
 
-@dataclass(frozen=True)
-class TmaTiles:
-    """block_m x block_n output tiles, block_k deep; group_m row tiles share a band of the
-    launch order (expert-weight tiles reused from L2). The fastest shapes on an H100 and an
-    H200 at the benchmark configurations (bench/grouped_gemm_tma.py)."""
-
-    block_m: int = 128
-    block_n: int = 256
-    block_k: int = 64
-    group_m: int = 8
-    num_warps: int = 8
-    num_stages: int = 3
-
-
-HOPPER_TILES = TmaTiles()
+# The launch shape is grouped_gemm's TileSizes; its Hopper row-product shape (128 x 256 tiles,
+# 64 deep, 8 warps, 3 stages) was also the fastest here, for both kernels, on an H100 and an H200
+# (bench/grouped_gemm_tma.py).
+HOPPER_TILES = HOPPER_ROW_TILE_SIZES
 
 
 def _num_programs(device: torch.device) -> int:
@@ -71,17 +62,6 @@ def _use_torch_allocator(device: torch.device) -> None:
     triton.set_allocator(
         lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=device)
     )
-
-
-def _offsets(tokens_per_expert: torch.Tensor, block: int = 0):
-    counts = tokens_per_expert.to(torch.int32)
-    rows = torch.zeros(counts.shape[0] + 1, device=counts.device, dtype=torch.int32)
-    torch.cumsum(counts, 0, dtype=torch.int32, out=rows[1:])
-    if not block:
-        return rows
-    tiles = torch.zeros_like(rows)
-    torch.cumsum((counts + block - 1) // block, 0, dtype=torch.int32, out=tiles[1:])
-    return rows, tiles
 
 
 def _check(condition: bool, message: str) -> None:
@@ -107,7 +87,7 @@ def grouped_mm_tma(
     *,
     transpose_weight: bool = False,
     row_index: Optional[torch.Tensor] = None,
-    tiles: TmaTiles = HOPPER_TILES,
+    tiles: TileSizes = HOPPER_TILES,
 ) -> torch.Tensor:
     """[rows, N] = per-expert x_e @ weight[e] (or weight[e]^T); see the module docstring."""
     _check(available(), "needs Triton with device-side tensor descriptors (3.4 or newer)")
@@ -134,7 +114,8 @@ def grouped_mm_tma(
     out = torch.empty(num_rows, out_cols, device=x.device, dtype=x.dtype)
     if num_rows == 0 or out_cols == 0:
         return out
-    row_offsets, tile_offsets = _offsets(tokens_per_expert, tiles.block_m)
+    row_offsets = _exclusive_cumsum(tokens_per_expert)
+    tile_offsets = _exclusive_cumsum((tokens_per_expert + tiles.block_m - 1) // tiles.block_m)
     _use_torch_allocator(x.device)
     programs = _num_programs(x.device)
     _rows_kernel[(programs,)](
@@ -170,7 +151,7 @@ def weight_grad_tma(
     *,
     row_index: Optional[torch.Tensor] = None,
     gather: Optional[str] = None,
-    tiles: TmaTiles = HOPPER_TILES,
+    tiles: TileSizes = HOPPER_TILES,
 ) -> torch.Tensor:
     """[E, K, N]: weight[e] = x_e^T @ grad_out_e. gather="x" or "grad_out" reads that operand
     through row_index (the other one is in expert order)."""
@@ -197,7 +178,7 @@ def weight_grad_tma(
         grad_out,
         x if row_index is None else row_index.to(torch.int32),
         out,
-        _offsets(tokens_per_expert),
+        _exclusive_cumsum(tokens_per_expert),
         experts,
         in_features,
         out_features,
@@ -214,14 +195,6 @@ def weight_grad_tma(
 
 
 if TRITON_AVAILABLE:
-
-    @triton.jit
-    def _tile_coords(tile_id, num_row_tiles, num_col_tiles, GROUP_M: tl.constexpr):
-        """(row tile, column tile) of tile_id: bands of GROUP_M row tiles, column by column."""
-        band = GROUP_M * num_col_tiles
-        first = (tile_id // band) * GROUP_M
-        band_rows = tl.minimum(num_row_tiles - first, GROUP_M)
-        return first + (tile_id % band) % band_rows, (tile_id % band) // band_rows
 
     @triton.jit
     def _expert_of(row_tile, row_offsets_ptr, tile_offsets_ptr, num_experts, BLOCK_E: tl.constexpr):

@@ -15,7 +15,7 @@ pytestmark = [
 ]
 
 # Small tiles, and (programs=4 on CPU) several tiles per program: the persistent loop is walked.
-TILES = grouped_gemm_tma.TmaTiles(
+TILES = grouped_gemm.TileSizes(
     block_m=16, block_n=32, block_k=16, group_m=2, num_warps=4, num_stages=2
 )
 
