@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up a fresh machine and run the main job on the bundled sample corpus:
-# preprocess 1,000 OpenWebText documents, train a small GPT for 100 iterations, stop and save,
-# resume from that checkpoint for 100 more, and print validation and test perplexity.
+# preprocess 1,000 OpenWebText documents, train a small dMoE GPT (every MLP a dropless MoE of 8
+# experts, top-2, with MegaBlocks' flags) for 100 iterations, stop and save, resume from that
+# checkpoint for 100 more, and print validation and test perplexity.
 # Runs on the CPU in a few minutes, or on a GPU when torch sees one.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -29,6 +30,7 @@ train() {
         --micro-batch-size 4 --global-batch-size 8 --train-iters 200 \
         --lr 0.002 --min-lr 0.0002 --lr-decay-style cosine --lr-warmup-iters 10 \
         --clip-grad 1.0 --weight-decay 0.01 --init-method-std 0.02 \
+        --moe-num-experts 8 --moe-top-k 2 --moe-loss-weight 0.1 \
         --data-path "$out/data/owt_text_document" --split 949,50,1 \
         --vocab-file data/sample/gpt2-vocab.json --merge-file data/sample/gpt2-merges.txt \
         --log-interval 20 --eval-interval 100 --eval-iters 10 --num-workers 1 \
