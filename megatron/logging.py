@@ -111,6 +111,9 @@ class TensorBoardLogger:
                 self._writer.add_scalar(f"{name} {suffix}", scalar, iteration)
                 self._writer.add_scalar(f"{name} {suffix} vs samples", scalar, consumed_samples)
 
+    def log_histogram(self, name: str, values: torch.Tensor, iteration: int) -> None:
+        self._writer.add_histogram(name, values, iteration)
+
     def log_scalars(self, scalars: Dict[str, float], iteration: int) -> None:
         for name, value in scalars.items():
             self._writer.add_scalar(name, value, iteration)

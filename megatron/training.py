@@ -41,6 +41,7 @@ from megatron.model.flops import num_floating_point_operations
 from megatron.optimizer import build_lr_scheduler, build_optimizer
 from megatron.optimizer.distributed_optimizer import build_distributed_optimizer
 from megatron.pipeline.training_step import activation_spec, pipeline_step
+from moe.expert_load import format_expert_load_line, gather_expert_load, load_spread
 from moe.experts import flush_expert_gradients, refresh_compute_weights
 from moe.kernels import traceable
 
@@ -57,6 +58,9 @@ class TrainingResult:
     consumed_train_samples: int = 0
     losses: List[Dict[str, float]] = field(default_factory=list)
     validation: List[Tuple[str, Dict[str, float]]] = field(default_factory=list)
+    # Per --log-interval window of an MoE model: {layer number: tokens per expert}
+    # (moe.expert_load), when --moe-per-layer-logging or --tensorboard-dir asks for it.
+    expert_load: List[Dict[int, List[int]]] = field(default_factory=list)
     skipped_iterations: int = 0
     exit_reason: Optional[str] = None
 
@@ -375,6 +379,38 @@ def _throughput(
     return tokens_per_second, tokens_per_second / context.world_size, tflops_per_gpu
 
 
+def _log_expert_load(trainer: Trainer, result: TrainingResult) -> None:
+    """Each MoE layer's tokens per expert over the log window (moe.expert_load): a line after
+    the iteration line with --moe-per-layer-logging, and with --tensorboard-dir a histogram of
+    the counts and the max and min over the mean per layer. A collective; every rank calls it."""
+    moe = trainer.config.model.moe
+    if moe is None or not (moe.per_layer_logging or trainer.config.logging.tensorboard_dir):
+        return
+    num_layers = trainer.config.model.num_layers
+    load = gather_expert_load(
+        trainer.unwrapped_model,
+        [number for number in range(num_layers) if moe.is_moe_layer(number)],
+        moe.num_experts,
+        trainer.context.device,
+    )
+    result.expert_load.append({number: counts.tolist() for number, counts in load.items()})
+    if moe.per_layer_logging:
+        print_rank_0(format_expert_load_line(load))
+    if trainer.tensorboard is not None:
+        for number, counts in load.items():
+            highest, lowest = load_spread(counts)
+            trainer.tensorboard.log_scalars(
+                {
+                    f"moe/tokens-per-expert max-over-mean layer {number}": highest,
+                    f"moe/tokens-per-expert min-over-mean layer {number}": lowest,
+                },
+                trainer.iteration,
+            )
+            trainer.tensorboard.log_histogram(
+                f"moe/tokens-per-expert layer {number}", counts, trainer.iteration
+            )
+
+
 def _validate(
     trainer: Trainer, iterator, prefix: str, result: TrainingResult, advance_consumed: bool
 ) -> None:
@@ -460,6 +496,7 @@ def train(trainer: Trainer, train_iterator, valid_iterator, result: TrainingResu
                 report_memory = False
             if trainer.tensorboard is not None:
                 trainer.tensorboard.log_training(stats)
+            _log_expert_load(trainer, result)
             window_start, window_iterations = time.time(), 0
             window_sums, window_advanced, window_skipped, window_nan = defaultdict(float), 0, 0, 0
 

@@ -120,6 +120,13 @@ def add_moe_args(parser: argparse.ArgumentParser) -> None:
         help="Hidden size of the shared expert; defaults to --ffn-hidden-size.",
     )
     group.add_argument(
+        "--moe-per-layer-logging",
+        action="store_true",
+        help="After each iteration line, log each MoE layer's expert load (max and min tokens "
+        "per expert over the mean, over the --log-interval window). TensorBoard gets it "
+        "whenever --tensorboard-dir is set.",
+    )
+    group.add_argument(
         "--moe-memory-optimized-mlp",
         action="store_true",
         help="Recompute the expert activation (and second projection) in backward instead "

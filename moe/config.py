@@ -42,6 +42,8 @@ class MoEConfig:
     shared_expert: bool = False
     shared_expert_ffn_hidden_size: Optional[int] = None
     memory_optimized_mlp: bool = False
+    # Log each MoE layer's expert load after the iteration line (moe.expert_load).
+    per_layer_logging: bool = False
     # Ranks the experts are sharded over (moe.expert_parallel); 1: every rank holds all experts.
     expert_model_parallel_size: int = 1
 
@@ -75,6 +77,11 @@ class MoEConfig:
                     "experts, but the model has none (no --moe-num-experts); add "
                     "--moe-num-experts N or drop the flag"
                 )
+            if getattr(args, "moe_per_layer_logging", False):
+                raise ConfigError(
+                    "--moe-per-layer-logging logs the MoE layers' expert load, but the model "
+                    "has none (no --moe-num-experts); add --moe-num-experts N or drop the flag"
+                )
             return None
         mlp_type = args.mlp_type or ("glu" if model.swiglu else "mlp")
         expert_parallel_size = getattr(args, "expert_model_parallel_size", 1)
@@ -106,6 +113,7 @@ class MoEConfig:
             shared_expert=args.moe_shared_expert,
             shared_expert_ffn_hidden_size=args.moe_shared_expert_ffn_hidden_size,
             memory_optimized_mlp=args.moe_memory_optimized_mlp,
+            per_layer_logging=args.moe_per_layer_logging,
             expert_model_parallel_size=expert_parallel_size,
         )
         if args.mlp_type == "mlp" and model.swiglu:

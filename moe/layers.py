@@ -3,7 +3,9 @@
 Both map hidden states [b, s, h] -> [b, s, h] like the dense MLP they replace. Each forward
 leaves on the layer, for the training step to collect:
   `load_balancing_loss`, `router_z_loss`: this layer's unweighted losses (see moe.router);
-  `tokens_per_expert`: a buffer with this forward's assignments per expert (before drops).
+  `tokens_per_expert`: a buffer with this forward's assignments per expert (before drops);
+  `window_tokens_per_expert`: their sum over the training forwards since the trainer last took
+  it (moe.expert_load: the per-layer expert load in the log and TensorBoard).
 `MoEAuxiliaryLosses(model)()` turns them into the weighted terms added to the LM loss.
 
 Backends (`--moe-impl`): "grouped" permutes with moe.kernels.permute and multiplies with
@@ -147,6 +149,11 @@ class MoELayer(nn.Module):
         self.register_buffer(
             "tokens_per_expert", torch.zeros(moe_config.num_experts, dtype=torch.long), False
         )
+        self.register_buffer(
+            "window_tokens_per_expert",
+            torch.zeros(moe_config.num_experts, dtype=torch.long),
+            False,
+        )
         if moe_config.router_bias_update_rate > 0:
             # Counts since the last bias update; persistent so that a resumed run is exact.
             self.register_buffer("pending_tokens_per_expert", torch.zeros(moe_config.num_experts))
@@ -207,6 +214,8 @@ class MoELayer(nn.Module):
             self.load_balancing_loss, self.router_z_loss = balance_loss, z_loss
             with torch.no_grad():
                 self.tokens_per_expert.copy_(tokens_per_expert)
+                if self.training:
+                    self.window_tokens_per_expert += tokens_per_expert
                 if bias_update:
                     self.pending_tokens_per_expert += tokens_per_expert.float()
         if self.tensor_parallel:

@@ -62,7 +62,11 @@ def _pretrain(rank: int, world_size: int, args: List[str]) -> Dict:
         WORLD_SIZE=str(world_size), RANK=str(rank), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1"
     )
     result = pretrain_gpt.main(args)
-    return {"losses": result.losses, "validation": result.validation}
+    return {
+        "losses": result.losses,
+        "validation": result.validation,
+        "expert-load": result.expert_load,
+    }
 
 
 def train(world_size: int, args: List[str], directory: Path, save: bool = False) -> Dict:
@@ -89,6 +93,9 @@ def assert_same_run(expected: Dict, actual: Dict, first_iteration: int = 1) -> N
     for step in iterations:
         want = expected["grad-norm"][step]
         assert actual["grad-norm"][step] == pytest.approx(want, rel=TOLERANCE), step
+    # Every MoE layer's tokens per expert, gathered from the stages and summed over the
+    # data-parallel ranks: the single process's counts (TensorBoard asks for them).
+    assert actual["expert-load"] == expected["expert-load"][first_iteration - 1 :]
     expected_losses = expected["losses"][first_iteration - 1 :]
     assert len(actual["losses"]) == len(expected_losses)
     for step, losses, want in zip(iterations, actual["losses"], expected_losses):

@@ -253,6 +253,7 @@ def test_layer_with_expert_parallelism_matches_one_process(four_ranks_expert_par
 # End to end ------------------------------------------------------------------------------------
 ITERATIONS = 5
 SCALARS = ("lm loss", "load balancing loss", "grad-norm")
+EXPERT_LOAD = "moe/tokens-per-expert layer {}"
 
 
 def moe_gpt_args(data_prefix, *extra, tensor_parallel=1):
@@ -294,13 +295,23 @@ def train(nproc: int, args: list, tensorboard_dir: Path) -> dict:
     stdout = run_distributed(_pretrain, nproc, args, timeout_s=120)[0]
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    events = EventAccumulator(str(tensorboard_dir))
+    events = EventAccumulator(str(tensorboard_dir), size_guidance={"histograms": 0})
     events.Reload()
     scalars = {name: {e.step: e.value for e in events.Scalars(name)} for name in SCALARS}
-    return {"stdout": stdout, **scalars}
+    # Tokens routed per MoE layer and iteration (moe.expert_load), as TensorBoard's histogram
+    # of tokens per expert sums them.
+    routed = {
+        layer: {e.step: e.histogram_value.sum for e in events.Histograms(EXPERT_LOAD.format(layer))}
+        for layer in range(4)
+    }
+    return {"stdout": stdout, "routed": routed, **scalars}
 
 
 def assert_same_run(expected: dict, actual: dict, iterations=range(1, ITERATIONS + 1)):
+    # Tensor-parallel ranks route the same tokens and count them once: 8 samples x 32 tokens x
+    # top-2 per layer and iteration, as in one process.
+    for layer in range(4):
+        assert actual["routed"][layer] == {step: 8 * 32 * 2 for step in iterations}
     for name in SCALARS:
         assert sorted(actual[name]) == list(iterations), (name, actual[name])
         for step in iterations:

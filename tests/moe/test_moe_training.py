@@ -49,9 +49,48 @@ def test_moe_with_capacity_every_other_layer_and_zloss(data_prefix, capsys):  # 
     assert len(result.losses) == 4
 
 
+def test_per_layer_expert_load_in_the_log_and_tensorboard(data_prefix, capsys, tmp_path):  # noqa: F811
+    """--moe-per-layer-logging: a line per log window with each MoE layer's expert load, and
+    TensorBoard's histogram of tokens per expert with the max and min over the mean; the counts
+    are every assignment of the window (4 samples x 32 tokens x top-2, before capacity drops)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    args = tiny_gpt_args(
+        data_prefix, *SHORT,
+        "--num-layers", "4", "--moe-num-experts", "4", "--moe-top-k", "2", "--moe-layer-freq", "2",
+        "--no-moe-dropless", "--moe-capacity-factor", "1.0", "--moe-per-layer-logging",
+        "--tensorboard-dir", str(tmp_path), "--log-interval", "2",
+        train_iters=4, micro_batch=2, global_batch=4,
+    )  # fmt: skip
+    result = pretrain_gpt.main(args)
+    output = capsys.readouterr().out
+    lines = re.findall(
+        r"\n expert load \(max / min tokens per expert over the mean\) \| "
+        r"layer 0: (\d\.\d\d) / (\d\.\d\d) \| layer 2: (\d\.\d\d) / (\d\.\d\d) \|\n",
+        output,
+    )
+    assert len(lines) == 2, output[-3000:]
+    assert len(result.expert_load) == 2
+    for window in result.expert_load:
+        assert sorted(window) == [0, 2]
+        assert all(sum(counts) == 2 * 4 * 32 * 2 for counts in window.values()), window
+    events = EventAccumulator(str(tmp_path), size_guidance={"histograms": 0})  # keep them all
+    events.Reload()
+    for layer in (0, 2):
+        histogram = events.Histograms(f"moe/tokens-per-expert layer {layer}")
+        assert [event.step for event in histogram] == [2, 4]
+        for event, window in zip(histogram, result.expert_load):
+            assert event.histogram_value.sum == sum(window[layer])
+            assert event.histogram_value.max == max(window[layer])
+        highest = events.Scalars(f"moe/tokens-per-expert max-over-mean layer {layer}")
+        last = result.expert_load[-1][layer]
+        assert highest[-1].value == pytest.approx(max(last) / (sum(last) / 4))
+
+
 @pytest.mark.parametrize(
     "extra, message",
     [
+        (["--moe-per-layer-logging"], "--moe-per-layer-logging"),
         (["--moe-num-experts", "4", "--moe-top-k", "5"], "--moe-top-k 5"),
         (
             ["--moe-num-experts", "4", "--expert-model-parallel-size", "2"],

@@ -1,0 +1,80 @@
+"""How many tokens each expert of each MoE layer received over a logging window: the numbers
+behind the per-layer expert load in the log line and TensorBoard.
+
+Each MoE layer adds its forward's assignments per expert (before any capacity drop) to its
+`window_tokens_per_expert` buffer in every training forward, on the device and without a host
+sync. At each `--log-interval` the trainer calls `gather_expert_load`, which takes and clears
+those buffers and sums them over all ranks into one table, so that every rank (rank 0 writes
+TensorBoard) holds every MoE layer's counts for the whole global batch:
+- data-parallel and expert-parallel ranks each count their own tokens over all experts, and the
+  sum adds them up;
+- tensor-parallel ranks route the same tokens, so only the first rank of each tensor-parallel
+  group contributes;
+- pipeline stages hold different layers, and each contributes its own layers' rows.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron import parallel_state
+from megatron.model.transformer import TransformerLayer
+from moe.layers import MoELayer
+
+
+def take_window_counts(model: nn.Module) -> Dict[int, torch.Tensor]:
+    """{layer number (0-based, as in `decoder.layers.<n>`): tokens per expert since the last
+    call} of the MoE layers this rank holds; clears their windows."""
+    counts = {}
+    for module in model.modules():
+        if isinstance(module, TransformerLayer) and isinstance(module.mlp, MoELayer):
+            window = module.mlp.window_tokens_per_expert
+            counts[module.layer_number] = window.clone()
+            window.zero_()
+    return counts
+
+
+def gather_expert_load(
+    model: nn.Module, moe_layer_numbers: List[int], num_experts: int, device: torch.device
+) -> Dict[int, torch.Tensor]:
+    """{layer number: int64 tokens per expert [num_experts]} for every MoE layer of the model
+    (`moe_layer_numbers`), summed over the window and all ranks (module docstring).
+
+    A collective when torch.distributed is initialized: every rank calls it at the same
+    iteration.
+    """
+    table = torch.zeros(len(moe_layer_numbers), num_experts, dtype=torch.int64, device=device)
+    row_of = {number: row for row, number in enumerate(moe_layer_numbers)}
+    counts = take_window_counts(model)
+    counted_here = (
+        not parallel_state.model_parallel_is_initialized()
+        or parallel_state.get_tensor_model_parallel_rank() == 0
+    )
+    if counted_here:
+        for number, layer_counts in counts.items():
+            table[row_of[number]] += layer_counts.to(device)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(table)
+    return {number: table[row].cpu() for number, row in row_of.items()}
+
+
+def load_spread(counts: torch.Tensor) -> Tuple[float, float]:
+    """(max, min) tokens per expert over their mean: 1.0 and 1.0 is perfect balance; a max of
+    E (the number of experts) means one expert got every token. (nan, nan) without tokens."""
+    mean = counts.double().mean()
+    if mean == 0:
+        return float("nan"), float("nan")
+    return (counts.max() / mean).item(), (counts.min() / mean).item()
+
+
+def format_expert_load_line(load: Dict[int, torch.Tensor]) -> str:
+    """One log line with each MoE layer's (max / min) tokens per expert over their mean."""
+    line = " expert load (max / min tokens per expert over the mean) |"
+    for number, counts in load.items():
+        highest, lowest = load_spread(counts)
+        line += f" layer {number}: {highest:.2f} / {lowest:.2f} |"
+    return line
