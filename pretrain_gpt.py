@@ -28,6 +28,7 @@ from megatron.data.gpt_dataset import SPLIT_NAMES, build_train_valid_test_datase
 from megatron.initialize import (
     DistributedContext,
     barrier,
+    deterministic_mode,
     initialize_distributed,
     initialize_model_parallel,
     print_rank_0,
@@ -146,18 +147,19 @@ def main(argv: Optional[List[str]] = None) -> TrainingResult:
     parallel = config.parallel
     tensor_parallel_size = parallel.tensor_model_parallel_size
 
-    context = initialize_distributed(parallel.distributed_backend)
-    initialize_model_parallel(
-        tensor_parallel_size,
-        _expert_parallel_size(config),
-        parallel.pipeline_model_parallel_size,
-        parallel.virtual_pipeline_model_parallel_size,
-    )
-    try:
-        return _setup_and_train(config, run_arguments, context)
-    finally:
-        # Later runs in this process (tests) start from fresh groups.
-        destroy_model_parallel()
+    with deterministic_mode(config.training.deterministic_mode):
+        context = initialize_distributed(parallel.distributed_backend)
+        initialize_model_parallel(
+            tensor_parallel_size,
+            _expert_parallel_size(config),
+            parallel.pipeline_model_parallel_size,
+            parallel.virtual_pipeline_model_parallel_size,
+        )
+        try:
+            return _setup_and_train(config, run_arguments, context)
+        finally:
+            # Later runs in this process (tests) start from fresh groups.
+            destroy_model_parallel()
 
 
 def _expert_parallel_size(config: Config) -> int:

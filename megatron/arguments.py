@@ -293,6 +293,13 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
         "which picks the flash kernels on GPUs that have them.",
     )
     group.add_argument(
+        "--deterministic-mode",
+        action="store_true",
+        help="Bit-exact reruns and resumes on GPUs: torch's deterministic algorithms (which "
+        "torch.compile's kernels follow too), CUBLAS_WORKSPACE_CONFIG=:4096:8 and NCCL_ALGO=Ring "
+        "unless set. Off, GPU runs of the same flags differ in the last digits.",
+    )
+    group.add_argument(
         "--no-torch-compile",
         action="store_false",
         dest="torch_compile",

@@ -1,13 +1,14 @@
 """Process start-up: torch.distributed from torchrun's environment, device choice, the model-
-parallel process groups, seeds."""
+parallel process groups, seeds, deterministic mode."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Optional
+from typing import Iterator, Optional
 
 import numpy as np
 import torch
@@ -85,6 +86,35 @@ def initialize_model_parallel(
         expert_model_parallel_size=expert_model_parallel_size,
         virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
     )
+
+
+@contextlib.contextmanager
+def deterministic_mode(enabled: bool) -> Iterator[None]:
+    """--deterministic-mode (Megatron's flag) around a run; nothing when not `enabled`.
+
+    On GPUs a run is otherwise not repeatable bit for bit: on an H100 two compiled runs of the
+    same flags part in the fifth or sixth digit of the loss after 5 to 11 iterations, as some
+    kernels add in whatever order their threads arrive (docs/training.md).
+
+    This turns on torch's deterministic algorithms (Inductor then generates deterministic
+    kernels too). Unless already set, it also sets the two environment variables they rely on:
+    - CUBLAS_WORKSPACE_CONFIG, cuBLAS's workspace, read when the first handle is made;
+    - NCCL_ALGO, one NCCL algorithm whatever the message size, read when a communicator is made.
+
+    So enter it before any GPU work. The previous deterministic setting comes back on exit
+    (tests run several runs in one process); the environment variables stay.
+    """
+    if not enabled:
+        yield
+        return
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    os.environ.setdefault("NCCL_ALGO", "Ring")
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(previous)
 
 
 def set_random_seed(seed: int) -> None:

@@ -83,6 +83,9 @@ class TrainingConfig:
     bf16: bool = False
     use_flash_attn: bool = False
     torch_compile: bool = True  # on GPUs only; --no-torch-compile turns it off
+    # torch's deterministic algorithms (and cuBLAS/NCCL settings) for bit-exact GPU reruns and
+    # resumes (megatron.initialize.deterministic_mode).
+    deterministic_mode: bool = False
     # bf16/fp16 copies of the expert weights and fused accumulation of their gradients
     # (moe.experts); --no-gradient-accumulation-fusion leaves both to autocast and autograd.
     gradient_accumulation_fusion: bool = True
