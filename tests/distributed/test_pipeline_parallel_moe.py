@@ -146,8 +146,9 @@ def test_pipeline_matches_single_process(single_process, pipeline_run):
         (2, INTERLEAVED),
         (4, PIPELINE),
         (4, [*INTERLEAVED, "--expert-model-parallel-size", "2"]),
+        (4, [*PIPELINE, "--deterministic-mode"]),  # every op of the layout has a deterministic form
     ],
-    ids=["pp2_interleaved", "pp2_dp2", "ep2_pp2_interleaved"],
+    ids=["pp2_interleaved", "pp2_dp2", "ep2_pp2_interleaved", "pp2_dp2_deterministic"],
 )
 def test_pipeline_layouts_match_single_process(
     single_process, data_prefix, tmp_path, world_size, extra

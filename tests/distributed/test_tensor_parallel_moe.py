@@ -365,8 +365,9 @@ def test_tensor_parallel_dmoe_gpt_matches_one_process(single_and_tensor_parallel
         # The reference backend's per-expert loop, under sequence parallelism.
         (2, ["--sequence-parallel", "--moe-impl", "reference"]),
         (4, []),
+        (4, ["--sequence-parallel", "--deterministic-mode"]),
     ],
-    ids=["tp2_sp_reference", "tp2_dp2"],
+    ids=["tp2_sp_reference", "tp2_dp2", "tp2_sp_dp2_deterministic"],
 )
 def test_sequence_and_data_parallel_dmoe_gpt_match_one_process(
     single_and_tensor_parallel, data_prefix, tmp_path, nproc, extra
