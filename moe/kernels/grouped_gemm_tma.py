@@ -349,8 +349,13 @@ if TRITON_AVAILABLE:
                 else:
                     xs = x_desc.load([t0, m0])
                 if GATHER_GRAD:
+                    # Columns past N (N need not be a multiple of BLOCK_N) would read the next
+                    # row, or past the end of the tensor for its last row: masked.
+                    grad_cols = n0 + tl.arange(0, BLOCK_N)
                     grads = tl.load(
-                        grad_ptr + source[:, None] * N + (n0 + tl.arange(0, BLOCK_N))[None, :]
+                        grad_ptr + source[:, None] * N + grad_cols[None, :],
+                        mask=(grad_cols < N)[None, :],
+                        other=0.0,
                     )
                 else:
                     grads = grad_desc.load([t0, n0])
