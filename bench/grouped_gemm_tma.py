@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.grouped_products import _operands  # noqa: E402
-from bench.moe_layer import CONFIGS, median_step_ms  # noqa: E402
+from bench.moe_layer import CONFIGS, capture_graph, median_step_ms  # noqa: E402
 from moe.kernels.grouped_gemm import TileSizes  # noqa: E402
 from moe.kernels.grouped_gemm_tma import grouped_mm_tma, weight_grad_tma  # noqa: E402
 
@@ -44,19 +44,10 @@ def median_ms(fn, calls=20, rounds=5) -> float:
     """Median over `rounds` replays of a CUDA graph of `calls` calls, in ms per call: the GPU's
     time alone. (Timed as launched, the host's setup work per call, about 0.1 ms of Python,
     set the pace of the smallest products.)"""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
+    replay = capture_graph(fn, calls)
+    replay()
     torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    return median_step_ms(graph.replay, steps=1, rounds=rounds) / calls
+    return median_step_ms(replay, steps=1, rounds=rounds) / calls
 
 
 def relative_error(got, want) -> float:

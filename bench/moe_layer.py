@@ -125,12 +125,31 @@ def heat_gpu(run, seconds=1.0):
         torch.cuda.synchronize()
 
 
-def median_step_ms(run, steps, rounds):
+def capture_graph(fn, calls=1, warmup=3):
+    """`calls` calls of `fn` captured as one CUDA graph, after `warmup` calls; its replay. Both
+    run on a side stream, as torch's CUDA graph notes advise."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for _ in range(calls):
+            fn()
+    return graph.replay
+
+
+def median_step_ms(run, steps, rounds, idle_s=0.0):
     """Median over `rounds` of the mean ms per step of `steps` calls of `run` between two
     events. With steps=1 each step is timed alone, after the host's synchronization left the
-    GPU idle; with more, the steps run back to back, as a training loop runs them."""
+    GPU idle (for `idle_s` more seconds, when given); with more, the steps run back to back,
+    as a training loop runs them."""
     means = []
     for _ in range(rounds):
+        if idle_s:
+            time.sleep(idle_s)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(steps):

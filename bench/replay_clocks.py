@@ -12,7 +12,6 @@ session): the clock falls under the GPU's power limit.
 """
 
 import sys
-import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -54,20 +53,6 @@ def kernel_us_per_step(run, steps, alone):
     return totals
 
 
-def alone_after_sleep_ms(run, rounds=7, sleep_s=0.005):
-    times = []
-    for _ in range(rounds):
-        time.sleep(sleep_s)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
-    return times[len(times) // 2]
-
-
 def main() -> None:
     index = int(sys.argv[1]) if len(sys.argv) > 1 else 2
     hidden, ffn, experts, top_k, tokens = CONFIGS[index]
@@ -91,7 +76,7 @@ def main() -> None:
             ms = median_step_ms(run, steps=steps, rounds=7)
             print(f"{label}: {ms:.3f} ms per step; then {clocks()}", flush=True)
         print(
-            f"one at a time, the host sleeping 5 ms before each: {alone_after_sleep_ms(run):.3f} ms"
+            f"one at a time, the host sleeping 5 ms before each: {median_step_ms(run, 1, 7, idle_s=0.005):.3f} ms"
         )
         alone = kernel_us_per_step(run, 10, alone=True)
         back_to_back = kernel_us_per_step(run, 10, alone=False)

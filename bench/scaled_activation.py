@@ -25,7 +25,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.grouped_products import median_ms  # noqa: E402
-from bench.moe_layer import CONFIGS  # noqa: E402
+from bench.moe_layer import CONFIGS, capture_graph  # noqa: E402
 from moe.kernels import scaled_activation as sa  # noqa: E402
 
 SWEEP = [(4, 256), (8, 256), (2, 256), (4, 128), (2, 512), (1, 1024)]
@@ -51,16 +51,7 @@ def _step(fn, inputs, grad):
             leaf.grad = None
         fn(*leaves).backward(grad)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            step()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        step()
-    return graph.replay
+    return capture_graph(step)
 
 
 def main() -> None:

@@ -59,7 +59,8 @@ def gather_expert_load(
             table[row_of[number]] += layer_counts.to(device)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(table)
-    return {number: table[row].cpu() for number, row in row_of.items()}
+    table = table.cpu()
+    return {number: table[row] for number, row in row_of.items()}
 
 
 def load_spread(counts: torch.Tensor) -> Tuple[float, float]:

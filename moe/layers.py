@@ -433,11 +433,6 @@ def moe_layers(model: nn.Module) -> List[Tuple[str, MoELayer]]:
     ]
 
 
-def tokens_per_expert_by_layer(model: nn.Module) -> Dict[str, torch.Tensor]:
-    """Assignments per expert of each MoE layer's latest forward, keyed by module name."""
-    return {name: layer.tokens_per_expert.clone() for name, layer in moe_layers(model)}
-
-
 class MoEAuxiliaryLosses:
     """Collects the weighted auxiliary losses of a model's MoE layers after each forward.
 
