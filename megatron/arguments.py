@@ -602,3 +602,35 @@ def _add_logging_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="Write memory statistics to TensorBoard.",
     )
+    group.add_argument(
+        "--profile",
+        action="store_true",
+        help="Profile iterations --profile-step-start+1 .. --profile-step-end on --profile-ranks: "
+        "with --use-pytorch-profiler a torch.profiler trace in --tensorboard-dir, otherwise "
+        "CUDA's profiler range and NVTX ranges for `nsys profile --capture-range=cudaProfilerApi`.",
+    )
+    group.add_argument(
+        "--use-pytorch-profiler",
+        action="store_true",
+        help="With --profile: record with torch.profiler and write the trace (and a table of the "
+        "costliest operations) to --tensorboard-dir.",
+    )
+    group.add_argument(
+        "--profile-step-start",
+        type=int,
+        default=10,
+        help="Iterations completed before profiling starts.",
+    )
+    group.add_argument(
+        "--profile-step-end",
+        type=int,
+        default=12,
+        help="Iterations completed when profiling stops.",
+    )
+    group.add_argument(
+        "--profile-ranks",
+        nargs="+",
+        type=int,
+        default=[0],
+        help="Global ranks to profile.",
+    )

@@ -41,6 +41,7 @@ from megatron.model.flops import num_floating_point_operations
 from megatron.optimizer import build_lr_scheduler, build_optimizer
 from megatron.optimizer.distributed_optimizer import build_distributed_optimizer
 from megatron.pipeline.training_step import activation_spec, pipeline_step
+from megatron.profiling import StepProfiler
 from moe.expert_load import format_expert_load_line, gather_expert_load, load_spread
 from moe.experts import flush_expert_gradients, refresh_compute_weights
 from moe.kernels import traceable
@@ -430,6 +431,16 @@ def _validate(
 
 def train(trainer: Trainer, train_iterator, valid_iterator, result: TrainingResult) -> None:
     """Run iterations until --train-iters or an exit condition; log, evaluate and save on schedule."""
+    profiler = StepProfiler(trainer.config.logging, trainer.context.rank, trainer.context.device)
+    try:
+        _train_loop(trainer, train_iterator, valid_iterator, result, profiler)
+    finally:
+        profiler.stop()  # a run that ends before --profile-step-end still writes its trace
+
+
+def _train_loop(
+    trainer: Trainer, train_iterator, valid_iterator, result: TrainingResult, profiler: StepProfiler
+) -> None:
     config = trainer.config
     training, logging_config = config.training, config.logging
     exit_signal = _ExitSignal(training.exit_signal_handler)
@@ -446,8 +457,10 @@ def train(trainer: Trainer, train_iterator, valid_iterator, result: TrainingResu
     print_rank_0("training ...")
     train_iters = total_train_iters(config)
     while trainer.iteration < train_iters:
+        profiler.before_step(trainer.iteration)
         losses, skipped, grad_norm, got_nan = trainer.train_step(train_iterator)
         trainer.iteration += 1
+        profiler.after_step(trainer.iteration)
         trainer.consumed_train_samples += training.global_batch_size
         window_iterations += 1
         result.losses.append(losses)

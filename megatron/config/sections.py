@@ -182,6 +182,11 @@ class LoggingConfig:
     log_params_norm: bool = False
     log_num_zeros_in_grad: bool = False
     timing_log_level: int = 0
+    profile: bool = False
+    use_pytorch_profiler: bool = False
+    profile_step_start: int = 10
+    profile_step_end: int = 12
+    profile_ranks: Tuple[int, ...] = (0,)
 
 
 @dataclass(frozen=True)
@@ -229,7 +234,10 @@ class Config:
                 no_load_rng=bool(args.no_load_rng),
                 finetune=args.finetune,
             ),
-            logging=LoggingConfig(**_pick(args, LoggingConfig)),
+            logging=LoggingConfig(
+                **_pick(args, LoggingConfig, skip=("profile_ranks",)),
+                profile_ranks=tuple(args.profile_ranks),
+            ),
             parallel=ParallelConfig(
                 ddp_impl=args.DDP_impl, **_pick(args, ParallelConfig, skip=("ddp_impl",))
             ),

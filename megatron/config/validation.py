@@ -10,6 +10,8 @@ import argparse
 import os
 from typing import List, Optional, Sequence, Tuple
 
+import torch
+
 from megatron.arguments import ArgumentGroupAdder, build_parser
 from megatron.data.dataset_splits import parse_data_path, parse_split_string
 
@@ -65,6 +67,7 @@ def resolve_arguments_with_notes(
     _resolve_recompute(args, notes)
     _check_data(args)
     _check_checkpointing(args, notes)
+    _check_profiling(args)
     return args, notes
 
 
@@ -395,3 +398,31 @@ def _check_checkpointing(args: argparse.Namespace, notes: List[str]) -> None:
         notes.append(f"--load {args.load} does not exist; training starts from scratch")
     if args.finetune and args.load is None:
         notes.append("--finetune without --load: there is no checkpoint to start from")
+
+
+def _check_profiling(args: argparse.Namespace) -> None:
+    if args.use_pytorch_profiler and not args.profile:
+        raise ConfigError("--use-pytorch-profiler only takes effect with --profile; add --profile")
+    if not args.profile:
+        return
+    start, end = args.profile_step_start, args.profile_step_end
+    if start < 0 or end <= start:
+        raise ConfigError(
+            f"--profile-step-start {start} and --profile-step-end {end} must satisfy "
+            "0 <= start < end (iterations completed when profiling starts and stops)"
+        )
+    outside = [rank for rank in args.profile_ranks if not 0 <= rank < args.world_size]
+    if outside:
+        raise ConfigError(
+            f"--profile-ranks {' '.join(map(str, outside))}: no such rank in a world of "
+            f"{args.world_size} (ranks 0..{args.world_size - 1})"
+        )
+    if not args.use_pytorch_profiler and not torch.cuda.is_available():
+        raise ConfigError(
+            "--profile without --use-pytorch-profiler drives CUDA's profiler (for nsys) and "
+            "needs a GPU; none is visible: add --use-pytorch-profiler"
+        )
+    if args.use_pytorch_profiler and args.tensorboard_dir is None:
+        raise ConfigError(
+            "--use-pytorch-profiler writes its trace to --tensorboard-dir; set --tensorboard-dir DIR"
+        )
