@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument(
         "--skip-invalid",
         action="store_true",
-        help="skip unusable lines (bad UTF-8 or JSON, missing key, non-string value) and report them at the end",
+        help="skip unusable lines (bad UTF-8 or JSON, missing key, non-string value, lone surrogate) and report them at the end",
     )
 
     group = parser.add_argument_group("tokenizer")
@@ -154,6 +154,7 @@ class OutputFiles:
         self.final_prefixes = {key: f"{output_prefix}_{key}_{level}" for key in json_keys}
         suffix = f".tmp{os.getpid()}"
         self.builders = {}
+        self.documents_written = {key: 0 for key in json_keys}
         self._temporary = {}
         for key, prefix in self.final_prefixes.items():
             bin_tmp = data_file_path(prefix) + suffix
@@ -167,6 +168,7 @@ class OutputFiles:
             builder = self.builders[key]
             builder.add_items(encoded.tokens, encoded.sequence_lengths)
             builder.end_documents(encoded.sequences_per_document)
+            self.documents_written[key] += len(encoded.sequences_per_document)
             tokens += int(encoded.tokens.size)
         return tokens
 
@@ -278,6 +280,7 @@ def run(args: argparse.Namespace) -> Dict[str, str]:
         pool.join()
         if progress.documents == 0:
             raise InputError(f"--input {args.input}: no valid documents to write")
+        _refuse_all_empty(args.input, progress.documents, outputs.documents_written)
         prefixes = outputs.commit()
     except BaseException:
         pool.terminate()
@@ -301,6 +304,18 @@ def run(args: argparse.Namespace) -> Dict[str, str]:
     for prefix in prefixes:
         print(f"Wrote {data_file_path(prefix)} and {index_file_path(prefix)}", file=sys.stderr)
     return dict(zip(args.json_keys, prefixes))
+
+
+def _refuse_all_empty(input_pattern: str, documents: int, documents_written: Dict[str, int]):
+    """Stop before committing a key's dataset that would hold no document (all were dropped)."""
+    hollow_keys = [key for key, written in documents_written.items() if written == 0]
+    if hollow_keys:
+        names = " and ".join(f"'{key}'" for key in hollow_keys)
+        raise InputError(
+            f"--input {input_pattern}: all {documents} documents were empty (their {names} "
+            "tokenized to nothing), so there is nothing to train on; "
+            "--keep-empty keeps empty documents"
+        )
 
 
 def _consume(

@@ -3,8 +3,8 @@
 Each worker process builds its own tokenizer once (`init_worker`) and then turns a
 `LineChunk` into an `EncodedChunk`: per JSON key, one flat token array plus the length of
 every sequence and the number of sequences of every document. Lines that are not valid
-(bad UTF-8, bad JSON, missing key, non-string value) come back as `LineProblem`s with their
-file and line, and the main process decides whether to stop or skip.
+(bad UTF-8, bad JSON, missing key, non-string value, a lone surrogate escape) come back as
+`LineProblem`s with their file and line, and the main process decides whether to stop or skip.
 """
 
 from __future__ import annotations
@@ -140,8 +140,30 @@ def _parse_line(raw_line: bytes, path: str, line_number: int, json_keys: Sequenc
                 line_number,
                 f"the value of '{key}' is a JSON {_json_type(value)}, not a string",
             )
+        surrogate_at = _lone_surrogate_position(value)
+        if surrogate_at is not None:
+            return None, LineProblem(
+                path,
+                line_number,
+                f"the value of '{key}' holds a lone surrogate \\u{ord(value[surrogate_at]):04x} "
+                f"at character {surrogate_at}, which is not valid Unicode text; "
+                "fix or drop the line",
+            )
         texts[key] = value
     return texts, None
+
+
+def _lone_surrogate_position(value: str) -> Optional[int]:
+    """Index of the first lone UTF-16 surrogate in `value` (JSON allows `\\ud800`), else None."""
+    # No tokenizer can encode such a string. isascii() is O(1) and the strict UTF-8 encode is a
+    # single C pass, far cheaper than a regex over every document.
+    if value.isascii():
+        return None
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as error:
+        return error.start
+    return None
 
 
 def _json_type(value) -> str:

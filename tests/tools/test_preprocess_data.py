@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import sentencepiece
 
 from megatron.data.indexed_dataset import MMapIndexedDataset
 from megatron.tokenizer import build_tokenizer
@@ -117,6 +118,81 @@ def test_skip_invalid_reports_count_and_lines(tmp_path, capsys):
     assert len(MMapIndexedDataset(f"{prefix}_text_document")) == 5
 
 
+# Valid JSON whose string holds a lone UTF-16 surrogate: Python decodes it, no tokenizer encodes it.
+LONE_SURROGATE = json.dumps({"id": 9, "text": "abc \ud800 def"}) + "\n"
+# A surrogate pair is one character (an emoji here) and must still be accepted.
+SURROGATE_PAIR = json.dumps({"id": 8, "text": "smile \U0001f600"}) + "\n"
+
+
+@pytest.mark.parametrize("bad_key", ["text", "title"])
+def test_lone_surrogate_stops_naming_file_line_and_key(tmp_path, capsys, bad_key):
+    lines = [json.dumps({"text": f"body {i}", "title": f"title {i}"}) + "\n" for i in range(5)]
+    lines[1] = json.dumps({"text": "smile \U0001f600", "title": "pair"}) + "\n"
+    lines[3] = json.dumps({"text": "body 3", "title": "title 3", bad_key: "abc \ud800 def"}) + "\n"
+    source = _write_lines(tmp_path / "surrogate.jsonl", lines)
+    prefix = tmp_path / "out" / "surrogate"
+    assert preprocess_data.main(_gpt2_args(source, prefix, "--json-keys", "text", "title")) == 1
+    error = capsys.readouterr().err
+    assert [line for line in error.splitlines() if line.startswith("error:")] == [
+        f"error: {source}:4: the value of '{bad_key}' holds a lone surrogate \\ud800 at character 4,"
+        " which is not valid Unicode text; fix or drop the line"
+        " (pass --skip-invalid to skip such lines)"
+    ], error
+    assert "Traceback" not in error
+    _assert_no_outputs(str(prefix))
+
+
+@pytest.fixture(scope="module")
+def tokenizer_flags(tmp_path_factory):
+    """--tokenizer-type and its files for every type: GPT-2, its tokenizer.json, a tiny SentencePiece."""
+    directory = tmp_path_factory.mktemp("tokenizers")
+    gpt2 = build_tokenizer("GPT2BPETokenizer", vocab_file=str(VOCAB), merge_file=str(MERGES))
+    gpt2.hf_tokenizer.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(json.loads(line)["text"] for line in [*GOOD, SURROGATE_PAIR]),
+        model_prefix=str(directory / "tiny"),
+        vocab_size=60,
+        hard_vocab_limit=False,
+        model_type="bpe",
+        num_threads=1,
+        minloglevel=2,
+    )
+    gpt2_files = ["--vocab-file", str(VOCAB), "--merge-file", str(MERGES)]
+    return {
+        "GPT2BPETokenizer": gpt2_files,
+        "HuggingFaceTokenizer": ["--tokenizer-model", str(directory)],
+        "SentencePieceTokenizer": ["--tokenizer-model", str(directory / "tiny.model")],
+    }
+
+
+@pytest.mark.parametrize(
+    "tokenizer_type", ["GPT2BPETokenizer", "HuggingFaceTokenizer", "SentencePieceTokenizer"]
+)
+def test_skip_invalid_skips_lone_surrogate_line_only(
+    tmp_path, capsys, tokenizer_flags, tokenizer_type
+):
+    def preprocess(source, prefix, *extra):
+        return preprocess_data.main(
+            ["--input", str(source), "--output-prefix", str(prefix), "--append-eod"]
+            + ["--tokenizer-type", tokenizer_type, *tokenizer_flags[tokenizer_type]]
+            + ["--workers", "2", *extra]
+        )
+
+    good = [*GOOD[:2], SURROGATE_PAIR, *GOOD[2:]]
+    clean = _write_lines(tmp_path / "clean.jsonl", good)
+    dirty = _write_lines(tmp_path / "dirty.jsonl", [*good[:4], LONE_SURROGATE, *good[4:]])
+    assert preprocess(clean, tmp_path / "clean") == 0
+    assert preprocess(dirty, tmp_path / "dirty", "--skip-invalid") == 0
+    error = capsys.readouterr().err
+    assert "Skipped 1 invalid lines" in error
+    assert f"{dirty}:5: the value of 'text' holds a lone surrogate \\ud800 at character 4" in error
+    for suffix in (".bin", ".idx"):
+        written = Path(f"{tmp_path}/dirty_text_document{suffix}").read_bytes()
+        assert written == Path(f"{tmp_path}/clean_text_document{suffix}").read_bytes()
+    assert len(MMapIndexedDataset(f"{tmp_path}/dirty_text_document")) == len(good)
+
+
 @pytest.mark.parametrize("name", ["empty.jsonl", "empty.jsonl.gz", "blank.jsonl"])
 def test_empty_input_is_an_error(tmp_path, capsys, name):
     source = _write_lines(tmp_path / name, ["\n", "  \n"] if name.startswith("blank") else [])
@@ -192,6 +268,38 @@ def test_empty_documents_dropped_or_kept(tmp_path, capsys):
     kept = MMapIndexedDataset(f"{tmp_path}/kept_text_document")
     assert len(kept.doc_idx) == 4
     assert kept.get(1).tolist() == [EOD]
+
+
+EMPTY_TEXT = json.dumps({"text": ""}) + "\n"
+
+
+@pytest.mark.parametrize(
+    "lines, extra, empty_key, documents",
+    [
+        ([EMPTY_TEXT] * 3, [], "text", 3),
+        ([EMPTY_TEXT, "not json\n", EMPTY_TEXT], ["--skip-invalid"], "text", 2),
+        (
+            [json.dumps({"text": f"body {i}", "title": ""}) + "\n" for i in range(3)],
+            ["--json-keys", "text", "title"],
+            "title",
+            3,
+        ),
+    ],
+)
+def test_all_documents_empty_is_an_error(tmp_path, capsys, lines, extra, empty_key, documents):
+    source = _write_lines(tmp_path / "hollow.jsonl", lines)
+    prefix = tmp_path / "out" / "hollow"
+    assert preprocess_data.main(_gpt2_args(source, prefix, *extra)) == 1
+    error = capsys.readouterr().err
+    assert [line for line in error.splitlines() if line.startswith("error:")] == [
+        f"error: --input {source}: all {documents} documents were empty (their '{empty_key}'"
+        " tokenized to nothing), so there is nothing to train on;"
+        " --keep-empty keeps empty documents"
+    ], error
+    _assert_no_outputs(str(prefix))
+    assert preprocess_data.main(_gpt2_args(source, tmp_path / "kept", "--keep-empty", *extra)) == 0
+    kept = MMapIndexedDataset(f"{tmp_path}/kept_{empty_key}_document")
+    assert [kept.get(i).tolist() for i in range(len(kept))] == [[EOD]] * documents
 
 
 def test_several_json_keys(tmp_path):
