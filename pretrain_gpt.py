@@ -10,6 +10,7 @@ hands them to `megatron.training.pretrain`.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -24,7 +25,9 @@ from megatron.config import (
     resolve_arguments,
 )
 from megatron.data.dataset_splits import get_train_valid_test_num_samples
+from megatron.data.errors import check_datasets_serve_run
 from megatron.data.gpt_dataset import SPLIT_NAMES, build_train_valid_test_datasets
+from megatron.errors import UserError
 from megatron.initialize import (
     DistributedContext,
     barrier,
@@ -94,7 +97,11 @@ def make_forward_step(
 
 
 def build_datasets(config: Config) -> Dict[str, Optional[torch.utils.data.Dataset]]:
-    """Train/valid/test GPT datasets with Megatron's sample counts."""
+    """Train/valid/test GPT datasets with Megatron's sample counts.
+
+    Raises `DatasetError` (a UserError, one line) when they cannot serve the run: no train
+    samples, a split without tokens, token ids at or above the padded vocabulary size.
+    """
     training, data = config.training, config.data
     num_samples = get_train_valid_test_num_samples(
         global_batch_size=training.global_batch_size,
@@ -113,10 +120,12 @@ def build_datasets(config: Config) -> Dict[str, Optional[torch.utils.data.Datase
         train_data_path=data.train_data_path,
         valid_data_path=data.valid_data_path,
         test_data_path=data.test_data_path,
+        vocab_size=config.model.padded_vocab_size or None,
     )
     for name, dataset, requested in zip(SPLIT_NAMES, datasets, num_samples):
         size = len(dataset) if dataset is not None else 0
         print_rank_0(f"    {name}: {size} samples (requested {requested})")
+    check_datasets_serve_run(datasets, data.data_path, data.split, training.global_batch_size)
     return dict(zip(SPLIT_NAMES, datasets))
 
 
@@ -157,6 +166,13 @@ def main(argv: Optional[List[str]] = None) -> TrainingResult:
         )
         try:
             return _setup_and_train(config, run_arguments, context)
+        except UserError as error:
+            # A problem with a checkpoint, a dataset or a directory: the message says what to
+            # do, and a traceback would only bury it (MEGATRON_TRACEBACK=1 shows it).
+            if os.environ.get("MEGATRON_TRACEBACK", "0") not in ("", "0"):
+                raise
+            print(f"error: {error}", file=sys.stderr, flush=True)
+            raise SystemExit(1) from None
         finally:
             # Later runs in this process (tests) start from fresh groups.
             destroy_model_parallel()

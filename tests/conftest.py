@@ -1,10 +1,23 @@
 """Session set-up shared by every test."""
 
+import pytest
 import torch
 
 from tests import triton_interpreter
+from tests.sample_data import CORPUS, gpt2_preprocess_args
 
 # Without a GPU, MoE kernel tests run their Triton kernels through the interpreter; this must
 # happen before any test module imports triton.
 if not torch.cuda.is_available():
     triton_interpreter.enable()
+
+
+@pytest.fixture(scope="session")
+def sample_prefix(tmp_path_factory):
+    """The bundled corpus preprocessed once per session (GPT-2 BPE, --append-eod); tests must
+    not change its files (copy them first; runs write index caches beside them)."""
+    from tools import preprocess_data
+
+    prefix = tmp_path_factory.mktemp("owt") / "owt"
+    assert preprocess_data.main(gpt2_preprocess_args(CORPUS, prefix)) == 0
+    return f"{prefix}_text_document"

@@ -360,10 +360,19 @@ def _check_data(args: argparse.Namespace) -> None:
         raise ConfigError(f"--data-path and {others} were both given; use one data source")
     sources = {"data": args.data_path} if args.data_path is not None else given_per_split
     for name, paths in sources.items():
+        flag = f"--{name}-path" if name == "data" else f"--{name}-data-path"
         try:
-            parse_data_path(paths, f"--{name}-path" if name == "data" else f"--{name}-data-path")
+            prefixes = parse_data_path(paths, flag).prefixes
         except ValueError as error:
             raise ConfigError(str(error)) from None
+        for prefix in prefixes:
+            # The dataset is PREFIX.bin + PREFIX.idx; a file name gets the prefix to give.
+            suffix = os.path.splitext(prefix)[1]
+            if suffix in (".bin", ".idx") and not os.path.isfile(prefix + ".idx"):
+                raise ConfigError(
+                    f"{flag} {prefix}: give the dataset prefix without {suffix}, "
+                    f"i.e. {flag} {prefix[: -len(suffix)]}"
+                )
     if args.data_path is not None:
         try:
             parse_split_string(args.split)

@@ -1,14 +1,18 @@
 """GPT pretraining dataset: fixed-length samples cut from a shuffled stream of documents.
 
 Same samples, in the same order, as Megatron-LM's legacy `GPTDataset` for the same data,
-`--split`, sequence length, seed and sample counts; the index arrays are cached next to the
-data under Megatron's file names, so caches from either framework can be reused.
+`--split`, sequence length, seed and sample counts. The index arrays are byte-identical to
+Megatron's, but cached under Megatron's legacy stem followed by the hash of a description of
+everything they depend on (megatron/data/index_cache.py): the legacy names hold only samples,
+length and seed, so another `--split` or a re-created dataset silently reused stale arrays.
+Caches written by Megatron-LM are therefore not reused here, nor ours by it.
+
+Datasets that cannot serve a run (a split without documents or tokens, token ids beyond the
+vocabulary, files missing) raise `DatasetError`, one line naming the dataset, split and fix.
 """
 
 from __future__ import annotations
 
-import logging
-import os
 from typing import Callable, Sequence, Tuple
 
 import numpy as np
@@ -16,25 +20,25 @@ import torch
 
 from megatron.data.blended_dataset import BlendedDataset
 from megatron.data.dataset_splits import (
+    DataBlend,
     blended_num_samples,
     get_train_valid_test_split,
     parse_data_path,
+    parse_split_string,
 )
-from megatron.data.index_helpers import build_gpt_indices
-from megatron.data.indexed_dataset import MMapIndexedDataset
-
-logger = logging.getLogger(__name__)
+from megatron.data.errors import DatasetError
+from megatron.data.index_cache import (
+    IndexCache,
+    contiguous_range,
+    describe_gpt_indices,
+    largest_token_id,
+    legacy_stem,
+    load_or_build,
+)
+from megatron.data.index_helpers import GPTIndices, build_gpt_indices, plan_epochs
+from megatron.data.indexed_dataset import IndexedDatasetError, MMapIndexedDataset
 
 SPLIT_NAMES = ("train", "valid", "test")
-INDEX_ARRAY_NAMES = ("doc_idx", "sample_idx", "shuffle_idx")
-
-
-def index_cache_paths(
-    data_prefix: str, name: str, num_samples: int, seq_length: int, seed: int
-) -> dict[str, str]:
-    """Megatron's legacy cache file of each index array, keyed by array name."""
-    stem = f"{data_prefix}_{name}_indexmap_{num_samples}ns_{seq_length}sl_{seed}s"
-    return {array: f"{stem}_{array}.npy" for array in INDEX_ARRAY_NAMES}
 
 
 def _default_barrier() -> None:
@@ -48,26 +52,23 @@ def _is_global_rank_zero() -> bool:
     return True
 
 
-def _save_atomically(path: str, array: np.ndarray) -> None:
-    # A reader (another job, or a rank that skipped the barrier) never sees a half-written file.
-    temporary = f"{path}.{os.getpid()}.tmp"
+def _open_indexed_dataset(prefix: str, flag: str) -> MMapIndexedDataset:
     try:
-        with open(temporary, "wb") as file:
-            np.save(file, array, allow_pickle=True)
-        os.replace(temporary, path)
-    except BaseException:
-        if os.path.exists(temporary):
-            os.remove(temporary)
-        raise
+        return MMapIndexedDataset(prefix)
+    except IndexedDatasetError as error:
+        raise DatasetError(f"{flag} {prefix}: {error}") from error
 
 
 class GPTDataset(torch.utils.data.Dataset):
     """`num_samples` (or more) samples of `seq_length + 1` tokens from `documents`.
 
-    Index arrays are built by global rank 0 only and cached as .npy next to `data_prefix`;
-    every rank then calls `barrier` and memory-maps them. The default barrier is
-    `torch.distributed.barrier()` when a process group is initialized; callers that build
-    datasets on a subset of ranks must pass a barrier over exactly those ranks.
+    Index arrays are built by global rank 0 only and cached next to `data_prefix`
+    (megatron/data/index_cache.py); every rank then calls `barrier` and memory-maps them. The
+    default barrier is `torch.distributed.barrier()` when a process group is initialized;
+    callers that build datasets on a subset of ranks must pass a barrier over exactly those
+    ranks. `split` (the `--split` string, None when all documents are used) and `blend` (the
+    blend this dataset is part of) only enter the cache's description. With `vocab_size`, a
+    token id at or above it raises DatasetError (checked once, from the cache's record).
     """
 
     def __init__(
@@ -81,42 +82,93 @@ class GPTDataset(torch.utils.data.Dataset):
         seed: int,
         use_cpp: bool | None = None,
         barrier: Callable[[], None] | None = None,
+        *,
+        split: str | None = None,
+        blend: DataBlend | None = None,
+        vocab_size: int | None = None,
     ):
         self.name = name
         self.data_prefix = data_prefix
         self.indexed_dataset = indexed_dataset
         self.seq_length = seq_length
+        where = f"{data_prefix} ({name} split)"
         documents = np.asarray(documents)
         if documents.size == 0:
-            raise ValueError(f"{data_prefix} ({name}): no documents given")
-        if documents.min() < 0 or documents.max() >= indexed_dataset.sizes.shape[0]:
+            raise DatasetError(f"{where}: no documents given")
+        num_documents = indexed_dataset.sizes.shape[0]
+        if documents.min() < 0 or documents.max() >= num_documents:
             raise ValueError(
-                f"{data_prefix} ({name}): documents span [{documents.min()}, {documents.max()}] "
-                f"but the dataset has {indexed_dataset.sizes.shape[0]} sequences"
+                f"{where}: documents span [{documents.min()}, {documents.max()}] "
+                f"but the dataset has {num_documents} sequences"
             )
-        self.index_paths = index_cache_paths(data_prefix, name, num_samples, seq_length, seed)
-        if _is_global_rank_zero() and not all(map(os.path.isfile, self.index_paths.values())):
-            logger.info("building %s indices for %s (%d samples)", name, data_prefix, num_samples)
+        document_range = contiguous_range(documents)
+        if document_range is not None:
+            start, stop = document_range
+            tokens_per_epoch = int(indexed_dataset.sizes[start:stop].sum(dtype=np.int64))
+            which = f"[{start}, {stop})"
+        else:
+            tokens_per_epoch = int(np.sum(indexed_dataset.sizes[documents], dtype=np.int64))
+            which = "(not a contiguous range)"
+        count = documents.size
+        summary = f"{count} of {num_documents} documents {which}"
+        if tokens_per_epoch == 0:
+            documents_hold = "documents {} hold" if count > 1 else "document {} holds"
+            raise DatasetError(
+                f"{where}: the {count} {documents_hold.format(which)} no tokens, so there is "
+                "nothing to cut samples from; preprocess the data again (check --json-keys; "
+                "with --keep-empty, add --append-eod) or leave this dataset out"
+            )
+        plan = plan_epochs(tokens_per_epoch, seq_length, num_samples)
+        description = describe_gpt_indices(
+            type(self).__name__,
+            name,
+            indexed_dataset.prefix,
+            None if split is None else parse_split_string(split),
+            documents,
+            num_samples,
+            seq_length,
+            seed,
+            plan,
+            None if blend is None else {"weights": blend.weights, "prefixes": blend.prefixes},
+        )
+        cache = IndexCache(
+            legacy_stem(data_prefix, name, num_samples, seq_length, seed), description
+        )
+        self.index_paths = cache.paths
+        self.description_hash = cache.hash
+        epochs = f"{plan.num_epochs} epoch{'s' if plan.num_epochs > 1 else ''}"
+        if plan.separate_last_epoch:
+            epochs += " (the last shuffled on its own)"
+
+        def build() -> tuple[GPTIndices, int]:
             try:
                 indices = build_gpt_indices(
                     documents, indexed_dataset.sizes, num_samples, seq_length, seed, use_cpp
                 )
             except ValueError as error:
-                raise ValueError(f"{data_prefix} ({name} split): {error}") from None
-            logger.info(
-                "%s: %d tokens per epoch, %d epochs, separate last epoch: %s",
-                name,
-                indices.plan.tokens_per_epoch,
-                indices.plan.num_epochs,
-                indices.plan.separate_last_epoch,
-            )
-            for array_name in INDEX_ARRAY_NAMES:
-                _save_atomically(self.index_paths[array_name], getattr(indices, array_name))
-        (barrier or _default_barrier)()
-        self.doc_idx, self.sample_idx, self.shuffle_idx = (
-            np.load(self.index_paths[array_name], allow_pickle=True, mmap_mode="r")
-            for array_name in INDEX_ARRAY_NAMES
+                raise ValueError(f"{where}: {error}") from None
+            return indices, largest_token_id(indexed_dataset, documents)
+
+        cached = load_or_build(
+            cache,
+            build,
+            f"{name} indices for {data_prefix}",
+            f"{summary}, {num_samples} samples, {epochs}",
+            where,
+            barrier or _default_barrier,
+            _is_global_rank_zero(),
         )
+        self.doc_idx, self.sample_idx = cached.doc_idx, cached.sample_idx
+        self.shuffle_idx = cached.shuffle_idx
+        self.max_token_id = cached.max_token_id
+        self.epoch_plan = cached.epoch_plan
+        if vocab_size is not None and self.max_token_id >= vocab_size:
+            raise DatasetError(
+                f"{where}: token id {self.max_token_id} is at or above the padded vocabulary "
+                f"size {vocab_size} of this run's tokenizer: the data was tokenized with another "
+                "vocabulary; preprocess it with this run's --vocab-file/--merge-file "
+                "(or --tokenizer-model)"
+            )
 
     def __len__(self) -> int:
         # Sample i spans rows i and i+1 of sample_idx.
@@ -161,8 +213,10 @@ def _build_split_datasets(
     seed: int,
     use_cpp: bool | None,
     barrier: Callable[[], None] | None,
+    blend: DataBlend | None,
+    vocab_size: int | None,
 ) -> list[GPTDataset | None]:
-    indexed_dataset = MMapIndexedDataset(data_prefix)
+    indexed_dataset = _open_indexed_dataset(data_prefix, "--data-path")
     datasets = []
     for name, documents, count in zip(
         SPLIT_NAMES, _split_documents(split, len(indexed_dataset)), num_samples
@@ -170,7 +224,6 @@ def _build_split_datasets(
         if documents is None:
             datasets.append(None)
             continue
-        logger.info("%s %s: documents [%d, %d)", data_prefix, name, documents[0], documents[-1] + 1)
         datasets.append(
             GPTDataset(
                 name,
@@ -182,6 +235,9 @@ def _build_split_datasets(
                 seed,
                 use_cpp,
                 barrier,
+                split=split,
+                blend=blend,
+                vocab_size=vocab_size,
             )
         )
     return datasets
@@ -189,6 +245,7 @@ def _build_split_datasets(
 
 def _blend(
     name: str,
+    split: str,
     prefixes: Sequence[str],
     datasets: Sequence[GPTDataset | None],
     weights: Sequence[float],
@@ -199,9 +256,14 @@ def _blend(
     if len(missing) == len(prefixes):
         return None
     if missing:
-        raise ValueError(
-            f"the {name} split is empty for {', '.join(missing)} but not for the other blended "
-            "datasets; adjust --split or the blend so every dataset has documents in it"
+        counts = " and ".join(
+            f"the {len(_open_indexed_dataset(prefix, '--data-path'))} documents of {prefix}"
+            for prefix in missing
+        )
+        raise DatasetError(
+            f"--split {split} gives the {name} split none of {counts} but some documents of "
+            f"the other blended datasets; adjust --split or the blend so that every blended "
+            f"dataset has documents in the {name} split"
         )
     return BlendedDataset(list(datasets), weights, size, use_cpp=use_cpp)
 
@@ -215,15 +277,28 @@ def build_dataset(
     use_cpp: bool | None = None,
     barrier: Callable[[], None] | None = None,
     flag: str = "--data-path",
+    vocab_size: int | None = None,
 ) -> torch.utils.data.Dataset:
     """One split from `data_path` (a prefix or a weighted blend), using all documents of each."""
     blend = parse_data_path(data_path, flag)
 
     def whole(prefix: str, count: int) -> GPTDataset:
-        indexed_dataset = MMapIndexedDataset(prefix)
+        indexed_dataset = _open_indexed_dataset(prefix, flag)
         documents = np.arange(0, len(indexed_dataset), dtype=np.int32)
+        if documents.size == 0:
+            raise DatasetError(f"{flag} {prefix}: the dataset holds no documents")
         return GPTDataset(
-            name, prefix, documents, indexed_dataset, count, seq_length, seed, use_cpp, barrier
+            name,
+            prefix,
+            documents,
+            indexed_dataset,
+            count,
+            seq_length,
+            seed,
+            use_cpp,
+            barrier,
+            blend=blend if blend.is_blended else None,
+            vocab_size=vocab_size,
         )
 
     if not blend.is_blended:
@@ -244,12 +319,14 @@ def build_train_valid_test_datasets(
     test_data_path: Sequence[str] | None = None,
     use_cpp: bool | None = None,
     barrier: Callable[[], None] | None = None,
+    vocab_size: int | None = None,
 ) -> Tuple[torch.utils.data.Dataset | None, ...]:
     """Train, valid and test datasets as Megatron builds them (None where a split is empty).
 
     `data_path` is divided by `split`; without it, `train_data_path`, `valid_data_path` and
     `test_data_path` each give one split using all their documents. A blended split is
-    as long as the sum of the per-dataset sample counts, as in Megatron.
+    as long as the sum of the per-dataset sample counts, as in Megatron. With `vocab_size`
+    (the padded vocabulary), token ids at or above it raise DatasetError.
     """
     if len(train_valid_test_num_samples) != 3:
         raise ValueError(
@@ -263,7 +340,15 @@ def build_train_valid_test_datasets(
             )
         return tuple(
             build_dataset(
-                name, paths, count, seq_length, seed, use_cpp, barrier, f"--{name}-data-path"
+                name,
+                paths,
+                count,
+                seq_length,
+                seed,
+                use_cpp,
+                barrier,
+                f"--{name}-data-path",
+                vocab_size,
             )
             if paths
             else None
@@ -281,6 +366,8 @@ def build_train_valid_test_datasets(
                 seed,
                 use_cpp,
                 barrier,
+                None,
+                vocab_size,
             )
         )
     per_dataset_counts = [
@@ -295,12 +382,15 @@ def build_train_valid_test_datasets(
             seed,
             use_cpp,
             barrier,
+            blend,
+            vocab_size,
         )
         for index, prefix in enumerate(blend.prefixes)
     ]
     return tuple(
         _blend(
             name,
+            split,
             blend.prefixes,
             [datasets[split_index] for datasets in per_prefix_datasets],
             blend.weights,

@@ -18,8 +18,10 @@ def build_data_iterator(
     dataset, consumed_samples: int, config: Config, context: DistributedContext
 ) -> Optional[Iterator]:
     """Micro-batches of this rank's data-parallel replica, starting `consumed_samples` into
-    the dataset; the tensor-parallel ranks of a replica read the same micro-batches."""
-    if dataset is None:
+    the dataset; the tensor-parallel ranks of a replica read the same micro-batches. None
+    without samples: a split asked for none (--eval-iters 0) may have none of full length;
+    the train split is checked to hold a global batch when the datasets are built."""
+    if dataset is None or len(dataset) == 0:
         return None
     sampler = MegatronPretrainingSampler(
         total_samples=len(dataset),

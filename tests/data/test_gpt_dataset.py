@@ -8,17 +8,13 @@ import torch
 
 from megatron.data import gpt_dataset as gpt_dataset_module
 from megatron.data.blended_dataset import BlendedDataset
-from megatron.data.gpt_dataset import (
-    GPTDataset,
-    build_dataset,
-    build_train_valid_test_datasets,
-    index_cache_paths,
-)
+from megatron.data.gpt_dataset import GPTDataset, build_dataset, build_train_valid_test_datasets
 from megatron.data.index_helpers import cpp_helpers_available
 from megatron.data.indexed_dataset import MMapIndexedDataset, MMapIndexedDatasetBuilder
 from tests.data import megatron_reference as reference
 
 SEQ_LENGTH = 16
+ARRAYS = ("doc_idx", "sample_idx", "shuffle_idx")
 
 
 def write_dataset(prefix: str, seed: int, num_documents: int = 60, vocab: int = 1000) -> list:
@@ -71,8 +67,9 @@ def test_index_cache_is_written_once_and_reloaded(corpus, monkeypatch):
     indexed = MMapIndexedDataset(prefix)
     documents = np.arange(len(indexed), dtype=np.int32)
     first = GPTDataset("valid", prefix, documents, indexed, 40, SEQ_LENGTH, 5)
-    paths = index_cache_paths(prefix, "valid", 40, SEQ_LENGTH, 5)
-    assert paths["doc_idx"] == f"{prefix}_valid_indexmap_40ns_{SEQ_LENGTH}sl_5s_doc_idx.npy"
+    paths = first.index_paths
+    stem = f"{prefix}_valid_indexmap_40ns_{SEQ_LENGTH}sl_5s_{first.description_hash}"
+    assert paths["doc_idx"] == f"{stem}_doc_idx.npy"
     assert all(os.path.isfile(path) for path in paths.values())
     assert not [name for name in os.listdir(os.path.dirname(prefix)) if name.endswith(".tmp")]
 
@@ -96,13 +93,10 @@ def test_cpp_and_numpy_datasets_write_identical_files(tmp_path):
         prefix = str(tmp_path / f"cpp{use_cpp}")
         write_dataset(prefix, seed=3)
         indexed = MMapIndexedDataset(prefix)
-        GPTDataset(
+        dataset = GPTDataset(
             "train", prefix, np.arange(len(indexed), dtype=np.int32), indexed, 120, 8, 9, use_cpp
         )
-        cached[use_cpp] = [
-            open(path, "rb").read()
-            for path in index_cache_paths(prefix, "train", 120, 8, 9).values()
-        ]
+        cached[use_cpp] = [open(dataset.index_paths[name], "rb").read() for name in ARRAYS]
     assert cached[True] == cached[False]
 
 
@@ -150,7 +144,11 @@ def test_blended_datasets_follow_megatron(tmp_path):
             train[index]["text"], part[int(train.dataset_sample_index[index])]["text"]
         )
     # Each blended part caches under its own prefix with its own (inflated) sample count.
-    assert os.path.isfile(index_cache_paths(prefixes[0], "train", 91, SEQ_LENGTH, 42)["doc_idx"])
+    part_paths = train.datasets[0].index_paths
+    assert part_paths["doc_idx"].startswith(
+        f"{prefixes[0]}_train_indexmap_91ns_{SEQ_LENGTH}sl_42s_"
+    )
+    assert os.path.isfile(part_paths["doc_idx"])
 
 
 def test_separate_split_paths_use_all_documents(tmp_path):
@@ -168,7 +166,8 @@ def test_separate_split_paths_use_all_documents(tmp_path):
     )
     assert isinstance(train, BlendedDataset) and test is None
     assert sorted(set(valid.doc_idx.tolist())) == list(range(20))
-    assert os.path.isfile(index_cache_paths(c, "valid", 10, SEQ_LENGTH, 3)["sample_idx"])
+    assert valid.index_paths["sample_idx"].startswith(f"{c}_valid_indexmap_10ns_{SEQ_LENGTH}sl_3s_")
+    assert os.path.isfile(valid.index_paths["sample_idx"])
     single = build_dataset("test", [c], 5, SEQ_LENGTH, 3)
     assert len(single) >= 5
 
@@ -186,7 +185,7 @@ def test_data_errors_name_the_value(tmp_path, corpus):
     tiny = str(tmp_path / "tiny")
     write_dataset(tiny, seed=5, num_documents=3)
     # "98,2,0" gives the 3-document dataset no valid documents, the 60-document one some.
-    with pytest.raises(ValueError, match="valid split is empty for .*tiny"):
+    with pytest.raises(ValueError, match="valid split none of the 3 documents of .*tiny"):
         build_train_valid_test_datasets(
             ["1", prefix, "1", tiny], "98,2,0", [4, 4, 0], SEQ_LENGTH, 1
         )
