@@ -17,6 +17,11 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from megatron import parallel_state
+from megatron.checkpointing.directories import (
+    check_checkpoint_directories,
+    estimate_checkpoint_bytes,
+)
+from megatron.checkpointing.model_arguments import MODEL_ARGUMENTS
 from megatron.config import (
     Config,
     ConfigError,
@@ -43,7 +48,7 @@ from megatron.parallel_state import destroy_model_parallel
 from megatron.pipeline.training_step import build_pipeline_model
 from megatron.tokenizer import build_tokenizer, vocab_size_with_padding
 from megatron.training import TrainingResult, pretrain
-from moe.arguments import add_moe_args
+from moe.arguments import MOE_MODEL_ARGUMENTS, add_moe_args
 from moe.config import MoEConfig
 from moe.expert_parallel import expert_parameters
 from moe.layers import MoEAuxiliaryLosses
@@ -243,6 +248,22 @@ def _setup_and_train(
         count_lines = _parameter_count_lines(model)
     for line in count_lines:
         print_rank_0(line)
+    # Saved with the arguments, as Megatron does: a checkpoint whose embedding does not fit
+    # is then explained by this number.
+    run_arguments.padded_vocab_size = config.model.padded_vocab_size
+    check_checkpoint_directories(
+        config.checkpoint,
+        estimate_checkpoint_bytes(
+            model.parameters(),
+            config.optimizer.optimizer,
+            config.optimizer.sgd_momentum,
+            save_optimizer=not config.checkpoint.no_save_optim,
+            data_parallel_size=config.parallel.data_parallel_size,
+            expert_data_parallel_size=config.parallel.data_parallel_size
+            // _expert_parallel_size(config),
+            device=context.device,
+        ),
+    )
 
     datasets = build_datasets(config)
     barrier()
@@ -252,7 +273,15 @@ def _setup_and_train(
         num_moe_layers = config.model.moe.num_moe_layers(config.model.num_layers)
         auxiliary_losses = MoEAuxiliaryLosses(model, num_moe_layers)
     forward_step = make_forward_step(tokenizer.eod, data.eod_mask_loss, auxiliary_losses)
-    return pretrain(config, run_arguments, context, model, datasets, forward_step)
+    return pretrain(
+        config,
+        run_arguments,
+        context,
+        model,
+        datasets,
+        forward_step,
+        model_arguments=MODEL_ARGUMENTS + MOE_MODEL_ARGUMENTS,
+    )
 
 
 if __name__ == "__main__":

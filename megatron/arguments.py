@@ -360,6 +360,21 @@ def _add_learning_rate_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--min-lr", type=float, default=0.0, help="Floor of the learning rate after decay."
     )
+    group.add_argument(
+        "--override-opt_param-scheduler",
+        "--override-opt-param-scheduler",
+        action="store_true",
+        help="On resume, take the schedule (lr, min lr, warmup, decay length and style) from "
+        "this run's flags instead of the checkpoint's; the samples consumed still come from "
+        "the checkpoint.",
+    )
+    group.add_argument(
+        "--use-checkpoint-opt_param-scheduler",
+        "--use-checkpoint-opt-param-scheduler",
+        action="store_true",
+        help="On resume, take the schedule (lr, min lr, warmup, decay length and style) from "
+        "the checkpoint, whatever this run's flags say.",
+    )
 
 
 def _add_checkpointing_args(parser: argparse.ArgumentParser) -> None:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 
 
 @dataclass
@@ -65,6 +66,23 @@ def format_memory_report(rank: int, iteration: int, device: torch.device) -> str
     line += f" | reserved: {torch.cuda.memory_reserved(device) / mega_bytes}"
     line += f" | max reserved: {torch.cuda.max_memory_reserved(device) / mega_bytes}"
     return line
+
+
+def format_times_across_ranks(times_ms: Dict[str, Tuple[float, float]]) -> str:
+    """Megatron's timer block: `(min, max) time across ranks (ms):`, then one line per timer
+    (`    save-checkpoint ....: (24895.07, 24895.13)`), the name dot-padded to 48 characters."""
+    lines = ["(min, max) time across ranks (ms):"]
+    for name, (fastest, slowest) in times_ms.items():
+        lines.append(f"    {(name + ' ').ljust(48, '.')}: ({fastest:.2f}, {slowest:.2f})")
+    return "\n".join(lines)
+
+
+def min_max_across_ranks(seconds: float, device: torch.device) -> Tuple[float, float]:
+    """The smallest and largest of every rank's `seconds`, in milliseconds (a collective)."""
+    extremes = torch.tensor([-seconds * 1000.0, seconds * 1000.0], device=device)
+    if dist.is_initialized():
+        dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
+    return -extremes[0].item(), extremes[1].item()
 
 
 def format_validation_block(prefix: str, losses: Dict[str, float]) -> str:

@@ -9,17 +9,19 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import signal
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from megatron import parallel_state
 from megatron.checkpointing import load_checkpoint, save_checkpoint
+from megatron.checkpointing.model_arguments import MODEL_ARGUMENTS
 from megatron.config import Config
 from megatron.data.loader import build_data_iterator
 from megatron.distributed import (
@@ -35,7 +37,9 @@ from megatron.logging import (
     TensorBoardLogger,
     format_iteration_line,
     format_memory_report,
+    format_times_across_ranks,
     format_validation_block,
+    min_max_across_ranks,
 )
 from megatron.model.flops import num_floating_point_operations
 from megatron.optimizer import build_lr_scheduler, build_optimizer
@@ -337,23 +341,41 @@ class Trainer:
         return _average_across_data_parallel(means)
 
     # ------------------------------------------------------------- checkpoints
-    def load(self) -> None:
+    def load(self, model_arguments: Sequence[str] = MODEL_ARGUMENTS) -> None:
+        """Resume from --load (Megatron's load-checkpoint time line after it); `model_arguments`
+        are the saved arguments compared with this run's (megatron.checkpointing.load)."""
+        checkpoint = self.config.checkpoint
+        start = self._timer_start()
         state = load_checkpoint(
-            self.config.checkpoint,
+            checkpoint,
             self.unwrapped_model,
             self.optimizer,
             self.scheduler,
             print_fn=print_rank_0,
+            args=self.run_arguments,
+            model_arguments=model_arguments,
         )
+        if checkpoint.load:
+            self._log_time("load-checkpoint", start)
         self.iteration = state.iteration
         self.consumed_train_samples = state.consumed_train_samples
         self.consumed_valid_samples = state.consumed_valid_samples
+        if (
+            state.loaded_from is not None
+            and checkpoint.save
+            and state.iteration > 0
+            and os.path.realpath(checkpoint.load) == os.path.realpath(checkpoint.save)
+        ):
+            # That state is on disk already: a relaunched finished run does not write it again.
+            self.last_saved_iteration = state.iteration
 
     def save(self) -> None:
+        """Save this iteration under --save unless it is saved already, then log the time."""
         if not self.config.checkpoint.save or self.last_saved_iteration == self.iteration:
             return
         self.run_arguments.consumed_train_samples = self.consumed_train_samples
         self.run_arguments.consumed_valid_samples = self.consumed_valid_samples
+        start = self._timer_start()
         save_checkpoint(
             self.config.checkpoint,
             self.iteration,
@@ -365,7 +387,21 @@ class Trainer:
             consumed_valid_samples=self.consumed_valid_samples,
             print_fn=print_rank_0,
         )
+        self._log_time("save-checkpoint", start)
         self.last_saved_iteration = self.iteration
+
+    def _timer_start(self) -> float:
+        # As Megatron's timers: every rank starts and stops together, so the times compare.
+        if dist.is_initialized():
+            dist.barrier()
+        return time.perf_counter()
+
+    def _log_time(self, name: str, start: float) -> None:
+        if dist.is_initialized():
+            dist.barrier()
+        seconds = time.perf_counter() - start
+        times = min_max_across_ranks(seconds, self.context.device)
+        print_rank_0(format_times_across_ranks({name: times}))
 
 
 def _throughput(
@@ -563,13 +599,16 @@ def pretrain(
     model: torch.nn.Module,
     datasets,
     forward_step: ForwardStep,
+    model_arguments: Sequence[str] = MODEL_ARGUMENTS,
 ) -> TrainingResult:
     """Load (if asked), train, evaluate and save, as Megatron's `pretrain` does.
 
-    `datasets` maps "train"/"valid"/"test" to datasets (or None).
+    `datasets` maps "train"/"valid"/"test" to datasets (or None). `model_arguments` name the
+    saved arguments that define the model (megatron.checkpointing.model_arguments), with
+    those of extensions such as the MoE layers.
     """
     trainer = Trainer(config, run_arguments, context, model, forward_step)
-    trainer.load()
+    trainer.load(model_arguments)
     result = TrainingResult()
     train_iterator = build_data_iterator(
         datasets["train"], trainer.consumed_train_samples, config, context

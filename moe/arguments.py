@@ -9,6 +9,22 @@ import argparse
 
 from moe.config import MLP_IMPLS, MLP_TYPES, ROUTER_SCORES
 
+# The flags (namespace attributes) that define an MoE model, which a checkpoint's saved
+# arguments are compared on when it is loaded (megatron.checkpointing.model_arguments).
+MOE_MODEL_ARGUMENTS = (
+    "moe_num_experts",
+    "moe_top_k",
+    "moe_dropless",
+    "moe_capacity_factor",
+    "moe_normalize_expert_weights",
+    "moe_layer_freq",
+    "mlp_type",
+    "moe_router_score",
+    "moe_router_bias_update_rate",
+    "moe_shared_expert",
+    "moe_shared_expert_ffn_hidden_size",
+)
+
 
 def add_moe_args(parser: argparse.ArgumentParser) -> None:
     """Register the mixture-of-experts argument group on `parser`."""

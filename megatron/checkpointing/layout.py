@@ -2,13 +2,18 @@
 
 {root}/latest_checkpointed_iteration.txt       "<iteration>" or "release"; written last
 {root}/iter_{iteration:07d}/mp_rank_{tp:02d}[_{pp:03d}]/model_optim_rng.pt
+{root}/iter_{iteration:07d}/checksums.json     digests of the files above (checksums)
 {root}/iter_{iteration:07d}.tmp-{pid}/...      a save in progress (or cut off): never loaded
 """
 
 from __future__ import annotations
 
 import os
-from typing import Union
+import re
+from typing import List, Optional, Union
+
+from megatron.checkpointing.checksums import CHECKSUMS_FILENAME
+from megatron.errors import UserError
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 CHECKPOINT_FILENAME = "model_optim_rng.pt"
@@ -17,8 +22,11 @@ TEMPORARY_MARKER = ".tmp-"
 
 Iteration = Union[int, str]  # an iteration number, or RELEASE
 
+_ITERATION_DIRECTORY = re.compile(r"iter_(\d{7,})")
+_SHARD_DIRECTORY = re.compile(r"mp_rank_\d{2}(_\d{3})?")
 
-class CheckpointError(RuntimeError):
+
+class CheckpointError(UserError, RuntimeError):
     """A checkpoint that cannot be read or written as asked; the message says which file."""
 
 
@@ -72,10 +80,15 @@ def read_tracker(root: str) -> Iteration | None:
     except ValueError:
         iteration = -1
     if iteration < 0:
+        newest = newest_complete_iteration(root)
+        fix = (
+            f"the newest complete one is {newest}: echo {newest} > {path}"
+            if newest is not None
+            else f"there is none under {root}: remove {path} to start from scratch"
+        )
         raise CheckpointError(
             f"checkpoint tracker {path} holds {content!r}, not an iteration number or "
-            f"{RELEASE!r}; write the iteration of a complete checkpoint under {root} into it, "
-            "or remove it to start from scratch"
+            f"{RELEASE!r}; write the iteration of a complete checkpoint into it ({fix})"
         )
     return iteration
 
@@ -118,3 +131,54 @@ def leftover_temporaries(root: str, iteration: Iteration | None = None) -> list[
         for name in os.listdir(root)
         if TEMPORARY_MARKER in name and name.startswith(prefix)
     )
+
+
+def is_complete(iteration_directory: str) -> bool:
+    """Whether an iteration's directory holds a whole checkpoint: one this project saved (its
+    checksums are written last, before the directory is renamed into place), or, for
+    checkpoints without checksums (older saves, Megatron-LM's), a model_optim_rng.pt file."""
+    if os.path.isfile(os.path.join(iteration_directory, CHECKSUMS_FILENAME)):
+        return True
+    try:
+        names = os.listdir(iteration_directory)
+    except OSError:
+        return False
+    return any(
+        _SHARD_DIRECTORY.fullmatch(name)
+        and os.path.isfile(os.path.join(iteration_directory, name, CHECKPOINT_FILENAME))
+        for name in names
+    )
+
+
+def complete_iterations(root: str) -> List[int]:
+    """Iterations (ascending) with a complete checkpoint directory under `root`."""
+    if not os.path.isdir(root):
+        return []
+    iterations = []
+    for name in os.listdir(root):
+        match = _ITERATION_DIRECTORY.fullmatch(name)
+        if match and is_complete(os.path.join(root, name)):
+            iterations.append(int(match.group(1)))
+    return sorted(iterations)
+
+
+def newest_complete_iteration(root: str, below: Optional[int] = None) -> Optional[int]:
+    """The newest complete iteration under `root` (older than `below` when given), or None."""
+    candidates = [
+        iteration for iteration in complete_iterations(root) if below is None or iteration < below
+    ]
+    return candidates[-1] if candidates else None
+
+
+def refuse_untracked_checkpoints(root: str) -> None:
+    """Raise CheckpointError when `root` holds complete checkpoints but the caller found no
+    tracker: starting from scratch there (a lost tracker, or a mistyped directory standing in
+    for another) would go on to overwrite them."""
+    newest = newest_complete_iteration(root)
+    if newest is not None:
+        tracker = tracker_file(root)
+        raise CheckpointError(
+            f"{root} holds complete checkpoints (the newest is iteration {newest}) but no "
+            f"tracker file {tracker}; to resume from the newest: echo {newest} > {tracker}; "
+            "to start from scratch, use a directory without checkpoints for --save and --load"
+        )

@@ -4,13 +4,21 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Dict
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatron.checkpointing.checksums import (
+    CHECKSUMS_FILENAME,
+    ManifestError,
+    find_damage,
+    read_manifest,
+)
 from megatron.checkpointing.full_state import (
     load_full_model_state_dict,
     load_full_optimizer_state_dict,
@@ -20,10 +28,14 @@ from megatron.checkpointing.layout import (
     CheckpointError,
     Iteration,
     checkpoint_file,
+    iteration_directory_name,
     leftover_temporaries,
+    newest_complete_iteration,
     read_tracker,
+    refuse_untracked_checkpoints,
     tracker_file,
 )
+from megatron.checkpointing.model_arguments import MODEL_ARGUMENTS, model_argument_differences
 from megatron.checkpointing.pipeline_state import (
     load_pipeline_model_state_dict,
     load_pipeline_optimizer_state_dict,
@@ -57,29 +69,47 @@ def load_checkpoint(
     *,
     data_parallel_group: dist.ProcessGroup | None = None,
     print_fn: Callable[[str], None] = print_rank_0,
+    args: argparse.Namespace | None = None,
+    model_arguments: Sequence[str] = MODEL_ARGUMENTS,
 ) -> LoadedState:
     """Load the checkpoint named by `{config.load}/latest_checkpointed_iteration.txt`.
 
-    `config` is a CheckpointConfig (or anything with its fields). Without --load or a tracker
-    file, training starts from scratch (iteration 0). --no-load-optim skips optimizer and
-    scheduler state, --no-load-rng the RNG states; --finetune and release checkpoints load
-    only the model weights and restart at iteration 0 with no consumed samples.
+    `config` is a CheckpointConfig (or anything with its fields). Without --load, or with a
+    --load directory that holds no checkpoint at all, training starts from scratch (iteration
+    0); a directory with complete checkpoints but no tracker is refused, naming the newest.
+    The file's checksums are verified first (on global rank 0; a collective when
+    distributed). --no-load-optim skips optimizer and scheduler state, --no-load-rng the RNG
+    states; --finetune and release checkpoints load only the model weights and restart at
+    iteration 0 with no consumed samples. `args` (this run's namespace) is compared with the
+    saved one over `model_arguments`: the differences explain weights that do not fit, and
+    are a warning when they do.
     """
     if not config.load:
         print_fn("no --load given: training from scratch (iteration 0)")
         return LoadedState(0, 0, 0, None)
     iteration = read_tracker(config.load)
     if iteration is None:
+        refuse_untracked_checkpoints(config.load)
         print_fn(
             f"WARNING: could not find the tracker file {tracker_file(config.load)}; "
             "training from scratch (iteration 0)"
         )
         return LoadedState(0, 0, 0, None)
     path = checkpoint_file(config.load, iteration)
-    state = _read_checkpoint_file(config.load, iteration, path)
+    state = _read_verified(config.load, iteration, path, print_fn)
+    differences = (
+        model_argument_differences(state.get("args"), args, model_arguments)
+        if args is not None
+        else []
+    )
 
     model_only = bool(config.finetune) or iteration == RELEASE
-    _load_model_state(unwrap_model(model), state["model"], path)
+    _load_model_state(unwrap_model(model), state["model"], path, differences)
+    if differences:
+        print_fn(
+            f"WARNING: {path} was saved with other model flags than this run's (its weights "
+            f"fit, but the model computes differently): {'; '.join(differences)}"
+        )
     if not model_only and not config.no_load_optim:
         if optimizer is not None:
             optimizer_state = _required(state, "optimizer", path, "--no-load-optim")
@@ -96,15 +126,20 @@ def load_checkpoint(
             else:
                 load_full_optimizer_state_dict(optimizer, optimizer_state)
         if scheduler is not None:
-            scheduler.load_state_dict(
-                _required(state, "opt_param_scheduler", path, "--no-load-optim")
-            )
+            scheduler_state = _required(state, "opt_param_scheduler", path, "--no-load-optim")
+            try:
+                scheduler.load_state_dict(scheduler_state)
+            except ValueError as error:
+                raise CheckpointError(f"{path}: {error}") from None
     if not model_only and not config.no_load_rng:
         rng_states = _required(state, "rng_state", path, "--no-load-rng")
         index, seeded_streams = saved_rng_state_index(
             rng_states, data_parallel_rank(data_parallel_group)
         )
-        restore_rng_state(rng_states, index, path, keep_seeded=seeded_streams)
+        try:
+            restore_rng_state(rng_states, index, path, keep_seeded=seeded_streams)
+        except ValueError as error:
+            raise CheckpointError(str(error)) from None
         if seeded_streams:
             # Only a changed TP size leaves the model-parallel stream as seeded.
             changed = "tensor" if MODEL_PARALLEL_RNG in seeded_streams else "expert"
@@ -127,6 +162,100 @@ def load_checkpoint(
     return loaded
 
 
+def _is_global_rank_zero() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _read_verified(
+    root: str, iteration: Iteration, path: str, print_fn: Callable[[str], None]
+) -> Dict[str, Any]:
+    """The checkpoint file's contents, once its checksums match those recorded at save.
+
+    Global rank 0 verifies the file (a pass over its bytes on a pool of threads) while every
+    rank reads it, so the two share the disk reads; nothing read is used before the outcome,
+    which rank 0 then tells every rank (a collective). A damaged file raises CheckpointError
+    on every rank, ahead of whatever reading it raised.
+    """
+    with ThreadPoolExecutor(1) as verifier:
+        outcome = (
+            verifier.submit(_checksum_outcome, root, iteration, path)
+            if _is_global_rank_zero()
+            else None
+        )
+        state, read_error = None, None
+        try:
+            state = _read_checkpoint_file(root, iteration, path)
+        except CheckpointError as error:
+            read_error = error
+        outcome = outcome.result() if outcome is not None else None
+    if dist.is_initialized():
+        box = [outcome]
+        dist.broadcast_object_list(box, src=0)
+        outcome = box[0]
+    if outcome is not None:
+        damaged, message = outcome
+        if damaged:
+            raise CheckpointError(message)
+        print_fn(message)
+    if read_error is not None:
+        raise read_error
+    return state
+
+
+def _checksum_outcome(root: str, iteration: Iteration, path: str) -> Optional[Tuple[bool, str]]:
+    """(damaged, message), or None when there is no file to check (reported when reading)."""
+    if not os.path.isfile(path):
+        return None
+    directory = os.path.join(root, iteration_directory_name(iteration))
+    try:
+        manifest = read_manifest(directory)
+    except ManifestError as error:
+        return True, (
+            f"{error}, so {path} cannot be verified; {_earlier_checkpoint_advice(root, iteration)}"
+            f" (or delete {CHECKSUMS_FILENAME} to load the file unverified)"
+        )
+    if manifest is None:
+        return False, (
+            f"note: {directory} has no {CHECKSUMS_FILENAME} (saved by an older version or by "
+            f"Megatron-LM): {path} is loaded unverified"
+        )
+    name = os.path.relpath(path, directory)
+    expected = manifest.files.get(name)
+    if expected is None:
+        return True, (
+            f"{manifest.path} records no checksum of {name}, so it cannot be verified; "
+            f"{_earlier_checkpoint_advice(root, iteration)}"
+        )
+    start = time.perf_counter()
+    damage = find_damage(path, expected, manifest.block_size)
+    seconds = time.perf_counter() - start
+    if damage is not None:
+        return True, (
+            f"checkpoint file {path} is damaged: {damage} (checksums in {manifest.path}); "
+            f"{_earlier_checkpoint_advice(root, iteration)}"
+        )
+    return False, (
+        f"verified the checksums of {path} ({expected.size / 1e9:.2f} GB) in {seconds:.1f} s"
+    )
+
+
+def _earlier_checkpoint_advice(root: str, iteration: Iteration) -> str:
+    """What to do about a checkpoint that cannot be loaded: resume from the one before it."""
+    tracker = tracker_file(root)
+    previous = (
+        newest_complete_iteration(root, below=iteration) if isinstance(iteration, int) else None
+    )
+    if previous is None:
+        return (
+            f"there is no earlier checkpoint under {root}: remove {tracker} (and the "
+            "checkpoint it names) to start from scratch"
+        )
+    return (
+        f"point {tracker} at the previous checkpoint, iteration {previous}: "
+        f"echo {previous} > {tracker}"
+    )
+
+
 def read_checkpoint_args(load_dir: str) -> argparse.Namespace | None:
     """The arguments saved with the latest checkpoint under `load_dir`; None without a tracker."""
     iteration = read_tracker(load_dir)
@@ -137,10 +266,7 @@ def read_checkpoint_args(load_dir: str) -> argparse.Namespace | None:
 
 
 def _read_checkpoint_file(root: str, iteration: Iteration, path: str) -> Dict[str, Any]:
-    advice = (
-        f"point {tracker_file(root)} at a complete checkpoint, or remove the damaged checkpoint "
-        "and the tracker to start from scratch"
-    )
+    advice = _earlier_checkpoint_advice(root, iteration)
     if not os.path.isfile(path):
         interrupted = [p for p in leftover_temporaries(root, iteration) if os.path.isdir(p)]
         hint = (
@@ -163,7 +289,9 @@ def _read_checkpoint_file(root: str, iteration: Iteration, path: str) -> Dict[st
     return state
 
 
-def _load_model_state(model: nn.Module, model_state: Dict[str, Any], path: str) -> None:
+def _load_model_state(
+    model: nn.Module, model_state: Dict[str, Any], path: str, differences: List[str]
+) -> None:
     pipeline = is_pipeline_parallel()
     if pipeline:
         # This rank's stages, under single-process names; the other stages' keys are theirs.
@@ -175,22 +303,46 @@ def _load_model_state(model: nn.Module, model_state: Dict[str, Any], path: str) 
     missing = sorted(expected - model_state.keys())
     unexpected = [] if pipeline else sorted(model_state.keys() - expected)
     if missing or unexpected:
-        raise CheckpointError(
-            f"model weights in {path} do not match the model: missing keys {missing}, "
-            f"unexpected keys {unexpected}; check that the model flags (--num-layers, "
-            "--untie-embeddings-and-output-weights, ...) match the saved run's"
-        )
+        raise CheckpointError(_misfit_message(path, differences, _key_summary(missing, unexpected)))
     try:
         if pipeline:
             load_pipeline_model_state_dict(model, model_state)
         else:
             load_full_model_state_dict(model, model_state)
     except RuntimeError as exc:
-        raise CheckpointError(
-            f"model weights in {path} do not fit the model: {exc}; check the model flags, and "
-            "that --make-vocab-size-divisible-by x --tensor-model-parallel-size (the padded "
-            "vocabulary's multiple) is the saved run's"
-        ) from exc
+        raise CheckpointError(_misfit_message(path, differences, _shape_summary(exc))) from None
+
+
+def _misfit_message(path: str, differences: List[str], detail: str) -> str:
+    if differences:
+        return (
+            f"the model in {path} does not fit this run's: {'; '.join(differences)}; run with "
+            "the checkpoint's values of these flags"
+        )
+    return (
+        f"the model in {path} does not fit this run's ({detail}); check that the model flags "
+        "(--num-layers, --hidden-size, --untie-embeddings-and-output-weights, ...) match the "
+        "saved run's, and that --make-vocab-size-divisible-by x --tensor-model-parallel-size "
+        "(the padded vocabulary's multiple) and the tokenizer are the saved run's"
+    )
+
+
+def _key_summary(missing: List[str], unexpected: List[str]) -> str:
+    parts = []
+    for what, names in (("missing", missing), ("unexpected", unexpected)):
+        if names:
+            shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+            parts.append(f"{len(names)} {what} tensors: {shown}")
+    return "; ".join(parts)
+
+
+def _shape_summary(error: RuntimeError) -> str:
+    """The first size mismatch of load_state_dict's message, and how many more there are."""
+    lines = [line.strip() for line in str(error).splitlines() if "size mismatch" in line]
+    if not lines:
+        return str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
+    more = f" (and {len(lines) - 1} more)" if len(lines) > 1 else ""
+    return lines[0] + more
 
 
 def _required(state: Dict[str, Any], key: str, path: str, skip_flag: str) -> Any:

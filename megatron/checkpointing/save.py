@@ -1,24 +1,40 @@
-"""Write a checkpoint atomically: a temporary directory renamed into place, the tracker last."""
+"""Write a checkpoint atomically: a temporary directory renamed into place, the tracker last.
+
+The tracker only ever names a complete directory: a save never touches the iteration the
+tracker names (that state is already on disk), and any other directory it replaces is moved
+aside only after the new one is complete.
+"""
 
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import shutil
-from typing import Any, Callable, Dict, List
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from megatron import parallel_state
+from megatron.checkpointing.checksums import (
+    BLOCK_SIZE,
+    ChecksumWriter,
+    FileChecksum,
+    hashing_threads,
+    write_manifest,
+)
 from megatron.checkpointing.full_state import full_model_state_dict, full_optimizer_state_dict
 from megatron.checkpointing.layout import (
     CheckpointError,
     checkpoint_file,
     fsync_directory,
+    is_complete,
     iteration_directory_name,
     leftover_temporaries,
+    read_tracker,
     shard_file,
     temporary_directory_name,
     write_tracker,
@@ -64,20 +80,29 @@ def save_checkpoint(
     consumed_valid_samples: int = 0,
     data_parallel_group: dist.ProcessGroup | None = None,
     print_fn: Callable[[str], None] = print_rank_0,
+    checksums: bool = True,
 ) -> str | None:
     """Save `iteration` under `config.save` (a CheckpointConfig); called on every rank.
 
     `args` is the run's argument namespace, saved (a copy, with the consumed sample counts) as
-    Megatron does. Every rank contributes its RNG state; data-parallel rank 0 writes. `--no-save-optim`
-    leaves out optimizer and scheduler state, `--no-save-rng` the RNG states. Returns the file
-    written on the writing rank, None elsewhere. Raises CheckpointError on every rank when
-    the write failed.
+    Megatron does. Every rank contributes its RNG state; data-parallel rank 0 writes, recording
+    the file's checksums (megatron.checkpointing.checksums; `checksums=False` is for measuring
+    their cost). `--no-save-optim` leaves out optimizer and scheduler state, `--no-save-rng`
+    the RNG states. Returns the file written on the writing rank, None elsewhere and when the
+    tracker already names `iteration` (its state is on disk; it is not written again). Raises
+    CheckpointError on every rank when the write failed.
     """
     if not config.save:
         raise CheckpointError("save_checkpoint called without --save; pass --save DIR")
+    writes = data_parallel_rank(data_parallel_group) == 0
+    if _from_writer(writes and _already_saved(config.save, iteration), data_parallel_group):
+        print_fn(
+            f"iteration {iteration} is already saved under {config.save} (the tracker names "
+            "it); not saved again"
+        )
+        return None
     rng_states = None if config.no_save_rng else gather_rng_states(data_parallel_group)
     optimizer_state = None
-    writes = data_parallel_rank(data_parallel_group) == 0
     # The writer's tensor- and expert-parallel peers gather their shards with it, so the file
     # holds the full tensors of a single-process run (full_state). They are the ranks of
     # expert-data-parallel rank 0 (without expert parallelism: data-parallel rank 0).
@@ -116,19 +141,62 @@ def save_checkpoint(
                 consumed_train_samples,
                 consumed_valid_samples,
             )
-            path = _write_atomically(config.save, iteration, state)
+            path = _write_atomically(config.save, iteration, state, checksums)
         except Exception as exc:  # reported on every rank below, so none waits forever
-            error, cause = f"saving iteration {iteration} under {config.save} failed: {exc!r}", exc
-    if dist.is_initialized():
-        # The final barrier: every rank leaves once the writer has finished, knowing its outcome.
-        outcome = [error]
-        writer = 0 if data_parallel_group is None else dist.get_global_rank(data_parallel_group, 0)
-        dist.broadcast_object_list(outcome, src=writer, group=data_parallel_group)
-        error = outcome[0]
+            error, cause = _failure_message(config.save, iteration, exc), exc
+    # The final barrier: every rank leaves once the writer has finished, knowing its outcome.
+    error = _from_writer(error, data_parallel_group)
     if error is not None:
         raise CheckpointError(error) from cause
     print_fn(f"saved checkpoint at iteration {iteration:7d} to {config.save}")
     return path
+
+
+def _from_writer(value: Any, data_parallel_group: dist.ProcessGroup | None) -> Any:
+    """The writing rank's `value` on every rank of the group (a collective when distributed)."""
+    if not dist.is_initialized():
+        return value
+    box = [value]
+    writer = 0 if data_parallel_group is None else dist.get_global_rank(data_parallel_group, 0)
+    dist.broadcast_object_list(box, src=writer, group=data_parallel_group)
+    return box[0]
+
+
+def _already_saved(root: str, iteration: int) -> bool:
+    """Whether the tracker names `iteration` and its directory is complete: a run relaunched
+    after its last save, whose state is that checkpoint's."""
+    try:
+        named = read_tracker(root)
+    except CheckpointError:
+        return False
+    return named == iteration and is_complete(
+        os.path.join(root, iteration_directory_name(iteration))
+    )
+
+
+def _failure_message(root: str, iteration: int, exc: BaseException) -> str:
+    """One line: what failed (the errno's meaning and the file), and what is still on disk."""
+    if isinstance(exc, OSError) and exc.errno is not None:
+        symbol = errno.errorcode.get(exc.errno, f"errno {exc.errno}")
+        what = f"{os.strerror(exc.errno)} ({symbol})"
+        if exc.filename:
+            what += f" writing {exc.filename}"
+    else:
+        what = repr(exc)
+    try:
+        latest = read_tracker(root)
+    except CheckpointError:
+        latest = None
+    kept = (
+        f"the latest checkpoint is still iteration {latest}"
+        if latest is not None
+        else "no earlier checkpoint is there"
+    )
+    return (
+        f"saving iteration {iteration} under {root} failed: {what}; its partial files were "
+        f"removed and {kept}; free space under {root} (or fix the I/O error) and resume with "
+        f"--load {root}"
+    )
 
 
 def _checkpoint_state(
@@ -163,35 +231,76 @@ def _checkpoint_state(
     return state
 
 
-def _write_atomically(root: str, iteration: int, state: Dict[str, Any]) -> str:
+def _write_atomically(root: str, iteration: int, state: Dict[str, Any], checksums: bool) -> str:
     """Write into a temporary directory, rename it to iter_XXXXXXX, then move the tracker.
 
-    A crash before the tracker is replaced leaves it naming the previous complete checkpoint.
+    A crash before the tracker is replaced leaves it naming the previous complete checkpoint;
+    a failure removes the temporary directory and puts back a directory it was replacing.
     """
     os.makedirs(root, exist_ok=True)
     final_directory = os.path.join(root, iteration_directory_name(iteration))
     temporary_root = os.path.join(root, temporary_directory_name(iteration))
-    if os.path.exists(temporary_root):
-        shutil.rmtree(temporary_root)
-    temporary_file = shard_file(temporary_root)
-    os.makedirs(os.path.dirname(temporary_file))
-    with open(temporary_file, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    fsync_directory(os.path.dirname(temporary_file))
-    fsync_directory(temporary_root)
-
-    if os.path.exists(final_directory):
-        # A directory cannot be renamed over a non-empty one: move the old one aside under a
-        # temporary name (never loaded, cleaned up below), then move the new one in.
-        replaced = os.path.join(root, temporary_directory_name(iteration, ".replaced"))
-        os.replace(final_directory, replaced)
-    os.replace(temporary_root, final_directory)
-    fsync_directory(root)
+    replaced = os.path.join(root, temporary_directory_name(iteration, ".replaced"))
+    moved_aside = False
+    try:
+        for stale in (temporary_root, replaced):  # left by an earlier failed save
+            if os.path.exists(stale):
+                shutil.rmtree(stale)
+        _write_directory(temporary_root, state, checksums)
+        if os.path.exists(final_directory):
+            if read_tracker(root) == iteration:
+                # Moving it aside would leave the tracker naming a missing directory.
+                raise CheckpointError(
+                    f"refusing to replace {final_directory}: the tracker names it"
+                )
+            # A directory cannot be renamed over a non-empty one: move the old one aside under
+            # a temporary name (never loaded, cleaned up below), then move the new one in. The
+            # tracker names another iteration meanwhile.
+            os.replace(final_directory, replaced)
+            moved_aside = True
+        os.replace(temporary_root, final_directory)
+        moved_aside = False
+        fsync_directory(root)
+    except BaseException:
+        shutil.rmtree(temporary_root, ignore_errors=True)
+        if moved_aside and not os.path.exists(final_directory):
+            os.replace(replaced, final_directory)
+        raise
     write_tracker(root, iteration)
     _remove_leftovers(root)
     return checkpoint_file(root, iteration)
+
+
+def _write_directory(directory: str, state: Dict[str, Any], checksums: bool) -> None:
+    """The checkpoint file and its checksums in `directory`, synced to disk."""
+    path = shard_file(directory)
+    os.makedirs(os.path.dirname(path))
+    record: Optional[FileChecksum] = None
+    try:
+        with open(path, "wb") as file:
+            if checksums:
+                with ThreadPoolExecutor(hashing_threads()) as pool:
+                    writer = ChecksumWriter(file, pool)
+                    try:
+                        torch.save(state, writer)
+                    except Exception:
+                        # torch.save reports a failed write as its own RuntimeError.
+                        if writer.error is not None:
+                            raise writer.error from None
+                        raise
+                    record = writer.finish()
+            else:
+                torch.save(state, file)
+            file.flush()
+            os.fsync(file.fileno())
+    except OSError as error:
+        if error.errno is None or error.filename:
+            raise
+        raise OSError(error.errno, error.strerror, path) from error
+    if record is not None:
+        write_manifest(directory, {os.path.relpath(path, directory): record}, BLOCK_SIZE)
+    fsync_directory(os.path.dirname(path))
+    fsync_directory(directory)
 
 
 def _remove_leftovers(root: str) -> None:

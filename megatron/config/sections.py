@@ -130,6 +130,9 @@ class OptimizerConfig:
     min_loss_scale: float = 1.0
     loss_scale_window: float = 1000
     hysteresis: int = 2
+    # On resume: the schedule from this run's flags, or from the checkpoint (at most one).
+    override_opt_param_scheduler: bool = False
+    use_checkpoint_opt_param_scheduler: bool = False
 
 
 @dataclass(frozen=True)

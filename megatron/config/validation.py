@@ -396,6 +396,12 @@ def _check_data(args: argparse.Namespace) -> None:
 
 
 def _check_checkpointing(args: argparse.Namespace, notes: List[str]) -> None:
+    if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
+        raise ConfigError(
+            "--override-opt_param-scheduler (this run's schedule) and "
+            "--use-checkpoint-opt_param-scheduler (the checkpoint's) contradict each other; "
+            "give at most one"
+        )
     if args.save is not None and args.save_interval is None:
         raise ConfigError(f"--save {args.save} needs --save-interval (iterations between saves)")
     if args.save_interval is not None and args.save is None:

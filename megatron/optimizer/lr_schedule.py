@@ -9,7 +9,7 @@ weights, see `build_optimizer`) scales it.
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Union
+from typing import Any, Dict
 
 from megatron.config import OptimizerConfig, TrainingConfig
 
@@ -109,53 +109,71 @@ class OptimizerParamScheduler:
         """Restore the sample count and reconcile the schedule values (see the class docstring).
 
         Older Megatron key names (start_lr, warmup_iter, end_iter, num_iters) are accepted.
+        Raises ValueError naming every value that differs, unless one of the two rules is set.
         """
-        self.max_lr = self._check_and_set(
-            "max_lr", self.max_lr, _first(state_dict, "start_lr", "max_lr")
-        )
-        self.min_lr = self._check_and_set("min_lr", self.min_lr, state_dict["min_lr"])
-        self.warmup_steps = self._check_and_set(
-            "warmup_steps", self.warmup_steps, _first(state_dict, "warmup_iter", "warmup_steps")
-        )
-        self.decay_steps = self._check_and_set(
-            "decay_steps", self.decay_steps, _first(state_dict, "end_iter", "decay_steps")
-        )
-        self.decay_style = self._check_and_set(
-            "decay_style", self.decay_style, state_dict["decay_style"]
-        )
+        saved = {
+            "max_lr": _first(state_dict, "start_lr", "max_lr"),
+            "min_lr": state_dict["min_lr"],
+            "warmup_steps": _first(state_dict, "warmup_iter", "warmup_steps"),
+            "decay_steps": _first(state_dict, "end_iter", "decay_steps"),
+            "decay_style": state_dict["decay_style"],
+        }
+        current = {name: getattr(self, name) for name in saved}
+        differing = [name for name in saved if saved[name] != current[name]]
+        if differing and not (
+            self.override_opt_param_scheduler or self.use_checkpoint_opt_param_scheduler
+        ):
+            described = "; ".join(
+                f"{name} {saved[name]!r} in the checkpoint, {current[name]!r} now "
+                f"({_SCHEDULE_FLAGS[name]})"
+                for name in differing
+            )
+            raise ValueError(
+                f"the learning-rate schedule differs from the checkpoint's: {described}; to "
+                "continue with this run's schedule pass --override-opt_param-scheduler, to keep "
+                "the checkpoint's pass --use-checkpoint-opt_param-scheduler, or restore the "
+                "original flags"
+            )
+        if not self.override_opt_param_scheduler:
+            for name, value in saved.items():
+                setattr(self, name, value)
         # Megatron adds the checkpoint's count to a fresh scheduler's 0; assigning is the same
         # there and keeps a second load from counting twice.
         self.num_steps = 0
         self.step(_first(state_dict, "num_iters", "num_steps"))
 
-    def _check_and_set(
-        self, name: str, current: Union[float, str], saved: Union[float, str]
-    ) -> Union[float, str]:
-        if self.override_opt_param_scheduler:
-            return current
-        if not self.use_checkpoint_opt_param_scheduler and current != saved:
-            raise ValueError(
-                f"learning-rate schedule mismatch: the checkpoint has {name}={saved!r} but the "
-                f"current flags give {current!r}; restore the original flags, or build the "
-                "scheduler with use_checkpoint_opt_param_scheduler=True (take the checkpoint's) "
-                "or override_opt_param_scheduler=True (take the current ones)"
-            )
-        return saved
+
+# What sets each schedule value, for the mismatch message (lengths are counted in samples).
+_SCHEDULE_FLAGS = {
+    "max_lr": "--lr",
+    "min_lr": "--min-lr",
+    "warmup_steps": "samples: --lr-warmup-iters x --global-batch-size, --lr-warmup-samples or "
+    "--lr-warmup-fraction",
+    "decay_steps": "samples: --lr-decay-iters (default --train-iters) x --global-batch-size, or "
+    "--lr-decay-samples (default --train-samples)",
+    "decay_style": "--lr-decay-style",
+}
 
 
 def build_lr_scheduler(
     optimizer: Any,
     optimizer_config: OptimizerConfig,
     training_config: TrainingConfig,
-    use_checkpoint_opt_param_scheduler: bool = False,
-    override_opt_param_scheduler: bool = False,
+    use_checkpoint_opt_param_scheduler: bool | None = None,
+    override_opt_param_scheduler: bool | None = None,
 ) -> OptimizerParamScheduler:
     """The scheduler for a run, with warmup and decay lengths converted to samples.
 
     Runs measured in iterations multiply by the global batch size; a warmup fraction is a
-    fraction of the decay samples. A missing decay length defaults to the run length.
+    fraction of the decay samples. A missing decay length defaults to the run length. What
+    a resume does with the checkpoint's schedule comes from the config's
+    --override-opt_param-scheduler / --use-checkpoint-opt_param-scheduler unless given here.
     """
     config = optimizer_config
+    if use_checkpoint_opt_param_scheduler is None:
+        use_checkpoint_opt_param_scheduler = config.use_checkpoint_opt_param_scheduler
+    if override_opt_param_scheduler is None:
+        override_opt_param_scheduler = config.override_opt_param_scheduler
     if training_config.train_iters is not None:
         decay_iters = config.lr_decay_iters
         if decay_iters is None:

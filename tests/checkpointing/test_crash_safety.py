@@ -72,13 +72,78 @@ def test_half_written_temporary_directory_is_ignored(tmp_path):
     assert not os.path.exists(os.path.dirname(os.path.dirname(leftover)))
 
 
-def test_saving_an_existing_iteration_replaces_it(tmp_path):
+def test_saving_the_tracked_iteration_again_leaves_it_untouched(tmp_path, capsys):
     model, optimizer, scheduler = build()
     save(tmp_path, 4, model, optimizer, scheduler)
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    path = checkpoint_file(str(tmp_path), 4)
+    before = os.stat(path)
     train(model, optimizer, scheduler, 1)
     save(tmp_path, 4, model, optimizer, scheduler)
+    assert "iteration 4 is already saved" in capsys.readouterr().out
+    after = os.stat(path)
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
     resumed, resumed_optimizer, resumed_scheduler = build(seed=5)
     load_checkpoint(checkpoint_config(tmp_path), resumed, resumed_optimizer, resumed_scheduler)
-    assert_state_dicts_equal(resumed.state_dict(), model.state_dict())
-    assert resumed_scheduler.num_steps == 1
+    assert_state_dicts_equal(resumed.state_dict(), saved)
     assert sorted(os.listdir(tmp_path)) == ["iter_0000004", "latest_checkpointed_iteration.txt"]
+
+
+def _count_replaces(monkeypatch) -> list:
+    calls = []
+    real_replace = os.replace
+
+    def replace(source, destination):
+        calls.append(destination)
+        real_replace(source, destination)
+
+    monkeypatch.setattr(os, "replace", replace)
+    return calls
+
+
+def _fail_rename_number(monkeypatch, failing: int) -> None:
+    """Make the `failing`-th os.replace from now (0-based) raise once, as a crash there would."""
+    calls = {"count": 0}
+    real_replace = os.replace
+
+    def replace(source, destination):
+        calls["count"] += 1
+        if calls["count"] == failing + 1:
+            raise OSError(f"simulated crash before {destination} was written")
+        real_replace(source, destination)
+
+    monkeypatch.setattr(os, "replace", replace)
+
+
+def test_replacing_a_newer_iteration_never_leaves_the_tracker_dangling(tmp_path, monkeypatch):
+    """A run rewound to iteration 2 (the tracker edited back) saves 4 again over the old 4:
+    cut at every rename of that save, the tracker names a complete checkpoint that loads."""
+    model, optimizer, scheduler = build()
+    save(tmp_path, 2, model, optimizer, scheduler)
+    train(model, optimizer, scheduler, 1)
+    save(tmp_path, 4, model, optimizer, scheduler)
+    with open(tracker_file(str(tmp_path)), "w") as f:
+        f.write("2")
+    train(model, optimizer, scheduler, 1)
+    with monkeypatch.context() as patch:
+        renames = _count_replaces(patch)
+        save(tmp_path, 2 + 2, model, optimizer, scheduler)
+    assert len(renames) >= 3  # old 4 aside, new 4 in, tracker
+    rewound_state = {k: v.clone() for k, v in model.state_dict().items()}
+    for cut in range(len(renames)):
+        # Restore the rewound layout, then cut the save at rename number `cut`.
+        with open(tracker_file(str(tmp_path)), "w") as f:
+            f.write("2")
+        with monkeypatch.context() as patch:
+            _fail_rename_number(patch, cut)
+            with pytest.raises(CheckpointError):
+                save(tmp_path, 4, model, optimizer, scheduler)
+        resumed = build(seed=5)
+        loaded = load_checkpoint(checkpoint_config(tmp_path), *resumed)
+        assert loaded.iteration in (2, 4)
+        # A failed save puts back the directory it was replacing.
+        assert os.path.isfile(checkpoint_file(str(tmp_path), 4)), f"cut at rename {cut}"
+    save(tmp_path, 4, model, optimizer, scheduler)
+    resumed, resumed_optimizer, resumed_scheduler = build(seed=5)
+    assert load_checkpoint(checkpoint_config(tmp_path), resumed).iteration == 4
+    assert_state_dicts_equal(resumed.state_dict(), rewound_state)

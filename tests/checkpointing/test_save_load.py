@@ -138,7 +138,9 @@ def test_bad_tracker_content_is_named(tmp_path, content):
 def test_missing_checkpoint_is_named(tmp_path):
     with open(tracker_file(str(tmp_path)), "w") as f:
         f.write("7")
-    with pytest.raises(CheckpointError, match="iter_0000007.*does not exist.*tracker"):
+    with pytest.raises(
+        CheckpointError, match="iter_0000007.*does not exist.*no earlier checkpoint.*remove .*latest_checkpointed"
+    ):
         load_checkpoint(checkpoint_config(tmp_path), *build())
 
 
@@ -147,23 +149,33 @@ def test_damaged_checkpoint_is_named(tmp_path):
     path = checkpoint_file(str(tmp_path), 2)
     with open(path, "r+b") as f:
         f.truncate(os.path.getsize(path) // 2)
-    with pytest.raises(CheckpointError, match="could not read .*model_optim_rng.pt.*tracker"):
+    with pytest.raises(CheckpointError, match="model_optim_rng.pt is damaged: it is .* bytes"):
         load_checkpoint(checkpoint_config(tmp_path), *build())
     with pytest.raises(CheckpointError, match="iter_0000002"):
         read_checkpoint_args(str(tmp_path))
 
 
+def test_unreadable_checkpoint_without_checksums_is_named(tmp_path):
+    save_trained(tmp_path)
+    path = checkpoint_file(str(tmp_path), 2)
+    os.remove(os.path.join(os.path.dirname(os.path.dirname(path)), "checksums.json"))
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+    with pytest.raises(CheckpointError, match="could not read .*model_optim_rng.pt.*remove .*latest_checkpointed"):
+        load_checkpoint(checkpoint_config(tmp_path), *build())
+
+
 def test_no_load_optim_skips_optimizer_and_scheduler(tmp_path):
     saved, _, _ = save_trained(tmp_path)
     seed_every_generator(3)
-    save_checkpoint(checkpoint_config(tmp_path), 2, saved)  # same iteration, rng known
+    save_checkpoint(checkpoint_config(tmp_path), 3, saved)  # no optimizer state, rng known
     expected = draw_from_every_generator()
     model, optimizer, scheduler = build(seed=5)
     seed_every_generator(4)
     loaded = load_checkpoint(
         checkpoint_config(tmp_path, no_load_optim=True), model, optimizer, scheduler
     )
-    assert loaded.iteration == 2
+    assert loaded.iteration == 3
     assert optimizer.state_dict()["state"] == {}
     assert scheduler.num_steps == 0
     assert_state_dicts_equal(model.state_dict(), saved.state_dict())
@@ -217,7 +229,7 @@ def test_no_save_optim_and_rng_leave_them_out(tmp_path):
 
 def test_model_load_is_strict(tmp_path):
     save_trained(tmp_path)
-    with pytest.raises(CheckpointError, match=r"missing keys \['decoder.layers.2"):
+    with pytest.raises(CheckpointError, match=r"12 missing tensors: decoder.layers.2"):
         load_checkpoint(checkpoint_config(tmp_path), *build(num_layers=3))
 
 
