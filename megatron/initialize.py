@@ -8,7 +8,7 @@ import os
 import random
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import numpy as np
 import torch
@@ -131,10 +131,26 @@ def set_random_seed(seed: int) -> None:
     model_parallel_manual_seed(seed)
 
 
+def is_global_rank_zero() -> bool:
+    """Whether this process is global rank 0 (or runs without a process group)."""
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
 def print_rank_0(message: str) -> None:
     """Print once per job, from global rank 0."""
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    if is_global_rank_zero():
         print(message, flush=True)
+
+
+def broadcast_from(value: Any, src: int = 0, group: Optional[dist.ProcessGroup] = None) -> Any:
+    """Global rank `src`'s `value` (any picklable object) on every rank of `group` (the world
+    by default): what one rank decided, for all to act on alike. A collective; `value` itself
+    without a process group."""
+    if not dist.is_initialized():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
 
 
 def barrier() -> None:

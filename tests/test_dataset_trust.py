@@ -7,7 +7,7 @@ import pytest
 
 import pretrain_gpt
 from megatron.data.indexed_dataset import MMapIndexedDatasetBuilder
-from tests.test_pretrain_gpt import tiny_gpt_args
+from tests.test_pretrain_gpt import run_expecting_error, tiny_gpt_args
 
 SPLIT_NAMES = ("train", "valid", "test")
 
@@ -38,14 +38,8 @@ def write_token_dataset(prefix: str, documents) -> None:
 
 
 def run_expecting_user_error(argv, capsys) -> str:
-    """The one line the entry point prints for the run's DatasetError (exit status 1)."""
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as exit_info:
-        pretrain_gpt.main(argv)
-    assert exit_info.value.code == 1
-    error_output = capsys.readouterr().err.strip()
-    assert error_output.startswith("error: ") and "\n" not in error_output, error_output
-    return error_output[len("error: ") :]
+    """The message of the one line the entry point prints for the run's DatasetError."""
+    return run_expecting_error(argv, capsys)[len("error: ") :]
 
 
 def test_index_cache_is_built_reused_and_rebuilt_for_another_split(fresh_prefix, capsys):

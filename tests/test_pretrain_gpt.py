@@ -45,6 +45,17 @@ def tiny_gpt_args(data_prefix, *extra, train_iters=20, micro_batch=4, global_bat
     return args + list(extra)
 
 
+def run_expecting_error(argv, capsys) -> str:
+    """The one `error: ...` line a user error prints, after checking the exit status is 1."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        pretrain_gpt.main(argv)
+    assert exit_info.value.code == 1
+    error = capsys.readouterr().err.strip()
+    assert error.startswith("error: ") and "\n" not in error, error
+    return error
+
+
 def _losses(result):
     return [losses["lm loss"] for losses in result.losses]
 

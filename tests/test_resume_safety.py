@@ -16,7 +16,7 @@ import pytest
 import pretrain_gpt
 from megatron.checkpointing import CheckpointError
 from tests.sample_data import REPO
-from tests.test_pretrain_gpt import tiny_gpt_args
+from tests.test_pretrain_gpt import run_expecting_error, tiny_gpt_args
 
 TIMES = re.compile(
     r"\(min, max\) time across ranks \(ms\):\n    (save|load)-checkpoint \.+: "
@@ -47,17 +47,6 @@ def checkpoints(finished_run, tmp_path):
     copy = tmp_path / "checkpoints"
     shutil.copytree(finished_run, copy)
     return copy
-
-
-def run_expecting_error(args, capsys) -> str:
-    """The one line a user error prints, after checking the exit status is 1."""
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as exit_info:
-        pretrain_gpt.main(args)
-    assert exit_info.value.code == 1
-    error = capsys.readouterr().err.strip()
-    assert error.startswith("error: ") and "\n" not in error, error
-    return error
 
 
 def test_saves_and_loads_print_megatron_timer_lines(sample_prefix, checkpoints, capsys):

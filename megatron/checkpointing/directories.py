@@ -24,7 +24,7 @@ from megatron.checkpointing.layout import (
     read_tracker,
     refuse_untracked_checkpoints,
 )
-from megatron.initialize import print_rank_0
+from megatron.initialize import broadcast_from, is_global_rank_zero, print_rank_0
 
 
 def estimate_checkpoint_bytes(
@@ -40,9 +40,9 @@ def estimate_checkpoint_bytes(
     the optimizer's per-parameter state (Adam: two moments; SGD: the momentum, if any).
 
     `parameters` are this rank's; the shares of all ranks are added up on `device` (a
-    collective when distributed): a replica's parameters are counted once per data-parallel replica, expert
-    shards once per expert-data-parallel replica. Tensors that tensor-parallel ranks both
-    hold are counted by each, so the estimate errs a little high.
+    collective when distributed): a replica's parameters are counted once per data-parallel
+    replica, expert shards once per expert-data-parallel replica. Tensors that tensor-parallel
+    ranks both hold are counted by each, so the estimate errs a little high.
     """
     dense, expert = 0, 0
     for parameter in parameters:
@@ -75,16 +75,12 @@ def check_checkpoint_directories(
     this run does not resume from, which it would overwrite.
     """
     outcome = None
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    if is_global_rank_zero():
         try:
             outcome = ("notes", _check(config, estimated_bytes))
         except CheckpointError as error:
             outcome = ("error", str(error))
-    if dist.is_initialized():
-        box = [outcome]
-        dist.broadcast_object_list(box, src=0)
-        outcome = box[0]
-    kind, value = outcome
+    kind, value = broadcast_from(outcome)
     if kind == "error":
         raise CheckpointError(value)
     for note in value:

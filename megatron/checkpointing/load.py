@@ -46,7 +46,7 @@ from megatron.checkpointing.rng import (
     saved_rng_state_index,
 )
 from megatron.checkpointing.save import is_pipeline_parallel, unwrap_model
-from megatron.initialize import print_rank_0
+from megatron.initialize import broadcast_from, is_global_rank_zero, print_rank_0
 from megatron.pipeline.stages import stage_to_full_names
 from megatron.tensor_parallel import MODEL_PARALLEL_RNG
 
@@ -162,10 +162,6 @@ def load_checkpoint(
     return loaded
 
 
-def _is_global_rank_zero() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
-
-
 def _read_verified(
     root: str, iteration: Iteration, path: str, print_fn: Callable[[str], None]
 ) -> Dict[str, Any]:
@@ -179,7 +175,7 @@ def _read_verified(
     with ThreadPoolExecutor(1) as verifier:
         outcome = (
             verifier.submit(_checksum_outcome, root, iteration, path)
-            if _is_global_rank_zero()
+            if is_global_rank_zero()
             else None
         )
         state, read_error = None, None
@@ -188,10 +184,7 @@ def _read_verified(
         except CheckpointError as error:
             read_error = error
         outcome = outcome.result() if outcome is not None else None
-    if dist.is_initialized():
-        box = [outcome]
-        dist.broadcast_object_list(box, src=0)
-        outcome = box[0]
+    outcome = broadcast_from(outcome)
     if outcome is not None:
         damaged, message = outcome
         if damaged:

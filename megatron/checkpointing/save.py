@@ -44,7 +44,7 @@ from megatron.checkpointing.pipeline_state import (
     pipeline_full_optimizer_state_dict,
 )
 from megatron.checkpointing.rng import data_parallel_rank, gather_rng_states
-from megatron.initialize import print_rank_0
+from megatron.initialize import broadcast_from, print_rank_0
 
 CHECKPOINT_VERSION = 3.0
 
@@ -154,12 +154,11 @@ def save_checkpoint(
 
 def _from_writer(value: Any, data_parallel_group: dist.ProcessGroup | None) -> Any:
     """The writing rank's `value` on every rank of the group (a collective when distributed)."""
-    if not dist.is_initialized():
-        return value
-    box = [value]
-    writer = 0 if data_parallel_group is None else dist.get_global_rank(data_parallel_group, 0)
-    dist.broadcast_object_list(box, src=writer, group=data_parallel_group)
-    return box[0]
+    if data_parallel_group is None or not dist.is_initialized():
+        return broadcast_from(value)
+    return broadcast_from(
+        value, src=dist.get_global_rank(data_parallel_group, 0), group=data_parallel_group
+    )
 
 
 def _already_saved(root: str, iteration: int) -> bool:
