@@ -33,6 +33,7 @@ from megatron.data.dataset_splits import get_train_valid_test_num_samples
 from megatron.data.errors import check_datasets_serve_run
 from megatron.data.gpt_dataset import SPLIT_NAMES, build_train_valid_test_datasets
 from megatron.errors import UserError
+from megatron.expert_parameters import expert_parameters
 from megatron.initialize import (
     DistributedContext,
     barrier,
@@ -50,7 +51,6 @@ from megatron.tokenizer import build_tokenizer, vocab_size_with_padding
 from megatron.training import TrainingResult, pretrain
 from moe.arguments import MOE_MODEL_ARGUMENTS, add_moe_args
 from moe.config import MoEConfig
-from moe.expert_parallel import expert_parameters
 from moe.layers import MoEAuxiliaryLosses
 
 

@@ -4,7 +4,7 @@ that finish a step's gradients after the last backward (Megatron-core's `finaliz
 Which gradient is reduced where:
 - replicated parameters: averaged over the data-parallel group by torch DDP, bucketed and
   overlapped with the last micro-batch's backward;
-- expert-parallel shards (moe.expert_parallel): left out of DDP, since each rank of an
+- expert-parallel shards (megatron.expert_parameters): left out of DDP, since each rank of an
   expert-parallel group holds different experts; `finalize_gradients` sums them over the
   expert-data-parallel group and divides by the data-parallel size (`reduce_expert_gradients`);
 - with --sequence-parallel, the norms' partial gradients: summed over the tensor-parallel group;
@@ -24,9 +24,9 @@ from torch import nn
 
 from megatron import parallel_state
 from megatron.config import Config
+from megatron.expert_parameters import is_expert_parameter, reduce_expert_gradients
 from megatron.pipeline.stages import tied_embedding_weights
 from megatron.tensor_parallel import all_reduce_sequence_parallel_grads
-from moe.expert_parallel import is_expert_parameter, reduce_expert_gradients
 
 
 def wrap_data_parallel(

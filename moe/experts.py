@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from megatron.expert_parameters import mark_expert_parallel
 from megatron.tensor_parallel import set_tensor_model_parallel_attributes
-from moe.expert_parallel import mark_expert_parallel
 from moe.kernels.scaled_activation import scaled_activation
 from moe.weight_copies import CachedCast, GradientAccumulator
 

@@ -24,6 +24,7 @@ from megatron.checkpointing.layout import (
     read_tracker,
     refuse_untracked_checkpoints,
 )
+from megatron.expert_parameters import is_expert_parameter
 from megatron.initialize import broadcast_from, is_global_rank_zero, print_rank_0
 
 
@@ -47,7 +48,7 @@ def estimate_checkpoint_bytes(
     dense, expert = 0, 0
     for parameter in parameters:
         size = parameter.numel() * 4  # checkpoints hold fp32 weights (the master weights)
-        if getattr(parameter, "expert_model_parallel", False):
+        if is_expert_parameter(parameter):
             expert += size
         else:
             dense += size

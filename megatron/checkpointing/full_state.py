@@ -10,7 +10,7 @@ exp_avg_sq, SGD's momentum) is gathered and cut like the parameter; scalars such
 
 Which tensors are shards is read from the parameters' attributes: `tensor_model_parallel`,
 `partition_dim` and `partition_stride`, set by the parallel layers, and
-`expert_model_parallel` (moe.expert_parallel), whose [E/P, ...] slices are experts
+`expert_model_parallel` (megatron.expert_parameters), whose [E/P, ...] slices are experts
 [r * E/P, (r + 1) * E/P) of the full [E, ...] tensor on expert-parallel rank r.
 """
 
@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron import parallel_state
+from megatron.expert_parameters import is_expert_parameter
 from megatron.tensor_parallel import (
     gather_tensor_model_parallel_weight,
     shard_tensor_model_parallel_weight,
@@ -33,12 +34,8 @@ def _is_tensor_parallel_shard(tensor: torch.Tensor) -> bool:
     return getattr(tensor, "tensor_model_parallel", False)
 
 
-def _is_expert_shard(tensor: torch.Tensor) -> bool:
-    return getattr(tensor, "expert_model_parallel", False)
-
-
 def _is_shard(tensor: torch.Tensor) -> bool:
-    return _is_tensor_parallel_shard(tensor) or _is_expert_shard(tensor)
+    return _is_tensor_parallel_shard(tensor) or is_expert_parameter(tensor)
 
 
 def _sharded_layout() -> bool:
@@ -53,7 +50,7 @@ def _full_shape(shard: torch.Tensor) -> torch.Size:
     shape = list(shard.shape)
     if _is_tensor_parallel_shard(shard):
         shape[shard.partition_dim] *= parallel_state.get_tensor_model_parallel_world_size()
-    if _is_expert_shard(shard):
+    if is_expert_parameter(shard):
         shape[0] *= parallel_state.get_expert_model_parallel_world_size()
     return torch.Size(shape)
 
@@ -120,14 +117,14 @@ def _gather_like(shard: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
         full = gather_tensor_model_parallel_weight(
             full, param.partition_dim, param.partition_stride
         )
-    if _is_expert_shard(param):
+    if is_expert_parameter(param):
         full = _gather_expert_blocks(full)
     return full
 
 
 def _shard_like(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     """This rank's part of `full`, split like `param`."""
-    if _is_expert_shard(param):
+    if is_expert_parameter(param):
         size = parallel_state.get_expert_model_parallel_world_size()
         block = full.shape[0] // size
         first = parallel_state.get_expert_model_parallel_rank() * block

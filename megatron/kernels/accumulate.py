@@ -19,8 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from moe.kernels.aot import AotSpec
-from moe.kernels.dispatch import use_triton
+from megatron.kernels.aot import AotSpec
+from megatron.kernels.dispatch import use_triton
 
 __all__ = [
     "AOT_SPECS",

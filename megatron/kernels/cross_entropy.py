@@ -31,8 +31,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from moe.kernels.aot import AotSpec
-from moe.kernels.dispatch import use_triton
+from megatron.kernels.aot import AotSpec
+from megatron.kernels.dispatch import use_triton
 
 __all__ = ["AOT_SPECS", "cross_entropy", "cross_entropy_reference"]
 

@@ -5,7 +5,7 @@ its full parameters but only a shard of their optimizer state, as Megatron-LM's
 DistributedOptimizer. Under tensor, pipeline and expert parallelism a rank's parameters are its
 tensor-parallel shards, its pipeline stage's layers and its experts, each sharded over the ranks
 that hold a replica of it: the data-parallel group, or for expert-parallel shards
-(`moe.expert_parallel.is_expert_parameter`) the expert-data-parallel group.
+(`megatron.expert_parameters.is_expert_parameter`) the expert-data-parallel group.
 
 Layout. The parameters are grouped by dtype (all fp32 here: mixed precision is autocast) and by
 that replica group (Megatron-Core's dense and expert buffers). Each group's parameters lie one
@@ -46,6 +46,7 @@ from torch import nn
 
 from megatron import parallel_state
 from megatron.config import OptimizerConfig, TrainingConfig
+from megatron.expert_parameters import is_expert_parameter
 from megatron.optimizer.grad_scaler import GradScaler
 from megatron.optimizer.optimizer import (
     MegatronOptimizer,
@@ -55,7 +56,6 @@ from megatron.optimizer.optimizer import (
     load_keeping_kernel_flags,
 )
 from megatron.optimizer.sharded_buffer import ShardedBuffer, all_gather_into
-from moe.expert_parallel import is_expert_parameter
 
 
 @dataclass

@@ -21,6 +21,7 @@ from torch import nn
 
 from megatron import parallel_state
 from megatron.config import OptimizerConfig, TrainingConfig
+from megatron.expert_parameters import is_expert_parameter
 from megatron.model import param_groups_for_weight_decay
 from megatron.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler, GradScaler
 
@@ -158,7 +159,7 @@ class MegatronOptimizer:
 
         Tensor parallelism, Megatron's rule: a sharded parameter's gradient counts on every
         rank (the shards add up to it), a replicated one (norms, row-parallel biases, position
-        embeddings) only on TP rank 0. Expert parallelism (moe.expert_parallel): each rank of
+        embeddings) only on TP rank 0. Expert parallelism (megatron.expert_parameters): each rank of
         an expert-parallel group holds other experts, which all count, while the rest of the
         gradient is the same on all of them after the data-parallel all-reduce and counts only
         on expert-parallel rank 0. Pipeline parallelism: every stage's parameters count, except
@@ -171,7 +172,7 @@ class MegatronOptimizer:
             for param in self._params()
             if param.grad is not None
             and counted_across_model_parallel_ranks(param)
-            and (getattr(param, "expert_model_parallel", False) or first_expert_rank)
+            and (is_expert_parameter(param) or first_expert_rank)
         ]
 
     def _params(self) -> List[torch.Tensor]:

@@ -12,7 +12,7 @@ from torch import nn
 
 from megatron.collectives import all_gather_single as _all_gather
 from megatron.collectives import reduce_scatter_single as _reduce_scatter
-from moe.expert_parallel import is_expert_parameter
+from megatron.expert_parameters import is_expert_parameter
 
 
 class ShardedBuffer:

@@ -9,7 +9,7 @@ input gradient, weight gradient) picks one backend at run time:
 2. otherwise the Triton kernels below, when `use_triton(...)` says so;
 3. otherwise the pure-PyTorch reference, a loop over experts.
 
-`MOE_KERNELS=triton` / `MOE_KERNELS=reference` (see `moe.kernels.dispatch`) force the Triton
+`MOE_KERNELS=triton` / `MOE_KERNELS=reference` (see `megatron.kernels.dispatch`) force the Triton
 kernels / the references for every product.
 """
 
@@ -20,13 +20,13 @@ from typing import Optional
 
 import torch
 
-from moe.kernels.dispatch import TRITON_AVAILABLE, kernel_mode, use_triton
+from megatron.kernels.dispatch import TRITON_AVAILABLE, kernel_mode, use_triton
 
 if TRITON_AVAILABLE:
     import triton
     import triton.language as tl
 
-    from moe.kernels.aot import AotSpec
+    from megatron.kernels.aot import AotSpec
 else:  # pragma: no cover - the reference still works without Triton
     triton = None
     tl = None
@@ -643,7 +643,7 @@ def _weight_grad_spec(dtype: str, tile_sizes: TileSizes = DEFAULT_TILE_SIZES) ->
     )
 
 
-# What `python -m moe.kernels.aot` builds: both kernels (forward and input gradient share the
+# What `python tools/compile_kernels.py` builds: both kernels (forward and input gradient share the
 # first) for each dtype the Triton path takes.
 AOT_SPECS = (
     [_grouped_mm_spec(dtype) for dtype in ("bf16", "fp16", "fp32")]

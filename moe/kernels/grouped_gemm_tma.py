@@ -22,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from moe.kernels.dispatch import TRITON_AVAILABLE
+from megatron.kernels.dispatch import TRITON_AVAILABLE
 from moe.kernels.grouped_gemm import HOPPER_ROW_TILE_SIZES, TileSizes, _exclusive_cumsum
 
 if TRITON_AVAILABLE:
@@ -364,7 +364,7 @@ if TRITON_AVAILABLE:
 
 
 def _aot_specs() -> list:
-    from moe.kernels.aot import AotSpec
+    from megatron.kernels.aot import AotSpec
 
     common = {"BLOCK_M": 128, "BLOCK_N": 256, "NUM_PROGRAMS": 132}
     rows = [
@@ -409,5 +409,5 @@ def _aot_specs() -> list:
     return rows + weight_grads
 
 
-# What `python -m moe.kernels.aot` builds: every variant of both kernels, in bf16.
+# What `python tools/compile_kernels.py` builds: every variant of both kernels, in bf16.
 AOT_SPECS = _aot_specs() if available() else []

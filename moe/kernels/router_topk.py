@@ -20,13 +20,13 @@ where `use_triton` says so and its pure-PyTorch reference (a stable sort) otherw
 
 import torch
 
-from moe.kernels.dispatch import TRITON_AVAILABLE, use_triton
+from megatron.kernels.dispatch import TRITON_AVAILABLE, use_triton
 
 if TRITON_AVAILABLE:
     import triton
     import triton.language as tl
 
-    from moe.kernels.aot import AotSpec
+    from megatron.kernels.aot import AotSpec
 
 # Tokens per program: 32 tokens x 64 experts of fp32 is 8 KiB of scores in registers.
 BLOCK_TOKENS = 32
@@ -134,5 +134,5 @@ def _aot_specs() -> list:
     ]
 
 
-# What `python -m moe.kernels.aot` builds: k = 8 of 64 experts, fp32 and bf16 scores.
+# What `python tools/compile_kernels.py` builds: k = 8 of 64 experts, fp32 and bf16 scores.
 AOT_SPECS = _aot_specs() if TRITON_AVAILABLE else []

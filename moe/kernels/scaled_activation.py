@@ -29,13 +29,13 @@ from typing import Tuple
 import torch
 import torch.nn.functional as F
 
-from moe.kernels.dispatch import TRITON_AVAILABLE, use_triton
+from megatron.kernels.dispatch import TRITON_AVAILABLE, use_triton
 
 if TRITON_AVAILABLE:
     import triton
     import triton.language as tl
 
-    from moe.kernels.aot import AotSpec
+    from megatron.kernels.aot import AotSpec
 
 ACTIVATIONS = ("gelu", "silu")  # gelu: the tanh approximation, as Experts uses
 # Forward tile: 16 rows x 256 channels, as the row permutations use. Backward: 4 rows per
@@ -286,7 +286,7 @@ def _aot_specs(dtype: str) -> list:
     ]  # fmt: skip
 
 
-# What `python -m moe.kernels.aot` builds: both activations, forward and backward, for bf16 and
+# What `python tools/compile_kernels.py` builds: both activations, forward and backward, for bf16 and
 # fp32 rows.
 AOT_SPECS = (
     [spec for dtype in ("bf16", "fp32") for spec in _aot_specs(dtype)] if TRITON_AVAILABLE else []

@@ -14,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from moe.kernels.aot import AotSpec
-from moe.kernels.dispatch import use_triton
+from megatron.kernels.aot import AotSpec
+from megatron.kernels.dispatch import use_triton
 
 # The in-block rank compares every pair of a block's assignments, so this block stays small.
 SORT_BLOCK = 128

@@ -25,13 +25,13 @@ and its pure-PyTorch reference otherwise (CPU tensors, MOE_KERNELS=reference).
 
 import torch
 
-from moe.kernels.dispatch import TRITON_AVAILABLE, use_triton
+from megatron.kernels.dispatch import TRITON_AVAILABLE, use_triton
 
 if TRITON_AVAILABLE:
     import triton
     import triton.language as tl
 
-    from moe.kernels.aot import AotSpec
+    from megatron.kernels.aot import AotSpec
 
 # Rows per program and channels per step: 16 rows x 256 bf16 channels is 8 KiB in flight per
 # program, enough to keep HBM busy with the few programs per SM these kernels get.
@@ -232,7 +232,7 @@ def _aot_specs(dtype: str) -> list:
     ]  # fmt: skip
 
 
-# What `python -m moe.kernels.aot` builds: each kernel for bf16 and fp32 rows.
+# What `python tools/compile_kernels.py` builds: each kernel for bf16 and fp32 rows.
 AOT_SPECS = (
     [spec for dtype in ("bf16", "fp32") for spec in _aot_specs(dtype)] if TRITON_AVAILABLE else []
 )

@@ -139,7 +139,8 @@ def test_missing_checkpoint_is_named(tmp_path):
     with open(tracker_file(str(tmp_path)), "w") as f:
         f.write("7")
     with pytest.raises(
-        CheckpointError, match="iter_0000007.*does not exist.*no earlier checkpoint.*remove .*latest_checkpointed"
+        CheckpointError,
+        match="iter_0000007.*does not exist.*no earlier checkpoint.*remove .*latest_checkpointed",
     ):
         load_checkpoint(checkpoint_config(tmp_path), *build())
 
@@ -161,7 +162,9 @@ def test_unreadable_checkpoint_without_checksums_is_named(tmp_path):
     os.remove(os.path.join(os.path.dirname(os.path.dirname(path)), "checksums.json"))
     with open(path, "r+b") as f:
         f.truncate(os.path.getsize(path) // 2)
-    with pytest.raises(CheckpointError, match="could not read .*model_optim_rng.pt.*remove .*latest_checkpointed"):
+    with pytest.raises(
+        CheckpointError, match="could not read .*model_optim_rng.pt.*remove .*latest_checkpointed"
+    ):
         load_checkpoint(checkpoint_config(tmp_path), *build())
 
 

@@ -19,16 +19,16 @@ import torch.distributed as dist
 from megatron import parallel_state
 from megatron.config import ConfigError, ModelConfig, OptimizerConfig, TrainingConfig
 from megatron.distributed import data_parallel_ignored_names, wrap_data_parallel
-from megatron.model import GPTModel
-from megatron.optimizer import build_optimizer
-from moe.arguments import add_moe_args
-from moe.config import MoEConfig
-from moe.expert_parallel import (
+from megatron.expert_parameters import (
     expert_parameters,
     is_expert_parameter,
     mark_expert_parallel,
     reduce_expert_gradients,
 )
+from megatron.model import GPTModel
+from megatron.optimizer import build_optimizer
+from moe.arguments import add_moe_args
+from moe.config import MoEConfig
 from moe.layers import build_moe_layer
 from tests.distributed.launch import run_distributed
 

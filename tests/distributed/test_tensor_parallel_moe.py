@@ -26,12 +26,12 @@ import torch.distributed as dist
 import pretrain_gpt
 from megatron import parallel_state as ps
 from megatron.config import ModelConfig
+from megatron.expert_parameters import is_expert_parameter, reduce_expert_gradients
 from megatron.tensor_parallel import (
     all_reduce_sequence_parallel_grads,
     gather_tensor_model_parallel_weight,
 )
 from moe.config import MoEConfig
-from moe.expert_parallel import is_expert_parameter, reduce_expert_gradients
 from moe.kernels import grouped_gemm
 from moe.layers import build_moe_layer
 from tests.distributed.launch import run_distributed

@@ -188,7 +188,7 @@ def test_shapes_are_checked():
 @interpreted
 @pytest.mark.xfail(
     not module.HAS_TRITON_OP,
-    reason="torch 2.4's dynamo cannot trace the os.environ.get in moe.kernels.dispatch "
+    reason="torch 2.4's dynamo cannot trace the os.environ.get in megatron.kernels.dispatch "
     "(MOE_KERNELS) and breaks the graph there (2.5 not tried)",
     strict=False,
 )

@@ -4,9 +4,9 @@ references against masked dense matmuls in fp64."""
 import pytest
 import torch
 
+from megatron.kernels.dispatch import TRITON_AVAILABLE  # noqa: E402
 from moe.kernels.block_sparse import Topology, dds_t, dsd, dsd_t, sdd, sparse_mlp  # noqa: E402
 from moe.kernels.block_sparse import ops as block_sparse_ops  # noqa: E402
-from moe.kernels.dispatch import TRITON_AVAILABLE  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not TRITON_AVAILABLE, reason="Triton is not installed")
 

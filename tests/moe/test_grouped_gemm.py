@@ -3,8 +3,8 @@
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from megatron.kernels.dispatch import TRITON_AVAILABLE  # noqa: E402
 from moe.kernels import grouped_gemm  # noqa: E402
-from moe.kernels.dispatch import TRITON_AVAILABLE  # noqa: E402
 
 pytestmark = [
     pytest.mark.skipif(not TRITON_AVAILABLE, reason="Triton is not installed"),

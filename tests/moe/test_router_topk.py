@@ -4,8 +4,8 @@ and the reference against torch.topk."""
 import pytest
 import torch
 
+from megatron.kernels.dispatch import TRITON_AVAILABLE
 from moe.kernels import router_topk
-from moe.kernels.dispatch import TRITON_AVAILABLE
 
 needs_triton = pytest.mark.skipif(not TRITON_AVAILABLE, reason="Triton is not installed")
 

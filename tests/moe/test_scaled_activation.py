@@ -5,8 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from megatron.kernels.dispatch import TRITON_AVAILABLE
 from moe.kernels import scaled_activation as sa
-from moe.kernels.dispatch import TRITON_AVAILABLE
 
 
 def _eager(h, scale, activation):

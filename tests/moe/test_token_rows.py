@@ -4,8 +4,8 @@ forward and backward, for the top-k > 1 permutation of the compiled dMoE."""
 import pytest
 import torch
 
+from megatron.kernels.dispatch import TRITON_AVAILABLE
 from moe.kernels import permute, token_rows, traceable
-from moe.kernels.dispatch import TRITON_AVAILABLE
 
 pytestmark = [
     pytest.mark.skipif(not TRITON_AVAILABLE, reason="Triton is not installed"),

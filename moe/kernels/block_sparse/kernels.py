@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe.kernels.aot import AotSpec
+from megatron.kernels.aot import AotSpec
 from moe.kernels.block_sparse.topology import Topology
 
 MAX_TILE = 64

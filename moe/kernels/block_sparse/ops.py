@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
+from megatron.kernels.dispatch import use_triton
 from moe.kernels.block_sparse import reference
 from moe.kernels.block_sparse.topology import Topology
-from moe.kernels.dispatch import use_triton
 
 ACTIVATIONS = ("gelu",)
 

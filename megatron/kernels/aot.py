@@ -2,7 +2,7 @@
 
 Each kernel file lists what to build in a module-level list:
 
-    from moe.kernels.aot import AotSpec
+    from megatron.kernels.aot import AotSpec
 
     AOT_SPECS = [
         AotSpec(kernel=_my_kernel, signature={"x_ptr": "*bf16", "n": "i32"}, constexprs={"BLOCK": 128}),
@@ -21,9 +21,10 @@ What `compile_for` reaches with triton 3.6 on a CPU-only machine (checked by tes
 Nothing is launched, so this proves the kernels build, not that they are correct on those GPUs;
 correctness is what the interpreter tests and the GPU tests are for.
 
-`python -m moe.kernels.aot` compiles every spec for every target and prints one line per pair
-(`--json` for a machine-readable report). Run it without TRITON_INTERPRET set: under the
-interpreter `triton.jit` returns functions that cannot be compiled.
+`python tools/compile_kernels.py` compiles every spec of every kernel package (this one and
+moe.kernels) for every target and prints one line per pair (`--json` for a machine-readable
+report). Run it without TRITON_INTERPRET set: under the interpreter `triton.jit` returns
+functions that cannot be compiled.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import json
 import os
 import pkgutil
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -62,22 +63,18 @@ class AotSpec:
 
     @property
     def name(self) -> str:
-        """Readable, stable id such as `sort._sort_scatter_kernel[BLOCK=128](*i32)`."""
+        """Readable, stable id such as `moe.kernels.sort._sort_scatter_kernel[BLOCK=128](*i32)`."""
         function = getattr(self.kernel, "fn", self.kernel)
-        module = function.__module__.removeprefix("moe.kernels.")
+        module = function.__module__
         values = ",".join(f"{key}={value}" for key, value in self.constexprs.items())
         pointers = ",".join(sorted({kind for kind in self.signature.values() if kind[0] == "*"}))
         return f"{module}.{function.__name__}[{values}]({pointers})"
 
 
-# Packages whose modules may hold AOT_SPECS: the MoE kernels and the dense model's kernels.
-KERNEL_PACKAGES = ("moe.kernels", "megatron.kernels")
-
-
-def discover_specs() -> list[AotSpec]:
-    """Imports every module in KERNEL_PACKAGES and collects their AOT_SPECS lists."""
+def discover_specs(packages: Sequence[str]) -> list[AotSpec]:
+    """Imports every module of the named packages and collects their AOT_SPECS lists."""
     specs: dict[str, AotSpec] = {}
-    for package_name in KERNEL_PACKAGES:
+    for package_name in packages:
         package = importlib.import_module(package_name)
         modules = pkgutil.walk_packages(package.__path__, prefix=f"{package_name}.")
         for module_info in sorted(modules, key=lambda info: info.name):
@@ -94,7 +91,7 @@ def compile_for(spec: AotSpec, target: GPUTarget) -> Any:
         raise TypeError(
             f"{spec.name}: kernel is a {type(spec.kernel).__name__}, not a triton JITFunction; "
             "TRITON_INTERPRET was set when the kernel module was imported. Compile in a process "
-            "without TRITON_INTERPRET (python -m moe.kernels.aot)."
+            "without TRITON_INTERPRET (python tools/compile_kernels.py)."
         )
     arg_names = spec.kernel.arg_names
     unknown = (set(spec.signature) | set(spec.constexprs)) - set(arg_names)
@@ -131,10 +128,10 @@ def artifacts(compiled: Any, target: GPUTarget) -> dict[str, int]:
     }
 
 
-def compile_all() -> dict[str, dict[str, Any]]:
+def compile_all(packages: Sequence[str]) -> dict[str, dict[str, Any]]:
     """{spec name: {target name: artifact sizes, or the error as a string}} for every pair."""
     report: dict[str, dict[str, Any]] = {}
-    for spec in discover_specs():
+    for spec in discover_specs(packages):
         report[spec.name] = {}
         for target_name, target in TARGETS.items():
             try:
@@ -144,14 +141,15 @@ def compile_all() -> dict[str, dict[str, Any]]:
     return report
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], packages: Sequence[str]) -> int:
+    """The command line of tools/compile_kernels.py: `--list`, `--json`, or a line per pair."""
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("unset TRITON_INTERPRET: interpreted kernels cannot be compiled", file=sys.stderr)
         return 2
     if "--list" in argv:
-        print(json.dumps([spec.name for spec in discover_specs()]))
+        print(json.dumps([spec.name for spec in discover_specs(packages)]))
         return 0
-    report = compile_all()
+    report = compile_all(packages)
     failed = any(isinstance(result, str) for row in report.values() for result in row.values())
     if "--json" in argv:
         print(json.dumps(report))
@@ -160,7 +158,3 @@ def main(argv: list[str]) -> int:
             for target_name, result in row.items():
                 print(f"{name:70s} {target_name:7s} {result}")
     return 1 if failed else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,24 @@
+"""Compile every Triton kernel of the project ahead of time for MI300X, MI250X and H100.
+
+    python tools/compile_kernels.py            # one line per (kernel, target): artifact sizes or the error
+    python tools/compile_kernels.py --json     # the same report as JSON
+    python tools/compile_kernels.py --list     # the kernel specializations, as JSON
+
+Runs on any machine, GPU or not (megatron.kernels.aot says what it builds and how); exits 1 when a
+kernel fails to build for a target. Run it without TRITON_INTERPRET set.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
+
+from megatron.kernels.aot import main  # noqa: E402
+
+# Every package whose modules list AOT_SPECS: the dense model's kernels and the MoE kernels.
+KERNEL_PACKAGES = ("megatron.kernels", "moe.kernels")
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:], KERNEL_PACKAGES))
