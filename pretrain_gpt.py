@@ -44,14 +44,17 @@ from megatron.initialize import (
     set_random_seed,
     world_size_from_environment,
 )
-from megatron.model import GPTModel
+from megatron.model import DENSE_MLP, GPTModel, MlpSpec, num_floating_point_operations
 from megatron.parallel_state import destroy_model_parallel
 from megatron.pipeline.training_step import build_pipeline_model
 from megatron.tokenizer import build_tokenizer, vocab_size_with_padding
 from megatron.training import TrainingResult, pretrain
+from megatron.training_hooks import TrainingHooks
 from moe.arguments import MOE_MODEL_ARGUMENTS, add_moe_args
 from moe.config import MoEConfig
 from moe.layers import MoEAuxiliaryLosses
+from moe.mlp_spec import MoEMlpSpec
+from moe.training_hooks import MoETrainingHooks
 
 
 def get_batch(
@@ -141,9 +144,7 @@ def main(argv: Optional[List[str]] = None) -> TrainingResult:
         namespace = parse_arguments(argv, extra_groups=[add_moe_args])
         run_arguments = resolve_arguments(namespace, world_size)
         config = Config.from_args(namespace, world_size)
-        config.model.moe = MoEConfig.from_args(
-            namespace, config.model, config.parallel.data_parallel_size
-        )
+        moe = MoEConfig.from_args(namespace, config.model, config.parallel.data_parallel_size)
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -165,12 +166,12 @@ def main(argv: Optional[List[str]] = None) -> TrainingResult:
         context = initialize_distributed(parallel.distributed_backend)
         initialize_model_parallel(
             tensor_parallel_size,
-            _expert_parallel_size(config),
+            _expert_parallel_size(moe),
             parallel.pipeline_model_parallel_size,
             parallel.virtual_pipeline_model_parallel_size,
         )
         try:
-            return _setup_and_train(config, run_arguments, context)
+            return _setup_and_train(config, moe, run_arguments, context)
         except UserError as error:
             # A problem with a checkpoint, a dataset or a directory: the message says what to
             # do, and a traceback would only bury it (MEGATRON_TRACEBACK=1 shows it).
@@ -183,9 +184,9 @@ def main(argv: Optional[List[str]] = None) -> TrainingResult:
             destroy_model_parallel()
 
 
-def _expert_parallel_size(config: Config) -> int:
+def _expert_parallel_size(moe: Optional[MoEConfig]) -> int:
     """Ranks each MoE layer's experts are sharded over (moe.expert_parallel); 1 without MoE."""
-    return config.model.moe.expert_model_parallel_size if config.model.moe is not None else 1
+    return moe.expert_model_parallel_size if moe is not None else 1
 
 
 def _parameter_count_lines(model: torch.nn.Module) -> List[str]:
@@ -207,17 +208,20 @@ def _parameter_count_lines(model: torch.nn.Module) -> List[str]:
 
 
 def _setup_and_train(
-    config: Config, run_arguments: argparse.Namespace, context: DistributedContext
+    config: Config,
+    moe: Optional[MoEConfig],
+    run_arguments: argparse.Namespace,
+    context: DistributedContext,
 ) -> TrainingResult:
     print_rank_0(
         f"using world size: {context.world_size}, data-parallel size: "
         f"{config.parallel.data_parallel_size}, tensor-model-parallel size: "
         f"{config.parallel.tensor_model_parallel_size}, pipeline-model-parallel size: "
         f"{config.parallel.pipeline_model_parallel_size}, "
-        f"expert-model-parallel size: {_expert_parallel_size(config)}"
+        f"expert-model-parallel size: {_expert_parallel_size(moe)}"
     )
     print_rank_0(format_arguments_block(run_arguments))
-    moe_notes = config.model.moe.notes() if config.model.moe is not None else []
+    moe_notes = moe.notes() if moe is not None else []
     for note in [*config.notes, *moe_notes]:
         print_rank_0(f"note: {note}")
 
@@ -239,12 +243,13 @@ def _setup_and_train(
     set_random_seed(config.training.seed)
 
     print_rank_0("building GPT model ...")
+    mlp_spec: MlpSpec = MoEMlpSpec(moe) if moe is not None else DENSE_MLP
     if config.parallel.pipeline_model_parallel_size > 1:
-        model, whole_model = build_pipeline_model(config.model)
+        model, whole_model = build_pipeline_model(config.model, mlp_spec)
         count_lines = _parameter_count_lines(whole_model)
         del whole_model
     else:
-        model: torch.nn.Module = GPTModel(config.model)
+        model: torch.nn.Module = GPTModel(config.model, mlp_spec)
         count_lines = _parameter_count_lines(model)
     for line in count_lines:
         print_rank_0(line)
@@ -260,18 +265,24 @@ def _setup_and_train(
             save_optimizer=not config.checkpoint.no_save_optim,
             data_parallel_size=config.parallel.data_parallel_size,
             expert_data_parallel_size=config.parallel.data_parallel_size
-            // _expert_parallel_size(config),
+            // _expert_parallel_size(moe),
             device=context.device,
         ),
     )
 
     datasets = build_datasets(config)
     barrier()
-    auxiliary_losses = None
-    if config.model.moe is not None:
+    auxiliary_losses, hooks = None, TrainingHooks()
+    if moe is not None:
         # Averaged over the whole model's MoE layers, whichever of them this rank holds.
-        num_moe_layers = config.model.moe.num_moe_layers(config.model.num_layers)
+        num_moe_layers = moe.num_moe_layers(config.model.num_layers)
         auxiliary_losses = MoEAuxiliaryLosses(model, num_moe_layers)
+        hooks = MoETrainingHooks(
+            moe,
+            config.training,
+            config.model.num_layers,
+            tensorboard=bool(config.logging.tensorboard_dir),
+        )
     forward_step = make_forward_step(tokenizer.eod, data.eod_mask_loss, auxiliary_losses)
     return pretrain(
         config,
@@ -281,6 +292,10 @@ def _setup_and_train(
         datasets,
         forward_step,
         model_arguments=MODEL_ARGUMENTS + MOE_MODEL_ARGUMENTS,
+        hooks=hooks,
+        flops_per_iteration=num_floating_point_operations(
+            config.model, config.training.global_batch_size, data.seq_length, mlp_spec
+        ),
     )
 
 

@@ -35,11 +35,12 @@ from megatron.checkpointing.checksums import (  # noqa: E402
 )
 from megatron.config import Config, parse_arguments, resolve_arguments  # noqa: E402
 from megatron.initialize import initialize_model_parallel  # noqa: E402
-from megatron.model import GPTModel  # noqa: E402
+from megatron.model import DENSE_MLP, GPTModel  # noqa: E402
 from megatron.optimizer import build_lr_scheduler, build_optimizer  # noqa: E402
 from megatron.tokenizer import build_tokenizer, vocab_size_with_padding  # noqa: E402
 from moe.arguments import add_moe_args  # noqa: E402
 from moe.config import MoEConfig  # noqa: E402
+from moe.mlp_spec import MoEMlpSpec  # noqa: E402
 
 ITERATION = 4
 
@@ -49,7 +50,7 @@ def build(flags, device):
     namespace = parse_arguments(flags, extra_groups=[add_moe_args])
     run_arguments = resolve_arguments(namespace, 1)
     config = Config.from_args(namespace, 1)
-    config.model.moe = MoEConfig.from_args(namespace, config.model, 1)
+    moe = MoEConfig.from_args(namespace, config.model, 1)
     data = config.data
     tokenizer = build_tokenizer(
         data.tokenizer_type,
@@ -61,7 +62,7 @@ def build(flags, device):
         tokenizer.vocab_size, data.make_vocab_size_divisible_by, 1
     )
     initialize_model_parallel(1)
-    model = GPTModel(config.model).to(device)
+    model = GPTModel(config.model, MoEMlpSpec(moe) if moe else DENSE_MLP).to(device)
     optimizer = build_optimizer(model, config.optimizer, config.training)
     scheduler = build_lr_scheduler(optimizer, config.optimizer, config.training)
     for parameter in model.parameters():

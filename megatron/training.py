@@ -14,7 +14,7 @@ import signal
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -46,9 +46,7 @@ from megatron.optimizer import build_lr_scheduler, build_optimizer
 from megatron.optimizer.distributed_optimizer import build_distributed_optimizer
 from megatron.pipeline.training_step import activation_spec, pipeline_step
 from megatron.profiling import StepProfiler
-from moe.expert_load import format_expert_load_line, gather_expert_load, load_spread
-from moe.experts import flush_expert_gradients, refresh_compute_weights
-from moe.kernels import traceable
+from megatron.training_hooks import TrainingHooks
 
 ForwardStep = Callable[
     [torch.nn.Module, Dict[str, torch.Tensor]], Tuple[torch.Tensor, Dict[str, torch.Tensor]]
@@ -63,9 +61,9 @@ class TrainingResult:
     consumed_train_samples: int = 0
     losses: List[Dict[str, float]] = field(default_factory=list)
     validation: List[Tuple[str, Dict[str, float]]] = field(default_factory=list)
-    # Per --log-interval window of an MoE model: {layer number: tokens per expert}
-    # (moe.expert_load), when --moe-per-layer-logging or --tensorboard-dir asks for it.
-    expert_load: List[Dict[int, List[int]]] = field(default_factory=list)
+    # What the training hooks logged, one entry per --log-interval window under each name
+    # (megatron.training_hooks), e.g. "expert load" of an MoE model.
+    records: Dict[str, List[Any]] = field(default_factory=dict)
     skipped_iterations: int = 0
     exit_reason: Optional[str] = None
 
@@ -76,29 +74,6 @@ def total_train_iters(config: Config) -> int:
     if training.train_iters is not None:
         return training.train_iters
     return training.train_samples // training.global_batch_size
-
-
-def _expert_compute_dtype(config: Config) -> Optional[torch.dtype]:
-    """The dtype of the expert weights' per-step copies (moe.experts.refresh_compute_weights):
-    the autocast dtype of a bf16/fp16 MoE model, else None. None also under
-    --no-gradient-accumulation-fusion: autocast then casts the weights in every micro-batch and
-    autograd accumulates their gradients, which needs less memory (no copies, no held
-    gradients: the dMoE 125M fits an 80 GB GPU at micro batch 8 only this way)."""
-    if config.model.moe is None or not config.training.gradient_accumulation_fusion:
-        return None
-    if config.training.bf16:
-        return torch.bfloat16
-    if config.training.fp16:
-        return torch.float16
-    return None
-
-
-def _expert_grads_in_place(wrapped_in_ddp: bool) -> bool:
-    """Whether the copies add their gradients into the fp32 expert weights themselves. Not when
-    torch DDP reduces the expert gradients: its hooks fire on autograd's accumulation, so the
-    copies then stand in for the casts and leave accumulation to autograd (expert-parallel
-    shards are outside DDP)."""
-    return not (wrapped_in_ddp and parallel_state.get_expert_model_parallel_world_size() == 1)
 
 
 def _autocast(config: Config, device: torch.device):
@@ -148,21 +123,6 @@ class _ExitSignal:
         return bool(flag.item())
 
 
-def _compiles_whole(config: Config, device: torch.device) -> bool:
-    """Whether torch.compile captures the model without graph breaks: dense models, and the
-    dropless grouped MoE in bf16 where torch._grouped_mm is fast (moe.kernels.traceable); other
-    MoE layers launch Triton kernels from Python and run faster eagerly."""
-    moe = config.model.moe
-    if moe is None:
-        return True
-    return (
-        moe.dropless
-        and moe.mlp_impl == "grouped"
-        and config.training.bf16
-        and traceable.runs_on(device)
-    )
-
-
 class Trainer:
     """Owns the model, optimizer, scheduler and iterators for one run."""
 
@@ -173,8 +133,16 @@ class Trainer:
         context: DistributedContext,
         model: torch.nn.Module,
         forward_step: ForwardStep,
+        hooks: Optional[TrainingHooks] = None,
+        flops_per_iteration: Optional[int] = None,
     ):
         self.config = config
+        self.hooks = hooks or TrainingHooks()
+        # Model FLOPs of one global batch for the TFLOP/s in the log line; by default those of
+        # a dense GPT model of config.model.
+        self.flops_per_iteration = flops_per_iteration or num_floating_point_operations(
+            config.model, config.training.global_batch_size, config.data.seq_length
+        )
         self.run_arguments = run_arguments
         self.context = context
         self.forward_step = forward_step
@@ -209,24 +177,19 @@ class Trainer:
         else:
             self.model = self.unwrapped_model
         if config.training.torch_compile and context.device.type == "cuda" and not self.pipeline:
-            if _compiles_whole(config, context.device):
+            veto = self.hooks.compile_veto(context.device)
+            if veto is None:
                 # Fuses the elementwise work (norms, GELU, dropout, the loss) around the matmuls.
                 self.model = torch.compile(self.model)
             else:
-                # Measured on an H100 (dMoE 125M, 64 experts): 87k tokens/s compiled against 110k
-                # eager, the graph breaking around the Triton-launched MoE kernels.
-                print_rank_0(
-                    "note: this MoE model runs without torch.compile (only the dropless grouped "
-                    "backend in bf16 compiles as one graph, on GPUs where torch._grouped_mm is "
-                    "fast: NVIDIA Hopper/Blackwell with torch 2.8 or newer)"
-                )
+                # A graph broken around Triton-launched kernels can run slower than eager.
+                print_rank_0(f"note: {veto}")
         self.tensorboard = (
             TensorBoardLogger(config.logging.tensorboard_dir, config.logging.tensorboard_queue_size)
             if config.logging.tensorboard_dir and context.is_first
             else None
         )
-        self.expert_compute_dtype = _expert_compute_dtype(config)
-        self.expert_grads_in_place = _expert_grads_in_place(wrapped_in_ddp)
+        self.hooks.setup(self.unwrapped_model, wrapped_in_ddp, context.device)
         self.iteration = 0
         self.consumed_train_samples = 0
         self.consumed_valid_samples = 0
@@ -240,18 +203,18 @@ class Trainer:
 
         Returns (reported losses, skipped, grad norm, got nan).
         """
-        self._refresh_expert_weights()
+        self.hooks.before_forwards(self.unwrapped_model)
         self.optimizer.zero_grad()
         if self.pipeline:
             means = self._pipeline_step(data_iterator)
-            self._flush_expert_gradients()
+            self.hooks.after_backwards(self.unwrapped_model)
             if not self.config.parallel.use_distributed_optimizer:
                 # The distributed optimizer reduce-scatters the gradients in its step instead.
                 all_reduce_data_parallel_gradients(self.unwrapped_model)
             reduce_tied_embedding_gradients(list(self.unwrapped_model))
         else:
             means = self._accumulate_micro_batches(data_iterator)
-            self._flush_expert_gradients()
+            self.hooks.after_backwards(self.unwrapped_model)
         finalize_gradients(self.unwrapped_model, self.config)
         update_successful, grad_norm, _ = self.optimizer.step()
         if update_successful:
@@ -261,20 +224,6 @@ class Trainer:
             value != value or value in (float("inf"), float("-inf")) for value in averaged.values()
         )
         return averaged, not update_successful, grad_norm, got_nan
-
-    def _flush_expert_gradients(self) -> None:
-        """Add the expert gradients the copies still hold (moe.weight_copies.GradientAccumulator)
-        into the fp32 gradients, before anything reduces or reads them."""
-        if self.expert_compute_dtype is not None and self.expert_grads_in_place:
-            flush_expert_gradients(self.unwrapped_model)
-
-    def _refresh_expert_weights(self) -> None:
-        """New compute-dtype copies of the expert weights, which the optimizer step or a
-        checkpoint load may have changed (moe.experts.refresh_compute_weights)."""
-        if self.expert_compute_dtype is not None:
-            refresh_compute_weights(
-                self.unwrapped_model, self.expert_compute_dtype, self.expert_grads_in_place
-            )
 
     def _accumulate_micro_batches(self, data_iterator: Iterator) -> Dict[str, torch.Tensor]:
         """Forward and backward of every micro-batch in turn; the reported means."""
@@ -316,7 +265,7 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self, data_iterator: Iterator, eval_iters: int) -> Dict[str, float]:
         """Average reported losses over `eval_iters` global batches, without dropout."""
-        self._refresh_expert_weights()
+        self.hooks.before_forwards(self.unwrapped_model)
         self.model.eval()
         sums: Dict[str, torch.Tensor] = defaultdict(
             lambda: torch.zeros((), device=self.context.device)
@@ -404,48 +353,12 @@ class Trainer:
         print_rank_0(format_times_across_ranks({name: times}))
 
 
-def _throughput(
-    config: Config, context: DistributedContext, seconds_per_iteration: float
-) -> Tuple[float, float, float]:
+def _throughput(trainer: Trainer, seconds_per_iteration: float) -> Tuple[float, float, float]:
+    config, world_size = trainer.config, trainer.context.world_size
     tokens = config.training.global_batch_size * config.data.seq_length
     tokens_per_second = tokens / seconds_per_iteration
-    flops = num_floating_point_operations(
-        config.model, config.training.global_batch_size, config.data.seq_length
-    )
-    tflops_per_gpu = flops / seconds_per_iteration / context.world_size / 1e12
-    return tokens_per_second, tokens_per_second / context.world_size, tflops_per_gpu
-
-
-def _log_expert_load(trainer: Trainer, result: TrainingResult) -> None:
-    """Each MoE layer's tokens per expert over the log window (moe.expert_load): a line after
-    the iteration line with --moe-per-layer-logging, and with --tensorboard-dir a histogram of
-    the counts and the max and min over the mean per layer. A collective; every rank calls it."""
-    moe = trainer.config.model.moe
-    if moe is None or not (moe.per_layer_logging or trainer.config.logging.tensorboard_dir):
-        return
-    num_layers = trainer.config.model.num_layers
-    load = gather_expert_load(
-        trainer.unwrapped_model,
-        [number for number in range(num_layers) if moe.is_moe_layer(number)],
-        moe.num_experts,
-        trainer.context.device,
-    )
-    result.expert_load.append({number: counts.tolist() for number, counts in load.items()})
-    if moe.per_layer_logging:
-        print_rank_0(format_expert_load_line(load))
-    if trainer.tensorboard is not None:
-        for number, counts in load.items():
-            highest, lowest = load_spread(counts)
-            trainer.tensorboard.log_scalars(
-                {
-                    f"moe/tokens-per-expert max-over-mean layer {number}": highest,
-                    f"moe/tokens-per-expert min-over-mean layer {number}": lowest,
-                },
-                trainer.iteration,
-            )
-            trainer.tensorboard.log_histogram(
-                f"moe/tokens-per-expert layer {number}", counts, trainer.iteration
-            )
+    tflops_per_gpu = trainer.flops_per_iteration / seconds_per_iteration / world_size / 1e12
+    return tokens_per_second, tokens_per_second / world_size, tflops_per_gpu
 
 
 def _validate(
@@ -514,9 +427,7 @@ def _train_loop(
             if trainer.context.device.type == "cuda":
                 torch.cuda.synchronize()
             seconds_per_iteration = (time.time() - window_start) / window_iterations
-            tokens_per_second, tokens_per_gpu, tflops = _throughput(
-                config, trainer.context, seconds_per_iteration
-            )
+            tokens_per_second, tokens_per_gpu, tflops = _throughput(trainer, seconds_per_iteration)
             stats = IterationStats(
                 iteration=trainer.iteration,
                 train_iters=train_iters,
@@ -545,7 +456,11 @@ def _train_loop(
                 report_memory = False
             if trainer.tensorboard is not None:
                 trainer.tensorboard.log_training(stats)
-            _log_expert_load(trainer, result)
+            records = trainer.hooks.log(
+                trainer.unwrapped_model, trainer.iteration, print_rank_0, trainer.tensorboard
+            )
+            for name, record in records.items():
+                result.records.setdefault(name, []).append(record)
             window_start, window_iterations = time.time(), 0
             window_sums, window_advanced, window_skipped, window_nan = defaultdict(float), 0, 0, 0
 
@@ -600,14 +515,20 @@ def pretrain(
     datasets,
     forward_step: ForwardStep,
     model_arguments: Sequence[str] = MODEL_ARGUMENTS,
+    hooks: Optional[TrainingHooks] = None,
+    flops_per_iteration: Optional[int] = None,
 ) -> TrainingResult:
     """Load (if asked), train, evaluate and save, as Megatron's `pretrain` does.
 
     `datasets` maps "train"/"valid"/"test" to datasets (or None). `model_arguments` name the
     saved arguments that define the model (megatron.checkpointing.model_arguments), with
-    those of extensions such as the MoE layers.
+    those of extensions such as the MoE layers; `hooks` do those extensions' work around the
+    steps (megatron.training_hooks); `flops_per_iteration` counts a global batch's model FLOPs
+    for the log line (default: a dense GPT model's).
     """
-    trainer = Trainer(config, run_arguments, context, model, forward_step)
+    trainer = Trainer(
+        config, run_arguments, context, model, forward_step, hooks, flops_per_iteration
+    )
     trainer.load(model_arguments)
     result = TrainingResult()
     train_iterator = build_data_iterator(

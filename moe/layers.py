@@ -143,7 +143,6 @@ class MoELayer(nn.Module):
                 model_config,
                 ffn_hidden_size=moe_config.shared_expert_ffn_hidden_size
                 or model_config.ffn_hidden_size,
-                moe=None,
             )
             self.shared_expert = MLP(shared_config)
         self.register_buffer(

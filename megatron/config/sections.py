@@ -4,16 +4,13 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence, Tuple
+from typing import Sequence, Tuple
 
 from megatron.arguments import ArgumentGroupAdder
 from megatron.config.validation import (
     parse_arguments,
     resolve_arguments_with_notes,
 )
-
-if TYPE_CHECKING:
-    from moe.config import MoEConfig
 
 
 @dataclass
@@ -42,7 +39,6 @@ class ModelConfig:
     recompute_granularity: str | None = None  # None | "full" | "selective"
     recompute_method: str | None = None  # None | "uniform" | "block"
     recompute_num_layers: int | None = None
-    moe: MoEConfig | None = None  # set by the entry point from the --moe-* flags (moe.config)
     # Tensor parallelism changes which layers the model is built from (megatron.model.
     # parallel_layers), so the model config carries it, as Megatron-core's TransformerConfig does.
     tensor_model_parallel_size: int = 1

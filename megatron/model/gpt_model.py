@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron.model.embeddings import LanguageModelEmbedding
+from megatron.model.mlp import DENSE_MLP, MlpSpec
 from megatron.model.norms import RMSNorm
 from megatron.model.parallel_layers import (
     check_tensor_parallel_state,
@@ -63,8 +64,9 @@ class GPTModel(nn.Module):
     decoder.layers.<n>.{input_layernorm, self_attention.linear_qkv, self_attention.linear_proj,
     pre_mlp_layernorm, mlp.linear_fc1, mlp.linear_fc2}.{weight, bias},
     decoder.final_layernorm.{weight, bias}, output_layer.weight (untied embeddings only).
-    MoE layers (config.moe) hold mlp.router.layer.weight, mlp.experts.{w1, v1, w2}, mlp.bias
-    and optionally mlp.shared_expert.{linear_fc1, linear_fc2}.
+    `mlp_spec` chooses each layer's feed-forward module (megatron.model.mlp.MlpSpec); MoE layers
+    (moe.mlp_spec) hold mlp.router.layer.weight, mlp.experts.{w1, v1, w2}, mlp.bias and
+    optionally mlp.shared_expert.{linear_fc1, linear_fc2}.
 
     A pipeline stage (megatron.pipeline.stages) is built with `pre_process` (it holds the
     embedding), `post_process` (the final norm and the output layer) and the global numbers of
@@ -77,6 +79,8 @@ class GPTModel(nn.Module):
     def __init__(
         self,
         config: ModelConfig,
+        mlp_spec: MlpSpec = DENSE_MLP,
+        *,
         pre_process: bool = True,
         post_process: bool = True,
         layer_numbers: Optional[Sequence[int]] = None,
@@ -105,7 +109,10 @@ class GPTModel(nn.Module):
             self.rotary_pos_emb = RotaryEmbedding(
                 config.kv_channels, config.rotary_percent, config.rotary_base
             )
-        self.decoder = TransformerBlock(config, layer_numbers, final_norm=post_process)
+        self.mlp_spec = mlp_spec
+        self.decoder = TransformerBlock(
+            config, layer_numbers, final_norm=post_process, mlp_spec=mlp_spec
+        )
         self.output_layer = None
         if post_process and (config.untie_embeddings_and_output_weights or not pre_process):
             # No bias, as in Megatron; the tied case reuses the word embedding table instead,
@@ -135,7 +142,7 @@ class GPTModel(nn.Module):
             elif isinstance(module, VocabParallelEmbedding):
                 module.reset_parameters(_normal_init(std))
             elif callable(getattr(module, "init_expert_weights", None)):
-                module.init_expert_weights(std, scaled_std)  # MoE experts (moe.experts)
+                module.init_expert_weights(std, scaled_std)  # e.g. MoE experts (MlpSpec)
             elif isinstance(module, nn.Embedding):
                 nn.init.normal_(module.weight, mean=0.0, std=std)
             elif isinstance(module, (nn.LayerNorm, RMSNorm)):

@@ -1,9 +1,4 @@
-"""Dense feed-forward block, and `build_mlp`, the one place a layer gets its MLP from.
-
-An MoE layer (moe.layers) replaces the dense MLP by being returned from `build_mlp` when
-`config.moe` is set: it maps hidden states [b, s, h] -> [b, s, h] and gets its Megatron init
-from `GPTModel.init_weights` (`init_expert_weights` on its experts).
-"""
+"""Dense feed-forward block, and `MlpSpec`, the one place a layer gets its MLP from."""
 
 from __future__ import annotations
 
@@ -53,14 +48,30 @@ class MLP(nn.Module):
         return self.linear_fc2(intermediate)
 
 
-def build_mlp(config: ModelConfig, layer_number: int) -> nn.Module:
-    """The feed-forward module of layer `layer_number` (0-based, as in `decoder.layers.<n>`).
+class MlpSpec:
+    """Which feed-forward module each layer of a GPT model gets, and its FLOPs: here the dense
+    MLP in every layer.
 
-    With `config.moe` set, every `--moe-layer-freq`-th layer (0, freq, 2 freq, ...) gets an
-    MoE layer (dMoE or MoE with capacity, per `config.moe.dropless`); the others stay dense.
+    An extension subclasses it to give some layers another module (moe.mlp_spec: MoE layers),
+    and the entry point hands that spec to `GPTModel`; the model never imports the extension.
+    Such a module maps hidden states [b, s, h] -> [b, s, h]; weights it owns outside the
+    parallel layers get their Megatron init from `GPTModel.init_weights` through an
+    `init_expert_weights(std, output_std)` method.
     """
-    if config.moe is not None and config.moe.is_moe_layer(layer_number):
-        from moe.layers import build_moe_layer  # moe depends on megatron, not the reverse
 
-        return build_moe_layer(config, config.moe)
-    return MLP(config)
+    def build(self, config: ModelConfig, layer_number: int) -> nn.Module:
+        """The feed-forward module of layer `layer_number` (0-based, as in `decoder.layers.<n>`)."""
+        return MLP(config)
+
+    def forward_flops_per_token(self, config: ModelConfig, layer_number: int) -> int:
+        """Matmul FLOPs of one token's forward through that module (megatron.model.flops)."""
+        return dense_mlp_flops_per_token(config.hidden_size, config.ffn_hidden_size, config.swiglu)
+
+
+def dense_mlp_flops_per_token(hidden_size: int, ffn_hidden_size: int, gated: bool) -> int:
+    """Forward matmul FLOPs per token of h -> ffn (2 ffn when gated) -> h."""
+    fc1_out = 2 * ffn_hidden_size if gated else ffn_hidden_size
+    return 2 * hidden_size * fc1_out + 2 * ffn_hidden_size * hidden_size
+
+
+DENSE_MLP = MlpSpec()

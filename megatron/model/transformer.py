@@ -9,7 +9,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from megatron.model.attention import SelfAttention
-from megatron.model.mlp import build_mlp
+from megatron.model.mlp import DENSE_MLP, MlpSpec
 from megatron.model.norms import build_norm
 from megatron.model.parallel_layers import sharded_dropout_rng
 from megatron.tensor_parallel import checkpoint_rng_contexts
@@ -24,13 +24,15 @@ class TransformerLayer(nn.Module):
     """x + dropout(attention(norm(x))), then x + dropout(mlp(norm(x))), on [b, s, h]
     ([b, s / tp, h] with sequence parallelism)."""
 
-    def __init__(self, config: ModelConfig, layer_number: int) -> None:
+    def __init__(
+        self, config: ModelConfig, layer_number: int, mlp_spec: MlpSpec = DENSE_MLP
+    ) -> None:
         super().__init__()
         self.layer_number = layer_number
         self.input_layernorm = build_norm(config)
         self.self_attention = SelfAttention(config, layer_number)
         self.pre_mlp_layernorm = build_norm(config)
-        self.mlp = build_mlp(config, layer_number)
+        self.mlp = mlp_spec.build(config, layer_number)
         self.hidden_dropout = nn.Dropout(config.hidden_dropout)
 
     def forward(
@@ -67,11 +69,12 @@ class TransformerBlock(nn.Module):
         config: ModelConfig,
         layer_numbers: Optional[Sequence[int]] = None,
         final_norm: bool = True,
+        mlp_spec: MlpSpec = DENSE_MLP,
     ) -> None:
         super().__init__()
         if layer_numbers is None:
             layer_numbers = range(config.num_layers)
-        self.layers = nn.ModuleList(TransformerLayer(config, i) for i in layer_numbers)
+        self.layers = nn.ModuleList(TransformerLayer(config, i, mlp_spec) for i in layer_numbers)
         self.final_layernorm = build_norm(config) if final_norm else None
         self.tensor_parallel = config.tensor_model_parallel_size > 1
         self.sequence_parallel_dropout = config.sequence_parallel and (

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megatron import parallel_state
-from megatron.model import GPTModel
+from megatron.model import DENSE_MLP, GPTModel, MlpSpec
 
 if TYPE_CHECKING:
     from megatron.config import ModelConfig
@@ -62,7 +62,7 @@ def stage_layer_numbers(
     return range(first, first + per_chunk)
 
 
-def build_stage_model_chunks(config: ModelConfig) -> List[GPTModel]:
+def build_stage_model_chunks(config: ModelConfig, mlp_spec: MlpSpec = DENSE_MLP) -> List[GPTModel]:
     """This rank's model chunks (one without interleaving), from the parallel state's pipeline
     and virtual pipeline sizes; with tied embeddings call `initialize_tied_output_weights`
     (or load a checkpoint) afterwards."""
@@ -79,6 +79,7 @@ def build_stage_model_chunks(config: ModelConfig) -> List[GPTModel]:
         chunks.append(
             GPTModel(
                 config,
+                mlp_spec,
                 pre_process=parallel_state.is_pipeline_first_stage(),
                 post_process=parallel_state.is_pipeline_last_stage(),
                 layer_numbers=layers,

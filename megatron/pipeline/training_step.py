@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron import parallel_state
-from megatron.model import GPTModel
+from megatron.model import DENSE_MLP, GPTModel, MlpSpec
 from megatron.pipeline.p2p import ActivationSpec
 from megatron.pipeline.schedules import (
     StageForwardStep,
@@ -25,7 +25,9 @@ if TYPE_CHECKING:
     from megatron.config import Config, ModelConfig
 
 
-def build_pipeline_model(model_config: ModelConfig) -> Tuple[nn.ModuleList, GPTModel]:
+def build_pipeline_model(
+    model_config: ModelConfig, mlp_spec: MlpSpec = DENSE_MLP
+) -> Tuple[nn.ModuleList, GPTModel]:
     """This rank's model chunks holding the single-process model's initial weights, and that
     whole model (to count its parameters; drop it afterwards).
 
@@ -35,10 +37,10 @@ def build_pipeline_model(model_config: ModelConfig) -> Tuple[nn.ModuleList, GPTM
     during set-up. The chunks are built under a forked RNG, so the generator state afterwards
     is the single-process one too (dropout masks then match).
     """
-    full = GPTModel(model_config)
+    full = GPTModel(model_config, mlp_spec)
     full_state = full.state_dict()
     with torch.random.fork_rng(devices=[]):
-        chunks = build_stage_model_chunks(model_config)
+        chunks = build_stage_model_chunks(model_config, mlp_spec)
     for chunk in chunks:
         chunk.load_state_dict(full_to_stage_state_dict(full_state, chunk), strict=True)
     return nn.ModuleList(chunks), full

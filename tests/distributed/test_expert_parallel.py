@@ -30,6 +30,7 @@ from megatron.optimizer import build_optimizer
 from moe.arguments import add_moe_args
 from moe.config import MoEConfig
 from moe.layers import build_moe_layer
+from moe.mlp_spec import MoEMlpSpec
 from tests.distributed.launch import run_distributed
 
 HIDDEN, FFN, TOKENS, EXPERTS = 8, 32, 6, 4
@@ -200,7 +201,7 @@ def _gpt_expert_weights(rank: int, world_size: int) -> list:
     try:
         moe = MoEConfig(num_experts=EXPERTS, expert_model_parallel_size=world_size)
         torch.manual_seed(0)
-        model = GPTModel(model_config(padded_vocab_size=32, moe=moe))
+        model = GPTModel(model_config(padded_vocab_size=32), MoEMlpSpec(moe))
         return [param.detach() for param in expert_parameters(model)]
     finally:
         parallel_state.destroy_model_parallel()
@@ -209,7 +210,7 @@ def _gpt_expert_weights(rank: int, world_size: int) -> list:
 def test_gpt_model_expert_shards_are_slices_of_the_single_process_weights():
     shards = run_distributed(_gpt_expert_weights, 2)
     torch.manual_seed(0)
-    model = GPTModel(model_config(padded_vocab_size=32, moe=MoEConfig(num_experts=EXPERTS)))
+    model = GPTModel(model_config(padded_vocab_size=32), MoEMlpSpec(MoEConfig(num_experts=EXPERTS)))
     full = [param for name, param in model.named_parameters() if ".experts." in name]
     assert len(full) == len(shards[0]) == 4  # w1 and w2 of two MoE layers
     for rank, rank_shards in enumerate(shards):

@@ -65,7 +65,7 @@ def _pretrain(rank: int, world_size: int, args: List[str]) -> Dict:
     return {
         "losses": result.losses,
         "validation": result.validation,
-        "expert-load": result.expert_load,
+        "expert-load": result.records.get("expert load", []),
     }
 
 

@@ -15,6 +15,7 @@ from moe.expert_load import (
     load_spread,
     take_window_counts,
 )
+from moe.mlp_spec import MoEMlpSpec
 from tests.moe.test_layers import make_layer, model_config
 
 
@@ -48,13 +49,9 @@ def test_window_is_not_saved_in_checkpoints():
 
 
 def _model(layer_freq):
-    config = model_config(
-        num_layers=4,
-        padded_vocab_size=64,
-        moe=MoEConfig(num_experts=4, top_k=2, layer_freq=layer_freq),
-    )
+    config = model_config(num_layers=4, padded_vocab_size=64)
     torch.manual_seed(0)
-    return GPTModel(config)
+    return GPTModel(config, MoEMlpSpec(MoEConfig(num_experts=4, top_k=2, layer_freq=layer_freq)))
 
 
 def test_counts_are_taken_by_layer_number_and_cleared():

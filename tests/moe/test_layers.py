@@ -7,10 +7,11 @@ import pytest
 import torch
 
 from megatron.config import ConfigError, ModelConfig
-from megatron.model import GPTModel, build_mlp
+from megatron.model import GPTModel
 from megatron.model.mlp import MLP
 from moe.config import MoEConfig
 from moe.layers import DroplessMoE, MoE, MoEAuxiliaryLosses, build_moe_layer
+from moe.mlp_spec import MoEMlpSpec
 from moe.reference import kept_assignments
 
 REPO = Path(__file__).resolve().parents[2]
@@ -232,20 +233,19 @@ def test_recomputed_forward_does_not_count_twice():
     assert layer.pending_tokens_per_expert.sum().item() == 2 * 16
 
 
-def test_build_mlp_every_layer_freq_th_layer():
+def test_mlp_spec_puts_moe_in_every_layer_freq_th_layer():
     moe = MoEConfig(num_experts=4, layer_freq=2)
-    config = model_config(num_layers=4, moe=moe)
-    kinds = [type(build_mlp(config, index)) for index in range(4)]
+    config = model_config(num_layers=4)
+    kinds = [type(MoEMlpSpec(moe).build(config, index)) for index in range(4)]
     assert kinds == [DroplessMoE, MLP, DroplessMoE, MLP]
-    config = dataclasses.replace(config, moe=dataclasses.replace(moe, dropless=False))
-    assert isinstance(build_mlp(config, 0), MoE)
+    assert isinstance(MoEMlpSpec(dataclasses.replace(moe, dropless=False)).build(config, 0), MoE)
 
 
 def test_gpt_model_with_moe_inits_experts_and_trains_one_step():
     moe = MoEConfig(num_experts=4, top_k=2)
-    config = model_config(padded_vocab_size=64, moe=moe, init_method_std=0.02)
+    config = model_config(padded_vocab_size=64, init_method_std=0.02)
     torch.manual_seed(0)
-    model = GPTModel(config)
+    model = GPTModel(config, MoEMlpSpec(moe))
     w2 = model.decoder.layers[0].mlp.experts.w2
     assert abs(w2.std().item() - 0.02 / 2.0) < 0.003  # scaled init: std / sqrt(2 L)
     tokens = torch.randint(0, 64, (2, 8))
@@ -352,3 +352,16 @@ def test_dmoe_under_bf16_autocast_with_fp32_weights(monkeypatch, impl):
     assert mixed.dtype == torch.bfloat16
     assert ((mixed.float() - exact).norm() / exact.norm()).item() < 2e-2
     assert layer.experts.w1.grad.dtype == torch.float32
+
+
+def test_mlp_spec_counts_the_router_and_top_k_experts_in_the_flops():
+    from megatron.model import num_floating_point_operations
+
+    config = model_config(num_layers=4, padded_vocab_size=64)
+    dense = num_floating_point_operations(config, batch_size=2, seq_length=8)
+    top1 = MoEMlpSpec(MoEConfig(num_experts=4, top_k=1, layer_freq=2))
+    router = 3 * 2 * 8 * 2 * config.hidden_size * 4  # forward + backward, per MoE layer
+    assert num_floating_point_operations(config, 2, 8, top1) == dense + 2 * router
+    top2 = MoEMlpSpec(MoEConfig(num_experts=4, top_k=2, layer_freq=1))
+    expert = 3 * 2 * 8 * 2 * 2 * config.hidden_size * config.ffn_hidden_size
+    assert num_floating_point_operations(config, 2, 8, top2) == dense + 4 * (router + expert)

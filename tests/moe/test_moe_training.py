@@ -70,8 +70,9 @@ def test_per_layer_expert_load_in_the_log_and_tensorboard(data_prefix, capsys, t
         output,
     )
     assert len(lines) == 2, output[-3000:]
-    assert len(result.expert_load) == 2
-    for window in result.expert_load:
+    expert_load = result.records["expert load"]
+    assert len(expert_load) == 2
+    for window in expert_load:
         assert sorted(window) == [0, 2]
         assert all(sum(counts) == 2 * 4 * 32 * 2 for counts in window.values()), window
     events = EventAccumulator(str(tmp_path), size_guidance={"histograms": 0})  # keep them all
@@ -79,11 +80,11 @@ def test_per_layer_expert_load_in_the_log_and_tensorboard(data_prefix, capsys, t
     for layer in (0, 2):
         histogram = events.Histograms(f"moe/tokens-per-expert layer {layer}")
         assert [event.step for event in histogram] == [2, 4]
-        for event, window in zip(histogram, result.expert_load):
+        for event, window in zip(histogram, expert_load):
             assert event.histogram_value.sum == sum(window[layer])
             assert event.histogram_value.max == max(window[layer])
         highest = events.Scalars(f"moe/tokens-per-expert max-over-mean layer {layer}")
-        last = result.expert_load[-1][layer]
+        last = expert_load[-1][layer]
         assert highest[-1].value == pytest.approx(max(last) / (sum(last) / 4))
 
 
@@ -123,7 +124,7 @@ def test_expert_weight_copies_train_exactly_like_casting_every_micro_batch(
     one gradient held for the flush after the last backward. A copy left stale after an
     optimizer step, or a micro-batch's gradient not added, would change the losses from the
     second iteration on."""
-    import megatron.training
+    import moe.training_hooks
 
     args = tiny_gpt_args(
         data_prefix, *SHORT, "--bf16", "--moe-num-experts", "4", "--moe-top-k", "2",
@@ -134,7 +135,7 @@ def test_expert_weight_copies_train_exactly_like_casting_every_micro_batch(
     for name, extra in (("fused", []), ("cast", ["--no-gradient-accumulation-fusion"])):
         result = pretrain_gpt.main(args + extra)
         runs[name] = (result.losses, result.validation)
-    monkeypatch.setattr(megatron.training, "_expert_grads_in_place", lambda wrapped_in_ddp: False)
+    monkeypatch.setattr(moe.training_hooks, "_expert_grads_in_place", lambda wrapped_in_ddp: False)
     result = pretrain_gpt.main(args)
     runs["copies, autograd's accumulation"] = (result.losses, result.validation)
     capsys.readouterr()

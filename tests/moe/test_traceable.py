@@ -106,17 +106,18 @@ def test_compiled_grouped_dmoe_is_one_graph_and_matches_eager(top_k, mlp_type):
 
 @needs_torch_grouped_mm
 def test_gpt_model_with_dmoe_layers_traces_as_one_graph_under_bf16_autocast():
-    """What training compiles (megatron.training._compiles_whole): no graph break anywhere."""
+    """What training compiles (moe.training_hooks.MoETrainingHooks.compile_veto): no graph
+    break anywhere."""
     from megatron.model.gpt_model import GPTModel
+    from moe.mlp_spec import MoEMlpSpec
 
     torch._dynamo.reset()
     config = ModelConfig(
         num_layers=2, hidden_size=32, num_attention_heads=2, ffn_hidden_size=48, seq_length=16,
         max_position_embeddings=16, padded_vocab_size=64, init_method_std=0.02,
-        moe=MoEConfig(num_experts=4, top_k=2, mlp_impl="grouped"),
     )  # fmt: skip
     torch.manual_seed(0)
-    model = GPTModel(config)
+    model = GPTModel(config, MoEMlpSpec(MoEConfig(num_experts=4, top_k=2, mlp_impl="grouped")))
     token_ids = torch.randint(0, 64, (2, 16))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         explanation = torch._dynamo.explain(model)(token_ids, labels=token_ids)
@@ -134,14 +135,15 @@ def test_compiled_gpt_uses_the_refreshed_expert_weight_copies(accumulate_in_plac
     place) or through autograd. Two backwards per step check that gradients accumulate."""
     from megatron.model.gpt_model import GPTModel
     from moe.experts import flush_expert_gradients, refresh_compute_weights
+    from moe.mlp_spec import MoEMlpSpec
 
     torch._dynamo.reset()
     config = ModelConfig(
         num_layers=2, hidden_size=32, num_attention_heads=2, ffn_hidden_size=48, seq_length=16,
         max_position_embeddings=16, padded_vocab_size=64, init_method_std=0.02,
         hidden_dropout=0.0, attention_dropout=0.0,
-        moe=MoEConfig(num_experts=4, top_k=2, mlp_impl="grouped"),
     )  # fmt: skip
+    spec = MoEMlpSpec(MoEConfig(num_experts=4, top_k=2, mlp_impl="grouped"))
     token_ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(3))
 
     def loss_and_grads(model, run):
@@ -154,7 +156,7 @@ def test_compiled_gpt_uses_the_refreshed_expert_weight_copies(accumulate_in_plac
         return [loss.detach()] + [p.grad.clone() for p in model.parameters()]
 
     torch.manual_seed(0)
-    cast, copied = GPTModel(config), GPTModel(config)
+    cast, copied = GPTModel(config, spec), GPTModel(config, spec)
     copied.load_state_dict(cast.state_dict())
     assert refresh_compute_weights(copied, torch.bfloat16, accumulate_in_place) == 2
     run_cast = torch.compile(cast, backend="aot_eager", fullgraph=True)
@@ -176,10 +178,11 @@ def test_without_torch_grouped_mm_the_compiled_layer_runs_the_triton_path(monkey
     """torch before 2.8 has no torch._grouped_mm (and AMD or pre-Hopper GPUs have no fast one):
     the compiled layer must not call it but take the eager path (Triton kernels, here their
     references), graph breaks and all, with the eager layer's results; training then does not
-    compile the MoE model (megatron.training._compiles_whole). Simulated by patching the one
-    check (deleting torch._grouped_mm would also break torch's own tracing)."""
-    from megatron.training import _compiles_whole
+    compile the MoE model (moe.training_hooks.MoETrainingHooks.compile_veto). Simulated by
+    patching the one check (deleting torch._grouped_mm would also break torch's own tracing)."""
+    from megatron.config import TrainingConfig
     from moe.kernels import grouped_gemm
+    from moe.training_hooks import MoETrainingHooks
 
     assert traceable.runs_on(torch.device("cpu")) == hasattr(torch, "_grouped_mm")
     monkeypatch.setattr(grouped_gemm, "torch_has_grouped_mm", lambda: False)
@@ -200,13 +203,10 @@ def test_without_torch_grouped_mm_the_compiled_layer_runs_the_triton_path(monkey
     for got, want in zip(results[1], results[0]):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
-    class _Section:
-        def __init__(self, **fields):
-            self.__dict__.update(fields)
-
-    config = _Section(
-        model=_Section(moe=MoEConfig(num_experts=4, top_k=2, mlp_impl="grouped")),
-        training=_Section(bf16=True),
+    hooks = MoETrainingHooks(
+        MoEConfig(num_experts=4, top_k=2, mlp_impl="grouped"),
+        TrainingConfig(micro_batch_size=1, global_batch_size=1, num_micro_batches=1, bf16=True),
+        num_layers=2,
+        tensorboard=False,
     )
-    assert not _compiles_whole(config, torch.device("cpu"))
-    assert _compiles_whole(_Section(model=_Section(moe=None)), torch.device("cpu"))
+    assert "without torch.compile" in hooks.compile_veto(torch.device("cpu"))

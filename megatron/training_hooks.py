@@ -1,0 +1,50 @@
+"""What the trainer calls around its steps on behalf of model parts it does not know.
+
+The trainer (megatron.training) is model-agnostic. An extension whose layers need work around
+the training step subclasses `TrainingHooks` (moe.training_hooks: the expert weights' compute
+copies, the expert-load log, the compile choice) and the entry point hands an instance to
+`pretrain`. Every default does nothing, so a dense model passes none.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Optional
+
+import torch
+from torch import nn
+
+
+class TrainingHooks:
+    """Called by the trainer on every rank, in this order: `compile_veto` once, `setup` once,
+    then per step `before_forwards` ... forwards and backwards ... `after_backwards`, and
+    `log` at each --log-interval."""
+
+    def compile_veto(self, device: torch.device) -> Optional[str]:
+        """None when torch.compile may capture the whole model on `device`; otherwise why not
+        (printed as a note, and the model runs eagerly)."""
+        return None
+
+    def setup(self, model: nn.Module, wrapped_in_ddp: bool, device: torch.device) -> None:
+        """Once, with the unwrapped model on `device`; `wrapped_in_ddp`: whether torch DDP
+        reduces its gradients (its hooks then wait on autograd's accumulation)."""
+
+    def before_forwards(self, model: nn.Module) -> None:
+        """Before the first forward of each training step and of each evaluation: the
+        optimizer step or a checkpoint load may have changed the weights since the last."""
+
+    def after_backwards(self, model: nn.Module) -> None:
+        """After the last backward of a training step, before any gradient is reduced, clipped
+        or stepped."""
+
+    def log(
+        self,
+        model: nn.Module,
+        iteration: int,
+        print_fn: Callable[[str], None],
+        tensorboard: Optional[Any],
+    ) -> Dict[str, Any]:
+        """After the iteration line of each --log-interval (a collective: every rank calls it).
+        Prints with `print_fn`, writes to `tensorboard` (a megatron.logging.TensorBoardLogger,
+        on the rank that writes, else None) and returns named records, which the trainer keeps
+        in `TrainingResult.records` (one entry per window)."""
+        return {}

@@ -1,0 +1,44 @@
+"""The MLP spec of a GPT model with MoE layers: what the entry point hands `GPTModel`.
+
+Every `--moe-layer-freq`-th layer (0, freq, 2 freq, ...) gets an MoE layer (dMoE or MoE with
+capacity, per `MoEConfig.dropless`, moe.layers); the others keep the dense MLP.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from megatron.config import ModelConfig
+from megatron.model.mlp import MlpSpec, dense_mlp_flops_per_token
+from moe.config import MoEConfig
+from moe.layers import build_moe_layer
+
+
+@dataclass(frozen=True)
+class MoEMlpSpec(MlpSpec):
+    """MoE layers where `moe.is_moe_layer`, the dense MLP elsewhere."""
+
+    moe: MoEConfig
+
+    def build(self, config: ModelConfig, layer_number: int) -> nn.Module:
+        if self.moe.is_moe_layer(layer_number):
+            return build_moe_layer(config, self.moe)
+        return super().build(config, layer_number)
+
+    def forward_flops_per_token(self, config: ModelConfig, layer_number: int) -> int:
+        """The top-k expert MLPs (gated when mlp_type is glu), the router and the optional
+        shared expert (gated with --swiglu), in place of the dense MLP."""
+        if not self.moe.is_moe_layer(layer_number):
+            return super().forward_flops_per_token(config, layer_number)
+        hidden, ffn = config.hidden_size, config.ffn_hidden_size
+        experts = self.moe.top_k * dense_mlp_flops_per_token(
+            hidden, ffn, self.moe.mlp_type == "glu"
+        )
+        router = 2 * hidden * self.moe.num_experts
+        shared = 0
+        if self.moe.shared_expert:
+            shared_ffn = self.moe.shared_expert_ffn_hidden_size or ffn
+            shared = dense_mlp_flops_per_token(hidden, shared_ffn, config.swiglu)
+        return experts + router + shared

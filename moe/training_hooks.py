@@ -1,0 +1,120 @@
+"""What the trainer does for MoE layers around each step (megatron.training_hooks).
+
+- Compute copies of the expert weights (moe.experts.refresh_compute_weights): refreshed before
+  the forwards of every step and evaluation, their held gradients flushed after the backwards.
+- The per-layer expert load (moe.expert_load) at each --log-interval: a line with
+  --moe-per-layer-logging, TensorBoard histograms and spreads with --tensorboard-dir.
+- The compile choice: only the dropless grouped MoE in bf16 compiles as one graph, where
+  torch._grouped_mm is fast (moe.kernels.traceable); other MoE layers launch Triton kernels from
+  Python and run faster eagerly.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Optional
+
+import torch
+from torch import nn
+
+from megatron import parallel_state
+from megatron.config import TrainingConfig
+from megatron.training_hooks import TrainingHooks
+from moe.config import MoEConfig
+from moe.expert_load import format_expert_load_line, gather_expert_load, load_spread
+from moe.experts import flush_expert_gradients, refresh_compute_weights
+from moe.kernels import traceable
+
+EAGER_NOTE = (
+    "this MoE model runs without torch.compile (only the dropless grouped backend in bf16 "
+    "compiles as one graph, on GPUs where torch._grouped_mm is fast: NVIDIA Hopper/Blackwell "
+    "with torch 2.8 or newer)"
+)
+
+
+def expert_compute_dtype(training: TrainingConfig) -> Optional[torch.dtype]:
+    """The dtype of the expert weights' per-step copies: the autocast dtype of a bf16/fp16
+    model, else None. None also under --no-gradient-accumulation-fusion: autocast then casts
+    the weights in every micro-batch and autograd accumulates their gradients, which needs less
+    memory (no copies, no held gradients: the dMoE 125M fits an 80 GB GPU at micro batch 8 only
+    this way)."""
+    if not training.gradient_accumulation_fusion:
+        return None
+    if training.bf16:
+        return torch.bfloat16
+    if training.fp16:
+        return torch.float16
+    return None
+
+
+def _expert_grads_in_place(wrapped_in_ddp: bool) -> bool:
+    """Whether the copies add their gradients into the fp32 expert weights themselves. Not when
+    torch DDP reduces the expert gradients: its hooks fire on autograd's accumulation, so the
+    copies then stand in for the casts and leave accumulation to autograd (expert-parallel
+    shards are outside DDP)."""
+    return not (wrapped_in_ddp and parallel_state.get_expert_model_parallel_world_size() == 1)
+
+
+class MoETrainingHooks(TrainingHooks):
+    """The trainer's MoE work for a model built with `moe.mlp_spec.MoEMlpSpec(moe)`."""
+
+    def __init__(
+        self, moe: MoEConfig, training: TrainingConfig, num_layers: int, tensorboard: bool
+    ) -> None:
+        self.moe = moe
+        self.training = training
+        self.moe_layer_numbers = [n for n in range(num_layers) if moe.is_moe_layer(n)]
+        self.log_expert_load = moe.per_layer_logging or tensorboard
+        self.compute_dtype = expert_compute_dtype(training)
+        self.grads_in_place = True
+        self.device = torch.device("cpu")
+
+    def compile_veto(self, device: torch.device) -> Optional[str]:
+        moe = self.moe
+        whole = (
+            moe.dropless
+            and moe.mlp_impl == "grouped"
+            and self.training.bf16
+            and traceable.runs_on(device)
+        )
+        return None if whole else EAGER_NOTE
+
+    def setup(self, model: nn.Module, wrapped_in_ddp: bool, device: torch.device) -> None:
+        self.grads_in_place = _expert_grads_in_place(wrapped_in_ddp)
+        self.device = device
+
+    def before_forwards(self, model: nn.Module) -> None:
+        if self.compute_dtype is not None:
+            refresh_compute_weights(model, self.compute_dtype, self.grads_in_place)
+
+    def after_backwards(self, model: nn.Module) -> None:
+        # Adds the expert gradients the copies still hold (moe.weight_copies.GradientAccumulator)
+        # into the fp32 gradients, before anything reduces or reads them.
+        if self.compute_dtype is not None and self.grads_in_place:
+            flush_expert_gradients(model)
+
+    def log(
+        self,
+        model: nn.Module,
+        iteration: int,
+        print_fn: Callable[[str], None],
+        tensorboard: Optional[Any],
+    ) -> Dict[str, Any]:
+        if not self.log_expert_load:
+            return {}
+        load = gather_expert_load(model, self.moe_layer_numbers, self.moe.num_experts, self.device)
+        if self.moe.per_layer_logging:
+            print_fn(format_expert_load_line(load))
+        if tensorboard is not None:
+            for number, counts in load.items():
+                highest, lowest = load_spread(counts)
+                tensorboard.log_scalars(
+                    {
+                        f"moe/tokens-per-expert max-over-mean layer {number}": highest,
+                        f"moe/tokens-per-expert min-over-mean layer {number}": lowest,
+                    },
+                    iteration,
+                )
+                tensorboard.log_histogram(
+                    f"moe/tokens-per-expert layer {number}", counts, iteration
+                )
+        return {"expert load": {number: counts.tolist() for number, counts in load.items()}}

@@ -1,0 +1,99 @@
+"""The package structure: `moe` uses `megatron`, never the reverse, and every module imports on
+its own (no import cycle that only some import orders survive)."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("megatron", "moe")
+
+
+def _modules(package: str):
+    for path in sorted((REPO_ROOT / package).rglob("*.py")):
+        parts = path.relative_to(REPO_ROOT).with_suffix("").parts
+        yield ".".join(parts[:-1] if parts[-1] == "__init__" else parts), path
+
+
+def _imported_names(path: Path):
+    """Every module name an import statement (at any depth, TYPE_CHECKING blocks included) or
+    an importlib.import_module("...") call with a literal names."""
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            yield node.lineno, node.module
+        elif (
+            isinstance(node, ast.Call)
+            and getattr(node.func, "attr", getattr(node.func, "id", None)) == "import_module"
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+        ):
+            yield node.lineno, node.args[0].value
+
+
+def test_no_module_under_megatron_imports_moe():
+    offending = [
+        f"{path.relative_to(REPO_ROOT)}:{line}: {name}"
+        for _, path in _modules("megatron")
+        for line, name in _imported_names(path)
+        if name == "moe" or name.startswith("moe.")
+    ]
+    assert not offending, "megatron must not depend on moe:\n" + "\n".join(offending)
+
+
+def test_the_check_sees_every_kind_of_import(tmp_path):
+    source = tmp_path / "module.py"
+    source.write_text(
+        "import moe\n"
+        "from moe.layers import MoE\n"
+        "if TYPE_CHECKING:\n    from moe.config import MoEConfig\n"
+        "def f():\n    import moe.experts\n    importlib.import_module('moe.router')\n"
+        "from . import sibling\n"
+    )
+    names = [name for _, name in _imported_names(source)]
+    assert names == ["moe", "moe.layers", "moe.config", "moe.experts", "moe.router"]
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_every_module_imports_first_and_alone(package):
+    """Each module imported first, in a state where no module of the project is loaded yet (one
+    interpreter; the project's modules are dropped from sys.modules between imports). A cycle
+    between modules fails here for the module that starts it. `megatron` alone must not load
+    `moe`."""
+    names = [name for name, _ in _modules(package)]
+    script = f"""
+import importlib, sys
+failures = []
+for name in {names!r}:
+    for loaded in [m for m in sys.modules if m.split(".")[0] in {PACKAGES!r}]:
+        del sys.modules[loaded]
+    try:
+        importlib.import_module(name)
+    except Exception as error:
+        failures.append(f"{{name}}: {{type(error).__name__}}: {{error}}")
+        continue
+    if {package!r} == "megatron":
+        pulled = sorted(m for m in sys.modules if m == "moe" or m.startswith("moe."))
+        if pulled:
+            failures.append(f"{{name}} loads {{pulled}}")
+print("\\n".join(failures))
+"""
+    environment = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO_ROOT)}
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=REPO_ROOT,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "", result.stdout
