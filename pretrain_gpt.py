@@ -27,8 +27,8 @@ from megatron.config import (
     ConfigError,
     format_arguments_block,
     parse_arguments,
-    resolve_arguments,
 )
+from megatron.config.validation import resolve_arguments_with_notes
 from megatron.data.dataset_splits import get_train_valid_test_num_samples
 from megatron.data.errors import check_datasets_serve_run
 from megatron.data.gpt_dataset import SPLIT_NAMES, build_train_valid_test_datasets
@@ -46,12 +46,12 @@ from megatron.initialize import (
 )
 from megatron.model import DENSE_MLP, GPTModel, MlpSpec, num_floating_point_operations
 from megatron.parallel_state import destroy_model_parallel
-from megatron.pipeline.training_step import build_pipeline_model
-from megatron.tokenizer import build_tokenizer, vocab_size_with_padding
+from megatron.parallelize import parallelize
+from megatron.tokenizer import MegatronTokenizer, build_tokenizer, vocab_size_with_padding
 from megatron.training import TrainingResult, pretrain
 from megatron.training_hooks import TrainingHooks
 from moe.arguments import MOE_MODEL_ARGUMENTS, add_moe_args
-from moe.config import MoEConfig
+from moe.config import MoEConfig, moe_config
 from moe.layers import MoEAuxiliaryLosses
 from moe.mlp_spec import MoEMlpSpec
 from moe.training_hooks import MoETrainingHooks
@@ -142,23 +142,27 @@ def main(argv: Optional[List[str]] = None) -> TrainingResult:
     world_size = world_size_from_environment()
     try:
         namespace = parse_arguments(argv, extra_groups=[add_moe_args])
-        run_arguments = resolve_arguments(namespace, world_size)
-        config = Config.from_args(namespace, world_size)
-        moe = MoEConfig.from_args(namespace, config.model, config.parallel.data_parallel_size)
+        args, notes = resolve_arguments_with_notes(namespace, world_size)
+        _refuse_unsupported(args)
+        # The padded vocabulary is part of the model's shape, so the tokenizer comes before the
+        # config; its log lines wait until after the arguments block, where Megatron prints them.
+        tokenizer_lines = [f"> building {args.tokenizer_type} tokenizer ..."]
+        tokenizer = build_tokenizer(
+            args.tokenizer_type,
+            vocab_file=args.vocab_file,
+            merge_file=args.merge_file,
+            tokenizer_model=args.tokenizer_model,
+        )
+        padded_vocab_size = vocab_size_with_padding(
+            tokenizer.vocab_size,
+            args.make_vocab_size_divisible_by,
+            args.tensor_model_parallel_size,
+            log=tokenizer_lines.append,
+        )
+        config = Config.from_resolved(args, notes, padded_vocab_size, extensions=[moe_config])
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
-    unsupported = [
-        flag
-        for flag, value in (
-            ("--reset-position-ids", config.data.reset_position_ids),
-            ("--reset-attention-mask", config.data.reset_attention_mask),
-        )
-        if value
-    ]
-    if unsupported:
-        print(f"error: {', '.join(unsupported)} are not supported yet", file=sys.stderr)
-        raise SystemExit(2)
     parallel = config.parallel
     tensor_parallel_size = parallel.tensor_model_parallel_size
 
@@ -166,12 +170,12 @@ def main(argv: Optional[List[str]] = None) -> TrainingResult:
         context = initialize_distributed(parallel.distributed_backend)
         initialize_model_parallel(
             tensor_parallel_size,
-            _expert_parallel_size(moe),
+            _expert_parallel_size(config.extension(MoEConfig)),
             parallel.pipeline_model_parallel_size,
             parallel.virtual_pipeline_model_parallel_size,
         )
         try:
-            return _setup_and_train(config, moe, run_arguments, context)
+            return _setup_and_train(config, tokenizer, tokenizer_lines, context)
         except UserError as error:
             # A problem with a checkpoint, a dataset or a directory: the message says what to
             # do, and a traceback would only bury it (MEGATRON_TRACEBACK=1 shows it).
@@ -182,6 +186,19 @@ def main(argv: Optional[List[str]] = None) -> TrainingResult:
         finally:
             # Later runs in this process (tests) start from fresh groups.
             destroy_model_parallel()
+
+
+def _refuse_unsupported(args: argparse.Namespace) -> None:
+    unsupported = [
+        flag
+        for flag, value in (
+            ("--reset-position-ids", args.reset_position_ids),
+            ("--reset-attention-mask", args.reset_attention_mask),
+        )
+        if value
+    ]
+    if unsupported:
+        raise ConfigError(f"{', '.join(unsupported)} are not supported yet")
 
 
 def _expert_parallel_size(moe: Optional[MoEConfig]) -> int:
@@ -209,10 +226,11 @@ def _parameter_count_lines(model: torch.nn.Module) -> List[str]:
 
 def _setup_and_train(
     config: Config,
-    moe: Optional[MoEConfig],
-    run_arguments: argparse.Namespace,
+    tokenizer: MegatronTokenizer,
+    tokenizer_lines: List[str],
     context: DistributedContext,
 ) -> TrainingResult:
+    moe = config.extension(MoEConfig)
     print_rank_0(
         f"using world size: {context.world_size}, data-parallel size: "
         f"{config.parallel.data_parallel_size}, tensor-model-parallel size: "
@@ -220,46 +238,34 @@ def _setup_and_train(
         f"{config.parallel.pipeline_model_parallel_size}, "
         f"expert-model-parallel size: {_expert_parallel_size(moe)}"
     )
-    print_rank_0(format_arguments_block(run_arguments))
+    print_rank_0(format_arguments_block(config.arguments))
     moe_notes = moe.notes() if moe is not None else []
     for note in [*config.notes, *moe_notes]:
         print_rank_0(f"note: {note}")
-
-    data = config.data
-    print_rank_0(f"> building {data.tokenizer_type} tokenizer ...")
-    tokenizer = build_tokenizer(
-        data.tokenizer_type,
-        vocab_file=data.vocab_file,
-        merge_file=data.merge_file,
-        tokenizer_model=data.tokenizer_model,
-    )
-    config.model.padded_vocab_size = vocab_size_with_padding(
-        tokenizer.vocab_size,
-        data.make_vocab_size_divisible_by,
-        config.parallel.tensor_model_parallel_size,
-        log=print_rank_0,
-    )
+    for line in tokenizer_lines:
+        print_rank_0(line)
     print_rank_0(f"> setting random seeds to {config.training.seed} ...")
     set_random_seed(config.training.seed)
 
     print_rank_0("building GPT model ...")
     mlp_spec: MlpSpec = MoEMlpSpec(moe) if moe is not None else DENSE_MLP
-    if config.parallel.pipeline_model_parallel_size > 1:
-        model, whole_model = build_pipeline_model(config.model, mlp_spec)
-        count_lines = _parameter_count_lines(whole_model)
-        del whole_model
-    else:
-        model: torch.nn.Module = GPTModel(config.model, mlp_spec)
-        count_lines = _parameter_count_lines(model)
-    for line in count_lines:
+    whole_model = GPTModel(config.model, mlp_spec)
+    for line in _parameter_count_lines(whole_model):
         print_rank_0(line)
-    # Saved with the arguments, as Megatron does: a checkpoint whose embedding does not fit
-    # is then explained by this number.
-    run_arguments.padded_vocab_size = config.model.padded_vocab_size
+    hooks = TrainingHooks()
+    if moe is not None:
+        hooks = MoETrainingHooks(
+            moe,
+            config.training,
+            config.model.num_layers,
+            tensorboard=bool(config.logging.tensorboard_dir),
+        )
+    model = parallelize(whole_model, config, context, hooks.compile_veto)
+    del whole_model  # under a pipeline this rank's chunks hold copies of their part of it
     check_checkpoint_directories(
         config.checkpoint,
         estimate_checkpoint_bytes(
-            model.parameters(),
+            model.unwrapped.parameters(),
             config.optimizer.optimizer,
             config.optimizer.sgd_momentum,
             save_optimizer=not config.checkpoint.no_save_optim,
@@ -272,21 +278,14 @@ def _setup_and_train(
 
     datasets = build_datasets(config)
     barrier()
-    auxiliary_losses, hooks = None, TrainingHooks()
+    auxiliary_losses = None
     if moe is not None:
         # Averaged over the whole model's MoE layers, whichever of them this rank holds.
         num_moe_layers = moe.num_moe_layers(config.model.num_layers)
-        auxiliary_losses = MoEAuxiliaryLosses(model, num_moe_layers)
-        hooks = MoETrainingHooks(
-            moe,
-            config.training,
-            config.model.num_layers,
-            tensorboard=bool(config.logging.tensorboard_dir),
-        )
-    forward_step = make_forward_step(tokenizer.eod, data.eod_mask_loss, auxiliary_losses)
+        auxiliary_losses = MoEAuxiliaryLosses(model.unwrapped, num_moe_layers)
+    forward_step = make_forward_step(tokenizer.eod, config.data.eod_mask_loss, auxiliary_losses)
     return pretrain(
         config,
-        run_arguments,
         context,
         model,
         datasets,
@@ -294,7 +293,7 @@ def _setup_and_train(
         model_arguments=MODEL_ARGUMENTS + MOE_MODEL_ARGUMENTS,
         hooks=hooks,
         flops_per_iteration=num_floating_point_operations(
-            config.model, config.training.global_batch_size, data.seq_length, mlp_spec
+            config.model, config.training.global_batch_size, config.data.seq_length, mlp_spec
         ),
     )
 

@@ -33,13 +33,13 @@ from megatron.checkpointing.checksums import (  # noqa: E402
     find_damage,
     read_manifest,
 )
-from megatron.config import Config, parse_arguments, resolve_arguments  # noqa: E402
+from megatron.config import Config, parse_arguments  # noqa: E402
 from megatron.initialize import initialize_model_parallel  # noqa: E402
 from megatron.model import DENSE_MLP, GPTModel  # noqa: E402
 from megatron.optimizer import build_lr_scheduler, build_optimizer  # noqa: E402
 from megatron.tokenizer import build_tokenizer, vocab_size_with_padding  # noqa: E402
 from moe.arguments import add_moe_args  # noqa: E402
-from moe.config import MoEConfig  # noqa: E402
+from moe.config import MoEConfig, moe_config  # noqa: E402
 from moe.mlp_spec import MoEMlpSpec  # noqa: E402
 
 ITERATION = 4
@@ -48,19 +48,17 @@ ITERATION = 4
 def build(flags, device):
     """The model, optimizer (with Adam state) and scheduler of pretrain_gpt.py's `flags`."""
     namespace = parse_arguments(flags, extra_groups=[add_moe_args])
-    run_arguments = resolve_arguments(namespace, 1)
-    config = Config.from_args(namespace, 1)
-    moe = MoEConfig.from_args(namespace, config.model, 1)
-    data = config.data
     tokenizer = build_tokenizer(
-        data.tokenizer_type,
-        vocab_file=data.vocab_file,
-        merge_file=data.merge_file,
-        tokenizer_model=data.tokenizer_model,
+        namespace.tokenizer_type,
+        vocab_file=namespace.vocab_file,
+        merge_file=namespace.merge_file,
+        tokenizer_model=namespace.tokenizer_model,
     )
-    config.model.padded_vocab_size = vocab_size_with_padding(
-        tokenizer.vocab_size, data.make_vocab_size_divisible_by, 1
+    padded_vocab_size = vocab_size_with_padding(
+        tokenizer.vocab_size, namespace.make_vocab_size_divisible_by, 1
     )
+    config = Config.from_args(namespace, 1, padded_vocab_size, extensions=[moe_config])
+    moe = config.extension(MoEConfig)
     initialize_model_parallel(1)
     model = GPTModel(config.model, MoEMlpSpec(moe) if moe else DENSE_MLP).to(device)
     optimizer = build_optimizer(model, config.optimizer, config.training)
@@ -69,7 +67,7 @@ def build(flags, device):
         parameter.grad = torch.zeros_like(parameter)
     optimizer.step()
     optimizer.zero_grad()
-    return config, run_arguments, model, optimizer, scheduler
+    return config, config.saved_arguments(), model, optimizer, scheduler
 
 
 def drop_caches() -> bool:

@@ -10,7 +10,7 @@ import argparse
 from dataclasses import dataclass
 from typing import List, Optional
 
-from megatron.config import ConfigError, ModelConfig
+from megatron.config import Config, ConfigError, ModelConfig
 
 MLP_IMPLS = ("grouped", "sparse", "reference")
 MLP_TYPES = ("mlp", "glu")
@@ -254,3 +254,9 @@ def _check_expert_parallel_layout(
             f"divides {data_parallel_size}, or launch a multiple of {expert_parallel_size} "
             "data-parallel ranks"
         )
+
+
+def moe_config(args: argparse.Namespace, config: Config) -> Optional[MoEConfig]:
+    """The run's MoE config from its resolved flags, for `Config.from_args(extensions=...)`;
+    None without --moe-num-experts."""
+    return MoEConfig.from_args(args, config.model, config.parallel.data_parallel_size)

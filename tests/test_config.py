@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import pytest
 
 from megatron.config import (
     Config,
     ConfigError,
-    ModelConfig,
     build_parser,
     format_arguments_block,
     parse_arguments,
@@ -204,17 +204,46 @@ def test_sample_based_training_defaults_decay_samples():
     assert cfg.optimizer.lr_warmup_samples == 10
 
 
-def test_model_config_is_plain_and_mutable_for_vocab_padding():
-    model = ModelConfig(
-        num_layers=1,
-        hidden_size=8,
-        num_attention_heads=2,
-        ffn_hidden_size=32,
-        seq_length=4,
-        max_position_embeddings=4,
-    )
-    model.padded_vocab_size = 128
-    assert model.kv_channels == 4 and model.padded_vocab_size == 128
+def test_every_section_of_the_config_is_frozen():
+    cfg = Config.from_args(parse_arguments(argv()), world_size=1, padded_vocab_size=128)
+    assert cfg.model.padded_vocab_size == 128 and cfg.model.kv_channels == 16
+    sections = [getattr(cfg, field.name) for field in dataclasses.fields(cfg)]
+    for section in [cfg] + [s for s in sections if dataclasses.is_dataclass(s)]:
+        name = dataclasses.fields(section)[0].name
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(section, name, getattr(section, name))
+    with pytest.raises(TypeError):
+        cfg.arguments["num_layers"] = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class _ExtensionConfig:
+    layers: int
+
+
+def test_extensions_are_built_once_with_the_rest():
+    seen = []
+
+    def build(args, base):
+        seen.append(args.num_layers)
+        return _ExtensionConfig(base.model.num_layers) if args.num_layers > 1 else None
+
+    cfg = Config.from_args(parse_arguments(argv()), 1, extensions=[build])
+    assert cfg.extension(_ExtensionConfig) == _ExtensionConfig(cfg.model.num_layers)
+    assert seen == [cfg.model.num_layers]
+    small = Config.from_args(parse_arguments(argv("--num-layers", "1")), 1, extensions=[build])
+    assert small.extension(_ExtensionConfig) is None and small.extensions == ()
+
+
+def test_saved_arguments_are_a_fresh_copy_with_the_padded_vocabulary():
+    cfg = Config.from_args(parse_arguments(argv()), world_size=1, padded_vocab_size=50304)
+    saved = cfg.saved_arguments()
+    assert saved.padded_vocab_size == 50304 and saved.num_layers == cfg.model.num_layers
+    assert "padded_vocab_size" not in cfg.arguments  # Megatron's arguments block has none
+    saved.consumed_train_samples = 7
+    saved.num_layers = 99
+    assert cfg.saved_arguments().num_layers == cfg.model.num_layers
+    assert not hasattr(cfg.saved_arguments(), "consumed_train_samples")
 
 
 def test_from_args_leaves_the_namespace_untouched():

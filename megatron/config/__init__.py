@@ -2,9 +2,10 @@
 
     config = parse_config(sys.argv[1:], world_size=int(os.environ.get("WORLD_SIZE", 1)))
 
-Modules with flags of their own (e.g. MoE) pass `extra_groups=[add_moe_args]`; to build their
-own config they call `parse_arguments(argv, extra_groups)` and `Config.from_args(namespace,
-world_size)`, then read their flags from the same namespace.
+Modules with flags of their own (e.g. MoE) pass `extra_groups=[add_moe_args]` to the parser and
+an extension builder to `Config.from_args(namespace, world_size, padded_vocab_size,
+extensions=[moe_config])`, which builds their config with the rest, once; the run then finds it
+with `config.extension(MoEConfig)`. Every section is frozen.
 """
 
 from megatron.arguments import build_parser, format_arguments_block

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
-from typing import Sequence, Tuple
+import copy
+import dataclasses
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Callable, Mapping, Optional, Sequence, Tuple, Type, TypeVar
 
 from megatron.arguments import ArgumentGroupAdder
 from megatron.config.validation import (
@@ -12,8 +15,10 @@ from megatron.config.validation import (
     resolve_arguments_with_notes,
 )
 
+T = TypeVar("T")
 
-@dataclass
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Shape and behaviour of the GPT model; what `megatron.model` is built from."""
 
@@ -23,7 +28,7 @@ class ModelConfig:
     ffn_hidden_size: int
     seq_length: int
     max_position_embeddings: int
-    padded_vocab_size: int = 0  # filled in once the tokenizer is built
+    padded_vocab_size: int = 0  # the tokenizer's vocabulary, padded (megatron.tokenizer)
     hidden_dropout: float = 0.1
     attention_dropout: float = 0.1
     init_method_std: float = 0.02
@@ -188,9 +193,20 @@ class LoggingConfig:
     profile_ranks: Tuple[int, ...] = (0,)
 
 
+# Builds an extension's config (e.g. moe.config.moe_config) from the resolved flags and the
+# config of the rest of the run; None when the run does not use the extension.
+ExtensionBuilder = Callable[[argparse.Namespace, "Config"], Optional[Any]]
+
+
 @dataclass(frozen=True)
 class Config:
-    """The whole run's configuration; `notes` are informational lines to print on rank 0."""
+    """The whole run's configuration, built once from the flags and never changed.
+
+    `notes` are informational lines to print on rank 0. `arguments` are the resolved flags by
+    Megatron's attribute names, what the arguments block prints; the `args` a checkpoint saves
+    are derived from them (`saved_arguments`). `extensions` hold the configs of packages built
+    on megatron (e.g. MoEConfig), found by type with `extension`.
+    """
 
     model: ModelConfig
     training: TrainingConfig
@@ -200,16 +216,51 @@ class Config:
     logging: LoggingConfig
     parallel: ParallelConfig
     notes: Tuple[str, ...] = ()
+    arguments: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    extensions: Tuple[Any, ...] = ()
+
+    def extension(self, kind: Type[T]) -> Optional[T]:
+        """The extension config of type `kind`, or None when the run has none."""
+        found = [value for value in self.extensions if isinstance(value, kind)]
+        return found[0] if found else None
+
+    def saved_arguments(self) -> argparse.Namespace:
+        """Megatron's `args` as checkpoints save them, a fresh namespace: the resolved flags and
+        the padded vocabulary size (a checkpoint whose embedding does not fit is then explained
+        by this number)."""
+        saved = argparse.Namespace(**copy.deepcopy(dict(self.arguments)))
+        if self.model.padded_vocab_size:
+            saved.padded_vocab_size = self.model.padded_vocab_size
+        return saved
 
     @classmethod
-    def from_args(cls, namespace: argparse.Namespace, world_size: int) -> Config:
+    def from_args(
+        cls,
+        namespace: argparse.Namespace,
+        world_size: int,
+        padded_vocab_size: int = 0,
+        extensions: Sequence[ExtensionBuilder] = (),
+    ) -> Config:
         """Validate `namespace` (from `parse_arguments`) for `world_size` ranks and build.
 
         Raises `ConfigError` naming the offending flags; the namespace is not modified.
         """
         args, notes = resolve_arguments_with_notes(namespace, world_size)
-        return cls(
-            model=_model_config(args),
+        return cls.from_resolved(args, notes, padded_vocab_size, extensions)
+
+    @classmethod
+    def from_resolved(
+        cls,
+        args: argparse.Namespace,
+        notes: Sequence[str],
+        padded_vocab_size: int = 0,
+        extensions: Sequence[ExtensionBuilder] = (),
+    ) -> Config:
+        """Build from flags `resolve_arguments_with_notes` already resolved, with the padded
+        vocabulary size (megatron.tokenizer.vocab_size_with_padding; 0 while unknown) and the
+        extension configs `extensions` build."""
+        base = cls(
+            model=_model_config(args, padded_vocab_size),
             training=TrainingConfig(
                 num_micro_batches=args.global_batch_size
                 // (args.micro_batch_size * args.data_parallel_size),
@@ -241,6 +292,11 @@ class Config:
                 ddp_impl=args.DDP_impl, **_pick(args, ParallelConfig, skip=("ddp_impl",))
             ),
             notes=tuple(notes),
+            arguments=MappingProxyType(dict(vars(args))),
+        )
+        built = tuple(build(args, base) for build in extensions)
+        return dataclasses.replace(
+            base, extensions=tuple(value for value in built if value is not None)
         )
 
 
@@ -256,13 +312,14 @@ def parse_config(
     return Config.from_args(parse_arguments(argv, extra_groups), world_size)
 
 
-_MODEL_DERIVED = ("padded_vocab_size", "num_query_groups", "recompute_num_layers", "moe")
+_MODEL_DERIVED = ("padded_vocab_size", "num_query_groups", "recompute_num_layers")
 _PATH_LISTS = ("data_path", "train_data_path", "valid_data_path", "test_data_path")
 
 
-def _model_config(args: argparse.Namespace) -> ModelConfig:
+def _model_config(args: argparse.Namespace, padded_vocab_size: int) -> ModelConfig:
     full = args.recompute_granularity == "full"
     return ModelConfig(
+        padded_vocab_size=padded_vocab_size,
         num_query_groups=args.num_query_groups if args.group_query_attention else 0,
         recompute_num_layers=args.recompute_num_layers if full else None,
         **_pick(args, ModelConfig, skip=_MODEL_DERIVED),

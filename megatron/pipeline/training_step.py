@@ -1,17 +1,16 @@
-"""The trainer's view of a pipeline: building the stages of the single-process model, one
+"""The trainer's view of a pipeline (megatron.parallelize.split_pipeline builds the stages): one
 step's forwards and backwards through the schedule, and the reported values of every stage
 combined on every rank (rank 0 logs them, as without a pipeline)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Dict, Iterator, List, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, Iterator, List
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from megatron import parallel_state
-from megatron.model import DENSE_MLP, GPTModel, MlpSpec
 from megatron.pipeline.p2p import ActivationSpec
 from megatron.pipeline.schedules import (
     StageForwardStep,
@@ -19,31 +18,9 @@ from megatron.pipeline.schedules import (
     forward_backward_pipelining_without_interleaving,
     forward_only_pipelining,
 )
-from megatron.pipeline.stages import build_stage_model_chunks, full_to_stage_state_dict
 
 if TYPE_CHECKING:
-    from megatron.config import Config, ModelConfig
-
-
-def build_pipeline_model(
-    model_config: ModelConfig, mlp_spec: MlpSpec = DENSE_MLP
-) -> Tuple[nn.ModuleList, GPTModel]:
-    """This rank's model chunks holding the single-process model's initial weights, and that
-    whole model (to count its parameters; drop it afterwards).
-
-    The whole model is drawn first, exactly as one process draws it, and each chunk takes its
-    layers from it, so a pipeline run starts from the single-process weights (Megatron draws
-    per stage instead, which gives other weights). That costs one whole model of CPU memory
-    during set-up. The chunks are built under a forked RNG, so the generator state afterwards
-    is the single-process one too (dropout masks then match).
-    """
-    full = GPTModel(model_config, mlp_spec)
-    full_state = full.state_dict()
-    with torch.random.fork_rng(devices=[]):
-        chunks = build_stage_model_chunks(model_config, mlp_spec)
-    for chunk in chunks:
-        chunk.load_state_dict(full_to_stage_state_dict(full_state, chunk), strict=True)
-    return nn.ModuleList(chunks), full
+    from megatron.config import Config
 
 
 def activation_spec(config: Config, device: torch.device) -> ActivationSpec:

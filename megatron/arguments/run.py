@@ -1,177 +1,15 @@
-"""The command-line surface: Megatron-LM's flag names, meanings and defaults, and nothing else.
-
-Validation, derived defaults and the typed config live in `megatron.config`. Another module
-(e.g. the MoE layers) adds its own flags by passing a callable to `build_parser(extra_groups=...)`
-that receives the parser and calls `parser.add_argument_group(...)` on it.
+"""Megatron-LM's flags that shape the run: training, learning rate, checkpointing, distributed
+layout, validation, data and logging.
 """
 
 from __future__ import annotations
 
 import argparse
-from typing import Callable, Mapping, Sequence, Union
 
-ArgumentGroupAdder = Callable[[argparse.ArgumentParser], object]
-
-# Flags Megatron-LM accepts that select a fused CUDA kernel or an overlap we do not implement
-# separately; they parse so existing launch scripts run, and change nothing.
-_NO_EFFECT = "Accepted for Megatron-LM compatibility; has no effect in this framework."
+from megatron.arguments.no_effect import NO_EFFECT
 
 
-def build_parser(
-    extra_groups: Sequence[ArgumentGroupAdder] = (), exit_on_error: bool = True
-) -> argparse.ArgumentParser:
-    """Build the argument parser with Megatron-LM's flags plus each of `extra_groups`.
-
-    Every callable in `extra_groups` is called with the parser and registers its own argument
-    group. With `exit_on_error=False`, bad values raise `argparse.ArgumentError` instead of
-    exiting, so `megatron.config.parse_arguments` can report them as a `ConfigError`.
-    """
-    parser = argparse.ArgumentParser(
-        description="Megatron-LM-style GPT pretraining arguments",
-        allow_abbrev=False,
-        exit_on_error=exit_on_error,
-    )
-    for add_group in (
-        _add_network_size_args,
-        _add_regularization_args,
-        _add_training_args,
-        _add_initialization_args,
-        _add_learning_rate_args,
-        _add_checkpointing_args,
-        _add_mixed_precision_args,
-        _add_distributed_args,
-        _add_validation_args,
-        _add_data_args,
-        _add_logging_args,
-        *extra_groups,
-    ):
-        add_group(parser)
-    return parser
-
-
-def format_arguments_block(
-    arguments: Union[argparse.Namespace, Mapping[str, object]], title: str = "arguments"
-) -> str:
-    """Render arguments as Megatron prints them at startup: a titled block, one sorted line each.
-
-    Each line is two spaces, the name, a space, `48 - len(name)` dots, a space and the value;
-    lines are sorted case-insensitively, as Megatron sorts them.
-    """
-    values = vars(arguments) if isinstance(arguments, argparse.Namespace) else dict(arguments)
-    lines = [f"  {name} {'.' * (48 - len(name))} {value}" for name, value in values.items()]
-    lines.sort(key=str.lower)
-    header = f"------------------------ {title} ------------------------"
-    footer = f"-------------------- end of {title} ---------------------"
-    return "\n".join([header, *lines, footer])
-
-
-def _add_network_size_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group(title="network size")
-    group.add_argument("--num-layers", type=int, default=None, help="Number of transformer layers.")
-    group.add_argument("--hidden-size", type=int, default=None, help="Transformer hidden size.")
-    group.add_argument(
-        "--ffn-hidden-size",
-        type=int,
-        default=None,
-        help="Transformer feed-forward hidden size. Defaults to 4*hidden-size, or with --swiglu "
-        "to 2/3 of that rounded down to a multiple of 64.",
-    )
-    group.add_argument(
-        "--num-attention-heads", type=int, default=None, help="Number of attention heads."
-    )
-    group.add_argument(
-        "--group-query-attention",
-        action="store_true",
-        help="Use grouped-query attention (see --num-query-groups).",
-    )
-    group.add_argument(
-        "--num-query-groups",
-        type=int,
-        default=1,
-        help="Number of key/value head groups with --group-query-attention.",
-    )
-    group.add_argument(
-        "--max-position-embeddings",
-        type=int,
-        default=None,
-        help="Size of the learned position embedding table; must be >= --seq-length.",
-    )
-    group.add_argument(
-        "--position-embedding-type",
-        type=str,
-        default="learned_absolute",
-        choices=["learned_absolute", "rope"],
-        help="Position embedding type.",
-    )
-    group.add_argument(
-        "--rotary-percent",
-        type=float,
-        default=1.0,
-        help="Fraction of each head's channels that rotary embeddings rotate.",
-    )
-    group.add_argument(
-        "--rotary-base", type=int, default=10000, help="Base period of rotary embeddings."
-    )
-    group.add_argument(
-        "--make-vocab-size-divisible-by",
-        type=int,
-        default=128,
-        help="Pad the vocab size to a multiple of this value (times the tensor-parallel size).",
-    )
-    group.add_argument(
-        "--normalization",
-        default="LayerNorm",
-        choices=["LayerNorm", "RMSNorm"],
-        help="Normalization layer.",
-    )
-    group.add_argument(
-        "--layernorm-epsilon",
-        "--norm-epsilon",
-        dest="layernorm_epsilon",
-        type=float,
-        default=1e-5,
-        help="Epsilon of LayerNorm / RMSNorm (--norm-epsilon is the newer Megatron name).",
-    )
-    group.add_argument(
-        "--swiglu", action="store_true", help="Use a SwiGLU MLP (SiLU-gated) instead of GeLU."
-    )
-    group.add_argument(
-        "--untie-embeddings-and-output-weights",
-        action="store_true",
-        help="Give the output layer its own weights instead of sharing the input embedding.",
-    )
-    group.add_argument(
-        "--disable-bias-linear",
-        action="store_false",
-        dest="add_bias_linear",
-        help="Drop the bias of every linear layer in the transformer.",
-    )
-
-
-def _add_regularization_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group(title="regularization")
-    group.add_argument(
-        "--attention-dropout", type=float, default=0.1, help="Post-attention dropout probability."
-    )
-    group.add_argument(
-        "--hidden-dropout", type=float, default=0.1, help="Hidden-state dropout probability."
-    )
-    group.add_argument(
-        "--weight-decay", type=float, default=0.01, help="Decoupled weight decay coefficient."
-    )
-    group.add_argument(
-        "--clip-grad",
-        type=float,
-        default=1.0,
-        help="Clip gradients to this global L2 norm; 0 disables clipping.",
-    )
-    group.add_argument("--adam-beta1", type=float, default=0.9, help="Adam beta1.")
-    group.add_argument("--adam-beta2", type=float, default=0.999, help="Adam beta2.")
-    group.add_argument("--adam-eps", type=float, default=1e-8, help="Adam epsilon.")
-    group.add_argument("--sgd-momentum", type=float, default=0.9, help="SGD momentum.")
-
-
-def _add_training_args(parser: argparse.ArgumentParser) -> None:
+def add_training_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(title="training")
     group.add_argument(
         "--micro-batch-size",
@@ -259,16 +97,16 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
         "--no-masked-softmax-fusion",
         action="store_false",
         dest="masked_softmax_fusion",
-        help=_NO_EFFECT,
+        help=NO_EFFECT,
     )
     group.add_argument(
-        "--no-bias-gelu-fusion", action="store_false", dest="bias_gelu_fusion", help=_NO_EFFECT
+        "--no-bias-gelu-fusion", action="store_false", dest="bias_gelu_fusion", help=NO_EFFECT
     )
     group.add_argument(
         "--no-bias-dropout-fusion",
         action="store_false",
         dest="bias_dropout_fusion",
-        help=_NO_EFFECT,
+        help=NO_EFFECT,
     )
     group.add_argument(
         "--no-gradient-accumulation-fusion",
@@ -284,7 +122,7 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
         "--no-async-tensor-model-parallel-allreduce",
         action="store_false",
         dest="async_tensor_model_parallel_allreduce",
-        help=_NO_EFFECT,
+        help=NO_EFFECT,
     )
     group.add_argument(
         "--use-flash-attn",
@@ -312,20 +150,7 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_initialization_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group(title="initialization")
-    group.add_argument(
-        "--seed", type=int, default=1234, help="Random seed for python, numpy and torch."
-    )
-    group.add_argument(
-        "--init-method-std",
-        type=float,
-        default=0.02,
-        help="Standard deviation of the zero-mean normal weight initialization.",
-    )
-
-
-def _add_learning_rate_args(parser: argparse.ArgumentParser) -> None:
+def add_learning_rate_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(title="learning rate")
     group.add_argument("--lr", type=float, default=None, help="Peak learning rate.")
     group.add_argument(
@@ -377,7 +202,7 @@ def _add_learning_rate_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_checkpointing_args(parser: argparse.ArgumentParser) -> None:
+def add_checkpointing_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(title="checkpointing")
     group.add_argument("--save", type=str, default=None, help="Directory to save checkpoints to.")
     group.add_argument(
@@ -414,45 +239,7 @@ def _add_checkpointing_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_mixed_precision_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group(title="mixed precision")
-    group.add_argument("--fp16", action="store_true", help="Train in float16 with loss scaling.")
-    group.add_argument("--bf16", action="store_true", help="Train in bfloat16.")
-    group.add_argument(
-        "--loss-scale",
-        type=float,
-        default=None,
-        help="Static fp16 loss scale (a positive power of 2 is best); dynamic if unset.",
-    )
-    group.add_argument(
-        "--initial-loss-scale",
-        type=float,
-        default=2**32,
-        help="Starting dynamic loss scale.",
-    )
-    group.add_argument(
-        "--min-loss-scale", type=float, default=1.0, help="Smallest dynamic loss scale."
-    )
-    group.add_argument(
-        "--loss-scale-window",
-        type=float,
-        default=1000,
-        help="Overflow-free iterations before the dynamic loss scale grows.",
-    )
-    group.add_argument(
-        "--hysteresis",
-        type=int,
-        default=2,
-        help="Overflows tolerated before the dynamic loss scale shrinks.",
-    )
-    group.add_argument(
-        "--accumulate-allreduce-grads-in-fp32",
-        action="store_true",
-        help="Accumulate and all-reduce gradients in fp32 (always on with --bf16 and local DDP).",
-    )
-
-
-def _add_distributed_args(parser: argparse.ArgumentParser) -> None:
+def add_distributed_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(title="distributed")
     group.add_argument(
         "--tensor-model-parallel-size",
@@ -502,7 +289,7 @@ def _add_distributed_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_validation_args(parser: argparse.ArgumentParser) -> None:
+def add_validation_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(title="validation")
     group.add_argument(
         "--eval-iters", type=int, default=100, help="Iterations per validation/test run."
@@ -512,7 +299,7 @@ def _add_validation_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_data_args(parser: argparse.ArgumentParser) -> None:
+def add_data_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(title="data and dataloader")
     group.add_argument(
         "--data-path",
@@ -575,7 +362,7 @@ def _add_data_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_logging_args(parser: argparse.ArgumentParser) -> None:
+def add_logging_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(title="logging")
     group.add_argument(
         "--log-params-norm", action="store_true", help="Compute and log the parameter norm."

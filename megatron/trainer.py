@@ -1,0 +1,275 @@
+"""`Trainer`: one run's model, optimizer and scheduler, and what it does with them: a training
+step (gradient accumulation or a pipeline schedule), evaluation, checkpoint save and load.
+
+The loop around it (schedule, logging, exits) is megatron.training.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections import defaultdict
+from typing import Callable, Dict, Iterator, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from megatron import parallel_state
+from megatron.checkpointing import load_checkpoint, save_checkpoint
+from megatron.checkpointing.model_arguments import MODEL_ARGUMENTS
+from megatron.config import Config
+from megatron.distributed import (
+    all_reduce_data_parallel_gradients,
+    finalize_gradients,
+    micro_batch_context,
+    reduce_tied_embedding_gradients,
+)
+from megatron.initialize import DistributedContext, print_rank_0
+from megatron.logging import (
+    TensorBoardLogger,
+    format_times_across_ranks,
+    min_max_across_ranks,
+)
+from megatron.model.flops import num_floating_point_operations
+from megatron.optimizer import build_lr_scheduler, build_optimizer
+from megatron.optimizer.distributed_optimizer import build_distributed_optimizer
+from megatron.parallelize import ParallelModel
+from megatron.pipeline.training_step import activation_spec, pipeline_step
+from megatron.training_hooks import TrainingHooks
+
+ForwardStep = Callable[
+    [torch.nn.Module, Dict[str, torch.Tensor]], Tuple[torch.Tensor, Dict[str, torch.Tensor]]
+]
+
+
+def _autocast(config: Config, device: torch.device):
+    if config.training.bf16:
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    if config.training.fp16:
+        return torch.autocast(device.type, dtype=torch.float16)
+    return contextlib.nullcontext()
+
+
+def _average_across_data_parallel(values: Dict[str, torch.Tensor]) -> Dict[str, float]:
+    # Tensor-parallel peers of a replica hold the same values (same batch, vocab-parallel
+    # loss), so the mean over replicas is the mean over the data-parallel group.
+    if not values:
+        return {}
+    names = sorted(values)
+    stacked = torch.stack([values[name].float() for name in names])
+    data_parallel_size = parallel_state.get_data_parallel_world_size()
+    if data_parallel_size > 1:
+        dist.all_reduce(stacked, group=parallel_state.get_data_parallel_group())
+        stacked /= data_parallel_size
+    return dict(zip(names, stacked.tolist()))
+
+
+def _to_device(batch: Dict[str, torch.Tensor], device: torch.device) -> Dict[str, torch.Tensor]:
+    return {name: value.to(device, non_blocking=True) for name, value in batch.items()}
+
+
+class Trainer:
+    """Owns the model, optimizer, scheduler and iterators for one run."""
+
+    def __init__(
+        self,
+        config: Config,
+        context: DistributedContext,
+        model: ParallelModel,
+        forward_step: ForwardStep,
+        hooks: Optional[TrainingHooks] = None,
+        flops_per_iteration: Optional[int] = None,
+    ):
+        self.config = config
+        self.hooks = hooks or TrainingHooks()
+        # Model FLOPs of one global batch for the TFLOP/s in the log line; by default those of
+        # a dense GPT model of config.model.
+        self.flops_per_iteration = flops_per_iteration or num_floating_point_operations(
+            config.model, config.training.global_batch_size, config.data.seq_length
+        )
+        self.context = context
+        self.forward_step = forward_step
+        self.unwrapped_model = model.unwrapped
+        self.model = model.module
+        self.pipeline = model.pipeline
+        self.activation_spec = activation_spec(config, context.device) if self.pipeline else None
+        data_parallel_group = (
+            parallel_state.get_data_parallel_group() if context.world_size > 1 else None
+        )
+        if config.parallel.use_distributed_optimizer:
+            # Shards the optimizer state and does the gradient reduce-scatter itself: no DDP.
+            self.optimizer = build_distributed_optimizer(
+                self.unwrapped_model, config.optimizer, config.training, data_parallel_group
+            )
+            print_rank_0(f"> {self.optimizer.memory_report()}")
+        else:
+            self.optimizer = build_optimizer(
+                self.unwrapped_model, config.optimizer, config.training
+            )
+        self.scheduler = build_lr_scheduler(self.optimizer, config.optimizer, config.training)
+        self.tensorboard = (
+            TensorBoardLogger(config.logging.tensorboard_dir, config.logging.tensorboard_queue_size)
+            if config.logging.tensorboard_dir and context.is_first
+            else None
+        )
+        self.hooks.setup(self.unwrapped_model, model.wrapped_in_ddp, context.device)
+        self.iteration = 0
+        self.consumed_train_samples = 0
+        self.consumed_valid_samples = 0
+        self.last_saved_iteration: Optional[int] = None
+
+    # ------------------------------------------------------------------ steps
+    def train_step(
+        self, data_iterator: Iterator
+    ) -> Tuple[Dict[str, float], bool, Optional[float], bool]:
+        """One optimizer step over `num_micro_batches` micro-batches.
+
+        Returns (reported losses, skipped, grad norm, got nan).
+        """
+        self.hooks.before_forwards(self.unwrapped_model)
+        self.optimizer.zero_grad()
+        if self.pipeline:
+            means = self._pipeline_step(data_iterator)
+            self.hooks.after_backwards(self.unwrapped_model)
+            if not self.config.parallel.use_distributed_optimizer:
+                # The distributed optimizer reduce-scatters the gradients in its step instead.
+                all_reduce_data_parallel_gradients(self.unwrapped_model)
+            reduce_tied_embedding_gradients(list(self.unwrapped_model))
+        else:
+            means = self._accumulate_micro_batches(data_iterator)
+            self.hooks.after_backwards(self.unwrapped_model)
+        finalize_gradients(self.unwrapped_model, self.config)
+        update_successful, grad_norm, _ = self.optimizer.step()
+        if update_successful:
+            self.scheduler.step(increment=self.config.training.global_batch_size)
+        averaged = _average_across_data_parallel(means)
+        got_nan = any(
+            value != value or value in (float("inf"), float("-inf")) for value in averaged.values()
+        )
+        return averaged, not update_successful, grad_norm, got_nan
+
+    def _accumulate_micro_batches(self, data_iterator: Iterator) -> Dict[str, torch.Tensor]:
+        """Forward and backward of every micro-batch in turn; the reported means."""
+        num_micro_batches = self.config.training.num_micro_batches
+        reported_sums: Dict[str, torch.Tensor] = defaultdict(
+            lambda: torch.zeros((), device=self.context.device)
+        )
+        for index in range(num_micro_batches):
+            batch = _to_device(next(data_iterator), self.context.device)
+            with micro_batch_context(self.model, index, num_micro_batches):
+                with _autocast(self.config, self.context.device):
+                    loss, reported = self.forward_step(self.model, batch)
+                self.optimizer.scale_loss(loss / num_micro_batches).backward()
+            for name, value in reported.items():
+                reported_sums[name] += value.detach().float()
+        return {name: value / num_micro_batches for name, value in reported_sums.items()}
+
+    def _pipeline_step(
+        self, data_iterator: Iterator, forward_only: bool = False
+    ) -> Dict[str, torch.Tensor]:
+        """One global batch through this rank's pipeline stages (megatron.pipeline)."""
+        return pipeline_step(
+            self.model,
+            self._stage_forward_step,
+            data_iterator,
+            self.config,
+            self.activation_spec,
+            self.optimizer.scale_loss,
+            forward_only=forward_only,
+        )
+
+    def _stage_forward_step(
+        self, model: torch.nn.Module, batch: Dict[str, torch.Tensor]
+    ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+        """`forward_step` on one pipeline chunk, as the schedules call it."""
+        with _autocast(self.config, self.context.device):
+            return self.forward_step(model, _to_device(batch, self.context.device))
+
+    @torch.no_grad()
+    def evaluate(self, data_iterator: Iterator, eval_iters: int) -> Dict[str, float]:
+        """Average reported losses over `eval_iters` global batches, without dropout."""
+        self.hooks.before_forwards(self.unwrapped_model)
+        self.model.eval()
+        sums: Dict[str, torch.Tensor] = defaultdict(
+            lambda: torch.zeros((), device=self.context.device)
+        )
+        count = 0
+        for _ in range(eval_iters):
+            if self.pipeline:
+                means = self._pipeline_step(data_iterator, forward_only=True)
+                for name, value in means.items():
+                    sums[name] += value
+                count += 1
+                continue
+            for _ in range(self.config.training.num_micro_batches):
+                batch = _to_device(next(data_iterator), self.context.device)
+                with _autocast(self.config, self.context.device):
+                    _, reported = self.forward_step(self.model, batch)
+                for name, value in reported.items():
+                    sums[name] += value.float()
+                count += 1
+        self.model.train()
+        means = {name: value / max(count, 1) for name, value in sums.items()}
+        return _average_across_data_parallel(means)
+
+    # ------------------------------------------------------------- checkpoints
+    def load(self, model_arguments: Sequence[str] = MODEL_ARGUMENTS) -> None:
+        """Resume from --load (Megatron's load-checkpoint time line after it); `model_arguments`
+        are the saved arguments compared with this run's (megatron.checkpointing.load)."""
+        checkpoint = self.config.checkpoint
+        start = self._timer_start()
+        state = load_checkpoint(
+            checkpoint,
+            self.unwrapped_model,
+            self.optimizer,
+            self.scheduler,
+            print_fn=print_rank_0,
+            args=self.config.saved_arguments(),
+            model_arguments=model_arguments,
+        )
+        if checkpoint.load:
+            self._log_time("load-checkpoint", start)
+        self.iteration = state.iteration
+        self.consumed_train_samples = state.consumed_train_samples
+        self.consumed_valid_samples = state.consumed_valid_samples
+        if (
+            state.loaded_from is not None
+            and checkpoint.save
+            and state.iteration > 0
+            and os.path.realpath(checkpoint.load) == os.path.realpath(checkpoint.save)
+        ):
+            # That state is on disk already: a relaunched finished run does not write it again.
+            self.last_saved_iteration = state.iteration
+
+    def save(self) -> None:
+        """Save this iteration under --save unless it is saved already, then log the time."""
+        if not self.config.checkpoint.save or self.last_saved_iteration == self.iteration:
+            return
+        start = self._timer_start()
+        save_checkpoint(
+            self.config.checkpoint,
+            self.iteration,
+            self.unwrapped_model,
+            self.optimizer,
+            self.scheduler,
+            self.config.saved_arguments(),
+            consumed_train_samples=self.consumed_train_samples,
+            consumed_valid_samples=self.consumed_valid_samples,
+            print_fn=print_rank_0,
+        )
+        self._log_time("save-checkpoint", start)
+        self.last_saved_iteration = self.iteration
+
+    def _timer_start(self) -> float:
+        # As Megatron's timers: every rank starts and stops together, so the times compare.
+        if dist.is_initialized():
+            dist.barrier()
+        return time.perf_counter()
+
+    def _log_time(self, name: str, start: float) -> None:
+        if dist.is_initialized():
+            dist.barrier()
+        seconds = time.perf_counter() - start
+        times = min_max_across_ranks(seconds, self.context.device)
+        print_rank_0(format_times_across_ranks({name: times}))
