@@ -1,4 +1,4 @@
-"""The persistent TMA grouped GEMM of moe/kernels/grouped_gemm_tma.py against torch._grouped_mm
+"""The persistent TMA grouped GEMM of bench/kernels/grouped_gemm_tma.py against torch._grouped_mm
 (CUTLASS) and the dense matmul of the same shape, for the six expert products of one dMoE step;
 then, with --gather-configs, the four products whose row operand is a gather of token rows, fused
 (read through the index) against index_select followed by torch._grouped_mm.
@@ -21,9 +21,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.grouped_products import _operands  # noqa: E402
+from bench.kernels.grouped_gemm_tma import grouped_mm_tma, weight_grad_tma  # noqa: E402
 from bench.moe_layer import CONFIGS, capture_graph, median_step_ms  # noqa: E402
 from moe.kernels.grouped_gemm import TileSizes  # noqa: E402
-from moe.kernels.grouped_gemm_tma import grouped_mm_tma, weight_grad_tma  # noqa: E402
 
 # (block_m, block_n, block_k, group_m, warps, stages)
 ROW_TILES = [
@@ -42,8 +42,8 @@ WEIGHT_GRAD_TILES = [
 
 def median_ms(fn, calls=20, rounds=5) -> float:
     """Median over `rounds` replays of a CUDA graph of `calls` calls, in ms per call: the GPU's
-    time alone. (Timed as launched, the host's setup work per call, about 0.1 ms of Python,
-    set the pace of the smallest products.)"""
+    time alone. (Timed as launched, the host's setup work per call, in Python, sets the pace of
+    the smallest products; docs/benchmark-log.md.)"""
     replay = capture_graph(fn, calls)
     replay()
     torch.cuda.synchronize()

@@ -43,16 +43,11 @@ DENSE = "dense same-FLOPs"
 COMPILED_SUFFIX = "+compile"
 # torch.compile with CUDA graphs (mode="reduce-overhead"): shows what host launch time costs.
 GRAPHED_SUFFIX = "+compile-cudagraphs"
-INDUCTOR_ACTIVATION = "+inductor-activation"
 
 
 def build_layer(hidden, ffn, experts, top_k, backend, dtype=torch.bfloat16):
     """The layer for `backend`; "grouped+compile" is the grouped layer under torch.compile, as
-    training runs it (one graph: moe.kernels.traceable). A backend ending in INDUCTOR_ACTIVATION
-    leaves the experts' activation and its scaling to Inductor instead of
-    moe.kernels.scaled_activation (what the compiled layer ran before that op)."""
-    inductor_activation = backend.endswith(INDUCTOR_ACTIVATION)
-    backend = backend.removesuffix(INDUCTOR_ACTIVATION)
+    training runs it (one graph: moe.kernels.traceable)."""
     graphed = backend.endswith(GRAPHED_SUFFIX)
     backend = backend.removesuffix(GRAPHED_SUFFIX)
     compiled = backend.endswith(COMPILED_SUFFIX)
@@ -65,7 +60,6 @@ def build_layer(hidden, ffn, experts, top_k, backend, dtype=torch.bfloat16):
     moe = MoEConfig(num_experts=experts, top_k=top_k, mlp_impl=backend)
     torch.manual_seed(0)
     layer = build_moe_layer(model, moe).cuda().to(dtype)
-    layer.experts.fused_scaled_activation = not inductor_activation
     # One shape per layer, as in training; dynamic=False keeps the later configs from being
     # compiled for symbolic shapes after the first.
     if graphed:
@@ -114,10 +108,10 @@ def time_fwd_bwd(module, x, grad, warmup=3, repeats=10, graphed=False):
 
 
 def heat_gpu(run, seconds=1.0):
-    """Run steps back to back for about `seconds`. A cold H200 runs its SMs at 1,980 MHz; within
-    a second of steady work at these sizes it reaches its 700 W power limit and holds about
-    1,550 MHz, 15-20% slower per step (bench/replay_clocks.py, BENCHMARKS.md). Timing a layer
-    cold and the next one hot compared them at different clocks."""
+    """Run steps back to back for about `seconds`. Within a second of steady work at these sizes
+    the GPU reaches its power limit and lowers its SM clock, so that each step takes longer
+    (bench/replay_clocks.py; docs/benchmark-log.md). Timing a layer cold and the next one hot
+    compared them at different clocks."""
     start = time.perf_counter()
     while time.perf_counter() - start < seconds:
         for _ in range(5):
@@ -214,9 +208,8 @@ def check(backend):
     results = {}
     # The compiled path is bf16-only (torch._grouped_mm): checked against the eager grouped
     # layer in bf16; the others against the loop reference in fp32.
-    plain = backend.removesuffix(INDUCTOR_ACTIVATION)
-    eager = plain.removesuffix(GRAPHED_SUFFIX).removesuffix(COMPILED_SUFFIX)
-    compiled = eager != plain
+    eager = backend.removesuffix(GRAPHED_SUFFIX).removesuffix(COMPILED_SUFFIX)
+    compiled = eager != backend
     baseline = eager if compiled else "reference"
     dtype = torch.bfloat16 if compiled else torch.float32
     for name in (baseline, backend):
@@ -242,7 +235,7 @@ def main() -> None:
     parser.add_argument(
         "--backends", nargs="+", default=["grouped", "grouped+compile", "sparse"],
         help="grouped, sparse, reference, or any of them with +compile or +compile-cudagraphs; "
-        f"grouped+compile{INDUCTOR_ACTIVATION}; --profile also takes '{DENSE}'",
+        f"--profile also takes '{DENSE}'",
     )  # fmt: skip
     parser.add_argument("--check", action="store_true")
     parser.add_argument(

@@ -7,8 +7,8 @@ For the dense layer of the same FLOPs and the compiled dMoE layer it prints, in 
 replays timed one at a time (the first one cold), 10 and 40 replays back to back, replays one
 at a time again, and one at a time after the host slept 5 ms; then the per-kernel GPU time per
 step of 10 replays timed alone and 10 back to back, largest differences first. Written to
-explain why the dMoE layer measured slower back to back than alone (BENCHMARKS.md, tenth
-session): the clock falls under the GPU's power limit.
+explain why the dMoE layer measured slower back to back than alone: the clock falls under the
+GPU's power limit (docs/benchmark-log.md).
 """
 
 import sys

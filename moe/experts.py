@@ -89,9 +89,6 @@ class Experts(nn.Module):
         self.mlp_type = mlp_type
         self.activation_name = activation
         self.activation = gelu_tanh if activation == "gelu" else F.silu
-        # Whether forward_sorted_rows runs moe.kernels.scaled_activation (True) or leaves the
-        # activation and its scaling to Inductor (bench/moe_layer.py compares the two).
-        self.fused_scaled_activation = True
         self.memory_optimized = memory_optimized
         local, ffn = self.num_local_experts, self.local_ffn_hidden_size
         self.w1 = nn.Parameter(torch.empty(local, hidden_size, ffn))
@@ -243,12 +240,7 @@ class Experts(nn.Module):
         gate_input = project(x, v1) if v1 is not None else None
 
         def activation_and_output(hidden, gate_input, w2, row_scale):
-            if (
-                row_scale is not None
-                and gate_input is None
-                and hidden.dim() == 2
-                and self.fused_scaled_activation
-            ):
+            if row_scale is not None and gate_input is None and hidden.dim() == 2:
                 # One op, forward and backward, for the activation, the scaling and the
                 # scaling's gradient (moe.kernels.scaled_activation: the same rounding).
                 scaled = scaled_activation(hidden, row_scale, self.activation_name)

@@ -381,7 +381,8 @@ class DroplessMoE(MoELayer):
         offsets = torch.cumsum(tokens_per_expert, 0, dtype=torch.int32)
         # The router's weights scale the activations inside the experts rather than the
         # expert outputs in the combine: the combine's backward is then a plain gather, and the
-        # weights' gradient a reduction fused into the activation's backward (BENCHMARKS.md).
+        # weights' gradient a reduction fused into the activation's backward
+        # (docs/benchmark-log.md).
         row_weights = routing.expert_weights.reshape(-1).index_select(0, order)
         expert_outputs = self.experts.forward_sorted_rows(expert_inputs, offsets, row_weights)
         output = traceable.sum_rows(expert_outputs, order, slot_of, top_k)

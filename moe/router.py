@@ -75,14 +75,14 @@ class Router(nn.Module):
         if self.expert_bias is not None:
             selection_scores = scores.detach() + self.expert_bias.to(scores.dtype)
         if config.top_k == 1 and self.expert_bias is None:
-            # A plain reduction: torch.topk's selection kernel took 0.22 ms per call on
-            # [65536, 64] scores on an H200, 2% of a dMoE 125M training step. Not with the
-            # expert bias: equally biased experts tie often there, and argmax breaks ties
-            # toward the lowest index where topk does not, which changes the balancing.
+            # A plain reduction, where torch.topk's selection kernel costs a noticeable share of
+            # a dMoE 125M training step (docs/benchmark-log.md). Not with the expert bias:
+            # equally biased experts tie often there, and argmax breaks ties toward the lowest
+            # index where topk does not, which changes the balancing.
             expert_indices = selection_scores.argmax(dim=-1, keepdim=True)
         elif self.expert_bias is None:
-            # One pass over the scores where torch.topk runs a selection and a sort (64 us per
-            # call at [16384, 64], k = 8, on an H100); ties go to the lower index, as argmax's.
+            # One pass over the scores where torch.topk runs a selection and a sort
+            # (docs/benchmark-log.md); ties go to the lower index, as argmax's.
             expert_indices = router_topk.topk_indices(selection_scores, config.top_k)
         else:
             _, expert_indices = torch.topk(selection_scores, config.top_k, dim=-1)

@@ -97,3 +97,14 @@ print("\\n".join(failures))
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip() == "", result.stdout
+
+
+def test_no_source_file_is_over_500_lines():
+    """One owner per file: past about 500 lines a file is asking to be split along a seam."""
+    long_files = [
+        f"{path.relative_to(REPO_ROOT)}: {lines} lines"
+        for package in ("megatron", "moe", "tools")
+        for path in sorted((REPO_ROOT / package).rglob("*.py"))
+        if (lines := len(path.read_text().splitlines())) > 500
+    ]
+    assert not long_files, "\n".join(long_files)

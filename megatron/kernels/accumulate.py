@@ -4,7 +4,8 @@
 weight gradients into the fp32 gradients with them, two micro-batches per pass.
 
 Why a kernel: torch's `total.add_(addend)` with mixed dtypes takes its non-vectorized
-elementwise path on CUDA (2.8 TB/s against 4.2 TB/s for this kernel on an H200, 151M elements).
+elementwise path on CUDA, well below the memory bandwidth this kernel reaches
+(docs/benchmark-log.md).
 Adding two addends in one pass reads 2 + 2 + 4 bytes and writes 4 per element, where two
 separate passes move 20.
 The kernel adds in fp32 in the reference's order, (total + first) + second, rounding after each
@@ -16,11 +17,14 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import triton
-import triton.language as tl
 
-from megatron.kernels.aot import AotSpec
-from megatron.kernels.dispatch import use_triton
+from megatron.kernels.dispatch import TRITON_AVAILABLE, use_triton
+
+if TRITON_AVAILABLE:
+    import triton
+    import triton.language as tl
+
+    from megatron.kernels.aot import AotSpec
 
 __all__ = [
     "AOT_SPECS",
@@ -33,26 +37,28 @@ __all__ = [
 BLOCK = 4096
 
 
-@triton.jit
-def _accumulate_kernel(
-    total_ptr,
-    first_ptr,
-    second_ptr,
-    numel,
-    HAS_TOTAL: tl.constexpr,
-    HAS_SECOND: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    # int64 offsets: expert weight gradients exceed 2**31 elements at larger sizes.
-    start = tl.program_id(0).to(tl.int64) * BLOCK
-    offsets = start + tl.arange(0, BLOCK)
-    mask = offsets < numel
-    result = tl.load(first_ptr + offsets, mask=mask).to(tl.float32)
-    if HAS_TOTAL:
-        result = tl.load(total_ptr + offsets, mask=mask) + result
-    if HAS_SECOND:
-        result = result + tl.load(second_ptr + offsets, mask=mask).to(tl.float32)
-    tl.store(total_ptr + offsets, result, mask=mask)
+if TRITON_AVAILABLE:
+
+    @triton.jit
+    def _accumulate_kernel(
+        total_ptr,
+        first_ptr,
+        second_ptr,
+        numel,
+        HAS_TOTAL: tl.constexpr,
+        HAS_SECOND: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        # int64 offsets: expert weight gradients exceed 2**31 elements at larger sizes.
+        start = tl.program_id(0).to(tl.int64) * BLOCK
+        offsets = start + tl.arange(0, BLOCK)
+        mask = offsets < numel
+        result = tl.load(first_ptr + offsets, mask=mask).to(tl.float32)
+        if HAS_TOTAL:
+            result = tl.load(total_ptr + offsets, mask=mask) + result
+        if HAS_SECOND:
+            result = result + tl.load(second_ptr + offsets, mask=mask).to(tl.float32)
+        tl.store(total_ptr + offsets, result, mask=mask)
 
 
 def accumulate_reference_(
@@ -122,18 +128,22 @@ def sum_in_fp32(first: torch.Tensor, second: Optional[torch.Tensor] = None) -> t
     return total
 
 
-AOT_SPECS = [
-    AotSpec(
-        kernel=_accumulate_kernel,
-        signature={
-            "total_ptr": "*fp32",
-            "first_ptr": f"*{dtype}",
-            "second_ptr": f"*{dtype}",
-            "numel": "i64",
-        },
-        constexprs={"HAS_TOTAL": has_total, "HAS_SECOND": has_second, "BLOCK": BLOCK},
-    )
-    for dtype in ("bf16", "fp16")
-    for has_total in (True, False)
-    for has_second in (True, False)
-]
+AOT_SPECS = (
+    [
+        AotSpec(
+            kernel=_accumulate_kernel,
+            signature={
+                "total_ptr": "*fp32",
+                "first_ptr": f"*{dtype}",
+                "second_ptr": f"*{dtype}",
+                "numel": "i64",
+            },
+            constexprs={"HAS_TOTAL": has_total, "HAS_SECOND": has_second, "BLOCK": BLOCK},
+        )
+        for dtype in ("bf16", "fp16")
+        for has_total in (True, False)
+        for has_second in (True, False)
+    ]
+    if TRITON_AVAILABLE
+    else []
+)

@@ -11,7 +11,7 @@ Each kernel file lists what to build in a module-level list:
 `signature` names every runtime argument with a Triton type ("*bf16", "*fp32", "*i32", "i32", ...);
 `constexprs` gives every `tl.constexpr` argument a value (they need not be repeated in `signature`).
 
-What `compile_for` reaches with triton 3.6 on a CPU-only machine (checked by tests/moe/test_aot_compile.py):
+What `compile_for` reaches with triton 3.6 on a CPU-only machine (checked by tests/kernels/test_aot_compile.py):
 - MI300X (hip gfx942, wave 64) and MI250X (hip gfx90a, wave 64): ttir -> ttgir -> llir -> amdgcn
   assembly -> hsaco, the final code object. LLVM's AMDGPU backend and lld are linked into
   libtriton, so no ROCm install or external ld.lld is needed.
@@ -38,14 +38,22 @@ import pkgutil
 import sys
 from typing import Any, Callable, Sequence
 
-import triton
-from triton.backends.compiler import GPUTarget
+from megatron.kernels.dispatch import TRITON_AVAILABLE
 
-TARGETS: dict[str, GPUTarget] = {
-    "mi300x": GPUTarget("hip", "gfx942", 64),
-    "mi250x": GPUTarget("hip", "gfx90a", 64),
-    "h100": GPUTarget("cuda", 90, 32),
-}
+if TRITON_AVAILABLE:
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+# Empty without Triton: there is nothing to compile with (`main` says so).
+TARGETS: dict[str, GPUTarget] = (
+    {
+        "mi300x": GPUTarget("hip", "gfx942", 64),
+        "mi250x": GPUTarget("hip", "gfx90a", 64),
+        "h100": GPUTarget("cuda", 90, 32),
+    }
+    if TRITON_AVAILABLE
+    else {}
+)
 
 # The last stage each backend produces: the artifact a GPU would load.
 FINAL_STAGE = {"hip": "hsaco", "cuda": "cubin"}
@@ -143,6 +151,9 @@ def compile_all(packages: Sequence[str]) -> dict[str, dict[str, Any]]:
 
 def main(argv: list[str], packages: Sequence[str]) -> int:
     """The command line of tools/compile_kernels.py: `--list`, `--json`, or a line per pair."""
+    if not TRITON_AVAILABLE:
+        print("triton is not installed: pip install triton, then run this again", file=sys.stderr)
+        return 2
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("unset TRITON_INTERPRET: interpreted kernels cannot be compiled", file=sys.stderr)
         return 2

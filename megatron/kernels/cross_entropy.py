@@ -28,90 +28,94 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
-from megatron.kernels.aot import AotSpec
-from megatron.kernels.dispatch import use_triton
+from megatron.kernels.dispatch import TRITON_AVAILABLE, use_triton
+
+if TRITON_AVAILABLE:
+    import triton
+    import triton.language as tl
+
+    from megatron.kernels.aot import AotSpec
 
 __all__ = ["AOT_SPECS", "cross_entropy", "cross_entropy_reference"]
 
 # 4096 columns per chunk: a 50,304-word vocab is 13 chunks of which the last is 28% full, so 5.8%
 # of lanes idle (8192 would idle 14%). With 8 warps each thread holds 16 values (two 16-byte bf16
 # loads), few enough registers that 8 rows fit per SM, and 8 KB in flight per row keeps HBM busy.
-# On an H100 at N=8192, V=50304 this runs the forward at 2.86 TB/s (torch's own row sum's speed)
-# and the backward at 94% of a plain copy's; 2048 was 15% slower forward, 16384 7% slower backward.
+# Of the chunk sizes tried on an H100 at the GPT-2 vocabulary, 2048 was slower forward and 16384
+# slower backward (the kernel's measurements: docs/benchmark-log.md, the fused cross-entropy).
 # A smaller vocab gets one chunk of the next power of two.
 BLOCK_V = 4096
 NUM_WARPS = 8
 
 
-@triton.jit
-def _cross_entropy_forward_kernel(
-    logits_ptr,
-    labels_ptr,
-    losses_ptr,
-    lse_ptr,
-    vocab_size,
-    ignore_index,
-    BLOCK_V: tl.constexpr,
-):
-    """One row: lse = log(sum(exp(x))) by an online max / sum over BLOCK_V chunks; loss = lse - x[label]."""
-    row = tl.program_id(0).to(tl.int64)  # row * vocab_size passes 2^31 at N * V > 2.1e9
-    row_ptr = logits_ptr + row * vocab_size
-    label = tl.load(labels_ptr + row)
-    in_range = (label >= 0) & (label < vocab_size)
-    # A direct load of the target logit: one 32-byte sector that the chunk loop then finds in
-    # cache, cheaper than a compare, select and reduction on every chunk.
-    target = tl.load(row_ptr + label, mask=in_range, other=0.0).to(tl.float32)
-    running_max = tl.full((), float("-inf"), tl.float32)
-    running_sum = tl.zeros((), tl.float32)
-    for start in range(0, vocab_size, BLOCK_V):
-        cols = start + tl.arange(0, BLOCK_V)
-        values = tl.load(row_ptr + cols, mask=cols < vocab_size, other=float("-inf"))
-        values = values.to(tl.float32)
-        new_max = tl.maximum(running_max, tl.max(values, axis=0))
-        # exp(-inf - new_max) = 0 rescales the empty sum of the first chunk and masked lanes add 0.
-        running_sum = running_sum * tl.exp(running_max - new_max)
-        running_sum += tl.sum(tl.exp(values - new_max), axis=0)
-        running_max = new_max
-    lse = running_max + tl.log(running_sum)
-    loss = tl.where(in_range, lse - target, float("nan"))
-    loss = tl.where(label == ignore_index, 0.0, loss)
-    tl.store(losses_ptr + row, loss)
-    tl.store(lse_ptr + row, lse)
+if TRITON_AVAILABLE:
 
+    @triton.jit
+    def _cross_entropy_forward_kernel(
+        logits_ptr,
+        labels_ptr,
+        losses_ptr,
+        lse_ptr,
+        vocab_size,
+        ignore_index,
+        BLOCK_V: tl.constexpr,
+    ):
+        """One row: lse = log(sum(exp(x))) by an online max / sum over BLOCK_V chunks; loss = lse - x[label]."""
+        row = tl.program_id(0).to(tl.int64)  # row * vocab_size passes 2^31 at N * V > 2.1e9
+        row_ptr = logits_ptr + row * vocab_size
+        label = tl.load(labels_ptr + row)
+        in_range = (label >= 0) & (label < vocab_size)
+        # A direct load of the target logit: one 32-byte sector that the chunk loop then finds in
+        # cache, cheaper than a compare, select and reduction on every chunk.
+        target = tl.load(row_ptr + label, mask=in_range, other=0.0).to(tl.float32)
+        running_max = tl.full((), float("-inf"), tl.float32)
+        running_sum = tl.zeros((), tl.float32)
+        for start in range(0, vocab_size, BLOCK_V):
+            cols = start + tl.arange(0, BLOCK_V)
+            values = tl.load(row_ptr + cols, mask=cols < vocab_size, other=float("-inf"))
+            values = values.to(tl.float32)
+            new_max = tl.maximum(running_max, tl.max(values, axis=0))
+            # exp(-inf - new_max) = 0 rescales the empty sum of the first chunk and masked lanes add 0.
+            running_sum = running_sum * tl.exp(running_max - new_max)
+            running_sum += tl.sum(tl.exp(values - new_max), axis=0)
+            running_max = new_max
+        lse = running_max + tl.log(running_sum)
+        loss = tl.where(in_range, lse - target, float("nan"))
+        loss = tl.where(label == ignore_index, 0.0, loss)
+        tl.store(losses_ptr + row, loss)
+        tl.store(lse_ptr + row, lse)
 
-@triton.jit
-def _cross_entropy_backward_kernel(
-    logits_ptr,
-    labels_ptr,
-    lse_ptr,
-    grad_losses_ptr,
-    grad_logits_ptr,
-    vocab_size,
-    ignore_index,
-    BLOCK_V: tl.constexpr,
-):
-    """One BLOCK_V chunk of one row: grad = (exp(x - lse) - onehot(label)) * grad_loss[row]."""
-    # A 2-D grid (row, chunk): no reduction couples a row's chunks, so no loop is needed.
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
-    mask = cols < vocab_size
-    label = tl.load(labels_ptr + row)
-    lse = tl.load(lse_ptr + row)
-    scale = tl.load(grad_losses_ptr + row).to(tl.float32)
-    in_range = (label >= 0) & (label < vocab_size)
-    scale = tl.where(in_range, scale, float("nan"))
-    scale = tl.where(label == ignore_index, 0.0, scale)
-    values = tl.load(logits_ptr + row * vocab_size + cols, mask=mask, other=0.0).to(tl.float32)
-    probs = tl.exp(values - lse)
-    grad = (probs - tl.where(cols == label, 1.0, 0.0)) * scale
-    tl.store(
-        grad_logits_ptr + row * vocab_size + cols,
-        grad.to(grad_logits_ptr.dtype.element_ty),
-        mask=mask,
-    )
+    @triton.jit
+    def _cross_entropy_backward_kernel(
+        logits_ptr,
+        labels_ptr,
+        lse_ptr,
+        grad_losses_ptr,
+        grad_logits_ptr,
+        vocab_size,
+        ignore_index,
+        BLOCK_V: tl.constexpr,
+    ):
+        """One BLOCK_V chunk of one row: grad = (exp(x - lse) - onehot(label)) * grad_loss[row]."""
+        # A 2-D grid (row, chunk): no reduction couples a row's chunks, so no loop is needed.
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+        mask = cols < vocab_size
+        label = tl.load(labels_ptr + row)
+        lse = tl.load(lse_ptr + row)
+        scale = tl.load(grad_losses_ptr + row).to(tl.float32)
+        in_range = (label >= 0) & (label < vocab_size)
+        scale = tl.where(in_range, scale, float("nan"))
+        scale = tl.where(label == ignore_index, 0.0, scale)
+        values = tl.load(logits_ptr + row * vocab_size + cols, mask=mask, other=0.0).to(tl.float32)
+        probs = tl.exp(values - lse)
+        grad = (probs - tl.where(cols == label, 1.0, 0.0)) * scale
+        tl.store(
+            grad_logits_ptr + row * vocab_size + cols,
+            grad.to(grad_logits_ptr.dtype.element_ty),
+            mask=mask,
+        )
 
 
 def _block_v(vocab_size: int) -> int:
@@ -179,8 +183,11 @@ HAS_TRITON_OP = hasattr(torch.library, "triton_op")
 # and on torch < 2.6, which has no triton_op, the ops are opaque custom_ops whose fakes only
 # allocate the outputs: compiled graphs still trace without a break and launch the kernels at run
 # time, but nothing sees inside the op.
-KERNELS_INTERPRETED = not isinstance(_cross_entropy_forward_kernel, triton.runtime.JITFunction)
-OPS_OPAQUE = KERNELS_INTERPRETED or not HAS_TRITON_OP
+# Without Triton the ops are never called (use_triton is False); they are still defined, opaque.
+KERNELS_INTERPRETED = TRITON_AVAILABLE and not isinstance(
+    _cross_entropy_forward_kernel, triton.runtime.JITFunction
+)
+OPS_OPAQUE = not TRITON_AVAILABLE or KERNELS_INTERPRETED or not HAS_TRITON_OP
 
 _define_op = torch.library.custom_op if OPS_OPAQUE else torch.library.triton_op
 # Schemas spelled out: torch 2.4 cannot infer them from this module's postponed annotations.
@@ -290,4 +297,8 @@ def _backward_spec(dtype: str) -> AotSpec:
     )
 
 
-AOT_SPECS = [spec(dtype) for spec in (_forward_spec, _backward_spec) for dtype in ("bf16", "fp32")]
+AOT_SPECS = (
+    [spec(dtype) for spec in (_forward_spec, _backward_spec) for dtype in ("bf16", "fp32")]
+    if TRITON_AVAILABLE
+    else []
+)

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megatron.kernels.cross_entropy import cross_entropy  # its reference without Triton
 from megatron.model.embeddings import LanguageModelEmbedding
 from megatron.model.mlp import DENSE_MLP, MlpSpec
 from megatron.model.norms import RMSNorm
@@ -36,15 +37,6 @@ from megatron.tensor_parallel import (
     gather_from_sequence_parallel_region,
     vocab_parallel_cross_entropy,
 )
-
-try:
-    from megatron.kernels.cross_entropy import cross_entropy
-except ImportError:  # no Triton on this platform (it is optional off Linux x86_64)
-
-    def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Per-token fp32 losses, as megatron.kernels.cross_entropy computes them."""
-        return F.cross_entropy(logits.float(), labels, reduction="none")
-
 
 if TYPE_CHECKING:
     from megatron.config import ModelConfig

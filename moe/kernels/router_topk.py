@@ -1,8 +1,8 @@
 """The router's top-k expert choice in one pass over the scores, as an op torch.compile keeps whole.
 
 torch.topk on the router's [tokens, experts] scores runs a radix selection and then a bitonic
-sort of the k winners: 50 + 14 us per call at 16,384 x 64, k = 8 on an H100 (BENCHMARKS.md),
-where the scores are 2-4 MiB. The kernel here reads each token's scores once and takes the
+sort of the k winners, two kernels that take several times as long as one pass over the 2-4 MiB
+of scores (docs/benchmark-log.md). The kernel here reads each token's scores once and takes the
 largest k by k rounds of a row maximum, in registers.
 
 `topk_indices(scores, k)` -> int64 [tokens, k]: each token's k highest-scoring experts in

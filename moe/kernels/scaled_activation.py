@@ -6,12 +6,11 @@ router's weight for that row before the second projection:
     out[r, :] = act(h[r, :]) * scale[r]      (act: tanh-GELU or SiLU; the product in fp32)
 
 Its backward needs, besides the input gradient, the scale's gradient: a sum over each row of
-grad_out * act(h). Inductor fuses that into one reduction kernel, but on an H200 it ran at 64%
-of the copy rate (0.31 ms per step for 131,072 rows of 1,024 channels, where ATen's plain GELU
-backward over the same bytes takes 0.21 ms; BENCHMARKS.md). The kernels here do the same work
-reading each tensor once: the forward is a 2-D elementwise tile; the backward walks each block
-of rows across its channels, writing the input gradient as it goes and the scale's gradient at
-the end.
+grad_out * act(h). Inductor fuses that into one reduction kernel, but one that runs well below
+the copy rate, slower than ATen's plain GELU backward over the same bytes
+(docs/benchmark-log.md). The kernels here do the same work reading each tensor once: the forward
+is a 2-D elementwise tile; the backward walks each block of rows across its channels, writing
+the input gradient as it goes and the scale's gradient at the end.
 
 Rounding follows the eager code it replaces: the activation is rounded to the input dtype
 before the fp32 product, and its gradient is rounded to the input dtype before the activation's
@@ -39,8 +38,9 @@ if TRITON_AVAILABLE:
 
 ACTIVATIONS = ("gelu", "silu")  # gelu: the tanh approximation, as Experts uses
 # Forward tile: 16 rows x 256 channels, as the row permutations use. Backward: 4 rows per
-# program, walked across the channels 256 at a time (the fastest of the tiles bench/
-# scaled_activation.py --sweep tried on an H200, at every configuration's shape).
+# program, walked across the channels 256 at a time (the fastest of the tiles
+# `bench/scaled_activation.py --sweep` tried, at every configuration's shape;
+# docs/benchmark-log.md).
 BLOCK_ROWS = 16
 BLOCK_W = 256
 BACKWARD_BLOCK_ROWS = 4

@@ -11,89 +11,95 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import triton
-import triton.language as tl
 
-from megatron.kernels.aot import AotSpec
-from megatron.kernels.dispatch import use_triton
+from megatron.kernels.dispatch import TRITON_AVAILABLE, use_triton
+
+if TRITON_AVAILABLE:
+    import triton
+    import triton.language as tl
+
+    from megatron.kernels.aot import AotSpec
 
 # The in-block rank compares every pair of a block's assignments, so this block stays small.
 SORT_BLOCK = 128
 HISTOGRAM_BLOCK = 256
 
 
-@triton.jit
-def _expert_count_kernel(
-    expert_indices_ptr,
-    counts_ptr,
-    num_assignments,
-    num_experts,
-    ACCUMULATE: tl.constexpr,
-    BLOCK: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-):
-    """Counts one block's assignments per expert; adds them to counts or stores them as row pid."""
-    block = tl.program_id(0)
-    offsets = block * BLOCK + tl.arange(0, BLOCK)
-    experts = tl.load(expert_indices_ptr + offsets, mask=offsets < num_assignments, other=-1)
-    bins = tl.arange(0, BLOCK_E)
-    counts = tl.sum((experts[:, None] == bins[None, :]).to(tl.int32), axis=0)
-    if ACCUMULATE:
-        tl.atomic_add(counts_ptr + bins, counts, mask=bins < num_experts)
-    else:
-        tl.store(counts_ptr + block * num_experts + bins, counts, mask=bins < num_experts)
+if TRITON_AVAILABLE:
 
+    @triton.jit
+    def _expert_count_kernel(
+        expert_indices_ptr,
+        counts_ptr,
+        num_assignments,
+        num_experts,
+        ACCUMULATE: tl.constexpr,
+        BLOCK: tl.constexpr,
+        BLOCK_E: tl.constexpr,
+    ):
+        """Counts one block's assignments per expert; adds them to counts or stores them as row
+        pid."""
+        block = tl.program_id(0)
+        offsets = block * BLOCK + tl.arange(0, BLOCK)
+        experts = tl.load(expert_indices_ptr + offsets, mask=offsets < num_assignments, other=-1)
+        bins = tl.arange(0, BLOCK_E)
+        counts = tl.sum((experts[:, None] == bins[None, :]).to(tl.int32), axis=0)
+        if ACCUMULATE:
+            tl.atomic_add(counts_ptr + bins, counts, mask=bins < num_experts)
+        else:
+            tl.store(counts_ptr + block * num_experts + bins, counts, mask=bins < num_experts)
 
-@triton.jit
-def _block_offsets_kernel(
-    block_counts_ptr,
-    tokens_per_expert_ptr,
-    block_offsets_ptr,
-    num_blocks,
-    num_experts,
-    BLOCK_E: tl.constexpr,
-):
-    """One program: totals per expert, then each block's first sorted slot for every expert."""
-    bins = tl.arange(0, BLOCK_E)
-    mask = bins < num_experts
-    # while, not range(): triton 3.6's interpreter cannot range() over a runtime int with numpy 2.4.
-    total = tl.zeros([BLOCK_E], dtype=tl.int32)
-    block = 0
-    while block < num_blocks:
-        total += tl.load(block_counts_ptr + block * num_experts + bins, mask=mask, other=0)
-        block += 1
-    tl.store(tokens_per_expert_ptr + bins, total, mask=mask)
-    running = tl.cumsum(total, 0) - total
-    block = 0
-    while block < num_blocks:
-        tl.store(block_offsets_ptr + block * num_experts + bins, running, mask=mask)
-        running += tl.load(block_counts_ptr + block * num_experts + bins, mask=mask, other=0)
-        block += 1
+    @triton.jit
+    def _block_offsets_kernel(
+        block_counts_ptr,
+        tokens_per_expert_ptr,
+        block_offsets_ptr,
+        num_blocks,
+        num_experts,
+        BLOCK_E: tl.constexpr,
+    ):
+        """One program: totals per expert, then each block's first sorted slot for every expert."""
+        bins = tl.arange(0, BLOCK_E)
+        mask = bins < num_experts
+        # while, not range(): triton 3.6's interpreter cannot range() over a runtime int with
+        # numpy 2.4.
+        total = tl.zeros([BLOCK_E], dtype=tl.int32)
+        block = 0
+        while block < num_blocks:
+            total += tl.load(block_counts_ptr + block * num_experts + bins, mask=mask, other=0)
+            block += 1
+        tl.store(tokens_per_expert_ptr + bins, total, mask=mask)
+        running = tl.cumsum(total, 0) - total
+        block = 0
+        while block < num_blocks:
+            tl.store(block_offsets_ptr + block * num_experts + bins, running, mask=mask)
+            running += tl.load(block_counts_ptr + block * num_experts + bins, mask=mask, other=0)
+            block += 1
 
-
-@triton.jit
-def _sort_scatter_kernel(
-    expert_indices_ptr,
-    block_offsets_ptr,
-    bin_ids_ptr,
-    indices_ptr,
-    num_assignments,
-    num_experts,
-    BLOCK: tl.constexpr,
-):
-    """Writes each assignment to its block's first slot for its expert plus its rank in the block."""
-    block = tl.program_id(0)
-    local = tl.arange(0, BLOCK)
-    offsets = block * BLOCK + local
-    mask = offsets < num_assignments
-    experts = tl.load(expert_indices_ptr + offsets, mask=mask, other=-1)
-    # Earlier assignments of the same expert in this block: this is what makes the sort stable.
-    earlier = (experts[:, None] == experts[None, :]) & (local[None, :] < local[:, None])
-    rank = tl.sum(earlier.to(tl.int32), axis=1)
-    base = tl.load(block_offsets_ptr + block * num_experts + experts, mask=mask, other=0)
-    positions = base + rank
-    tl.store(bin_ids_ptr + positions, experts, mask=mask)
-    tl.store(indices_ptr + positions, offsets, mask=mask)
+    @triton.jit
+    def _sort_scatter_kernel(
+        expert_indices_ptr,
+        block_offsets_ptr,
+        bin_ids_ptr,
+        indices_ptr,
+        num_assignments,
+        num_experts,
+        BLOCK: tl.constexpr,
+    ):
+        """Writes each assignment to its block's first slot for its expert plus its rank in the
+        block."""
+        block = tl.program_id(0)
+        local = tl.arange(0, BLOCK)
+        offsets = block * BLOCK + local
+        mask = offsets < num_assignments
+        experts = tl.load(expert_indices_ptr + offsets, mask=mask, other=-1)
+        # Earlier assignments of the same expert in this block: this is what makes the sort stable.
+        earlier = (experts[:, None] == experts[None, :]) & (local[None, :] < local[:, None])
+        rank = tl.sum(earlier.to(tl.int32), axis=1)
+        base = tl.load(block_offsets_ptr + block * num_experts + experts, mask=mask, other=0)
+        positions = base + rank
+        tl.store(bin_ids_ptr + positions, experts, mask=mask)
+        tl.store(indices_ptr + positions, offsets, mask=mask)
 
 
 def _block_e(num_experts: int) -> int:
@@ -210,34 +216,39 @@ def padded_bins(tokens_per_expert: torch.Tensor, block_size: int) -> torch.Tenso
 
 _COUNT = {"expert_indices_ptr": "*i32", "counts_ptr": "*i32"}
 _SIZES = {"num_assignments": "i32", "num_experts": "i32"}
-AOT_SPECS = [
-    AotSpec(
-        kernel=_expert_count_kernel,
-        signature={**_COUNT, **_SIZES},
-        constexprs={"ACCUMULATE": accumulate, "BLOCK": block, "BLOCK_E": 64},
-    )
-    for accumulate, block in ((True, HISTOGRAM_BLOCK), (False, SORT_BLOCK))
-] + [
-    AotSpec(
-        kernel=_block_offsets_kernel,
-        signature={
-            "block_counts_ptr": "*i32",
-            "tokens_per_expert_ptr": "*i32",
-            "block_offsets_ptr": "*i32",
-            "num_blocks": "i32",
-            "num_experts": "i32",
-        },
-        constexprs={"BLOCK_E": 64},
-    ),
-    AotSpec(
-        kernel=_sort_scatter_kernel,
-        signature={
-            "expert_indices_ptr": "*i32",
-            "block_offsets_ptr": "*i32",
-            "bin_ids_ptr": "*i32",
-            "indices_ptr": "*i32",
-            **_SIZES,
-        },
-        constexprs={"BLOCK": SORT_BLOCK},
-    ),
-]
+AOT_SPECS = (
+    [
+        AotSpec(
+            kernel=_expert_count_kernel,
+            signature={**_COUNT, **_SIZES},
+            constexprs={"ACCUMULATE": accumulate, "BLOCK": block, "BLOCK_E": 64},
+        )
+        for accumulate, block in ((True, HISTOGRAM_BLOCK), (False, SORT_BLOCK))
+    ]
+    + [
+        AotSpec(
+            kernel=_block_offsets_kernel,
+            signature={
+                "block_counts_ptr": "*i32",
+                "tokens_per_expert_ptr": "*i32",
+                "block_offsets_ptr": "*i32",
+                "num_blocks": "i32",
+                "num_experts": "i32",
+            },
+            constexprs={"BLOCK_E": 64},
+        ),
+        AotSpec(
+            kernel=_sort_scatter_kernel,
+            signature={
+                "expert_indices_ptr": "*i32",
+                "block_offsets_ptr": "*i32",
+                "bin_ids_ptr": "*i32",
+                "indices_ptr": "*i32",
+                **_SIZES,
+            },
+            constexprs={"BLOCK": SORT_BLOCK},
+        ),
+    ]
+    if TRITON_AVAILABLE
+    else []
+)

@@ -2,10 +2,9 @@
 
 The compiled dMoE (moe.kernels.traceable) moves rows with index_select and sums each token's
 top_k rows, and Inductor turns those into reductions over the top-k dimension that read the
-gathered rows at a third of the memory bandwidth (BENCHMARKS.md: 0.80 and 0.63 ms per step for
-131,072 rows of 2,048 channels, against ~0.22 ms for one pass over those bytes on an H100).
-These ops do the same work in Triton kernels that read and write each row once, in tiles of
-several rows by a run of channels:
+gathered rows at a fraction of the memory bandwidth (docs/benchmark-log.md). These ops do the
+same work in Triton kernels that read and write each row once, in tiles of several rows by a
+run of channels:
 
 - `gather_rows(x, order, slot_of, top_k)`: out[i] = x[order[i] // top_k], written as
   out[slot_of[t * top_k + j]] = x[t];
@@ -69,9 +68,8 @@ if TRITON_AVAILABLE:
     ):
         """out[slot_of[t * TOP_K + j], cols] = x[t, cols] for a tile of tokens t and channels
         cols, every j: each token row is read once and written to its TOP_K slots (the mirror
-        of _sum_rows_kernel). Walking the output rows instead read each token row TOP_K
-        times, from all over x: 0.175-0.179 ms per call on an H200 at 131,072 rows of 2,048
-        channels, against 0.164 ms this way (BENCHMARKS.md)."""
+        of _sum_rows_kernel). Walking the output rows instead reads each token row TOP_K
+        times, from all over x, which was slower (docs/benchmark-log.md)."""
         tokens = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
         cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         token_mask = tokens < num_tokens

@@ -1,12 +1,13 @@
 """The dMoE's sort and permutation in plain PyTorch ops that torch.compile traces whole.
 
-The Triton ops in sort.py and permute.py are launched from Python one by one; a dMoE layer
-needs about as many launches as a whole dense transformer layer, and the eager layer is bound by
-that host work (BENCHMARKS.md: 3.0 ms to enqueue a 3.1 ms step). Under torch.compile those
-launches break the graph. These functions compute the same results with static shapes and no
-host synchronization (no data-dependent sizes, no `.item()`), so Dynamo captures the whole
-layer; Inductor then generates the Triton kernels itself, fusing the permutations and the
-router's weighting into the kernels around them. Used by `DroplessMoE` while compiling, where `runs_on` says so.
+The Triton ops in sort.py and permute.py are launched from Python one by one; a dMoE layer needs
+about as many launches as a whole dense transformer layer, and the eager layer is bound by that
+host work: enqueueing a step takes about as long as the GPU runs it (docs/benchmark-log.md).
+Under torch.compile those launches break the graph. These functions compute the same results
+with static shapes and no host synchronization (no data-dependent sizes, no `.item()`), so
+Dynamo captures the whole layer; Inductor then generates the Triton kernels itself, fusing the
+permutations and the router's weighting into the kernels around them. Used by `DroplessMoE`
+while compiling, where `runs_on` says so.
 
 Assignment a = t * top_k + j is token t's j-th choice; sorting assignments by expert gives
 `order` (sorted slot -> assignment) and its inverse `slot_of` (assignment -> sorted slot).

@@ -1,4 +1,4 @@
-"""Fixtures for the MoE kernel tests."""
+"""Fixtures for the MoE tests: the layers' tests here and the kernels' in tests/moe/kernels/."""
 
 import os
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from megatron.kernels.dispatch import use_triton
-from moe.kernels.block_sparse import reference
+from moe.kernels.block_sparse import kernels, reference
 from moe.kernels.block_sparse.topology import Topology
 
 ACTIVATIONS = ("gelu",)
@@ -31,13 +31,6 @@ def _check(op: str, topology: Topology, **tensors: torch.Tensor) -> None:
         )
 
 
-def _kernels():
-    # Imported lazily so that machines without Triton still get the references.
-    from moe.kernels.block_sparse import kernels
-
-    return kernels
-
-
 def sdd(x: torch.Tensor, w: torch.Tensor, topology: Topology) -> torch.Tensor:
     """Nonzero blocks of x [M, K] @ w [K, N] -> data [nnz, B, B]; w may be a strided view."""
     _check("sdd", topology, x=x, w=w)
@@ -47,7 +40,7 @@ def sdd(x: torch.Tensor, w: torch.Tensor, topology: Topology) -> torch.Tensor:
             f"[{topology.num_rows}, {topology.num_columns}]."
         )
     if use_triton(x, w):
-        return _kernels().sdd_triton(x, w, topology)
+        return kernels.sdd_triton(x, w, topology)
     return reference.sdd_reference(x, w, topology)
 
 
@@ -57,7 +50,7 @@ def dsd(data: torch.Tensor, topology: Topology, w: torch.Tensor) -> torch.Tensor
     if w.shape[0] != topology.num_columns:
         raise ValueError(f"dsd: w has {w.shape[0]} rows, the topology {topology.num_columns}.")
     if use_triton(data, w):
-        return _kernels().dsd_triton(data, topology, w)
+        return kernels.dsd_triton(data, topology, w)
     return reference.dsd_reference(data, topology, w)
 
 
@@ -67,7 +60,7 @@ def dsd_t(data: torch.Tensor, topology: Topology, y: torch.Tensor) -> torch.Tens
     if y.shape[0] != topology.num_rows:
         raise ValueError(f"dsd_t: y has {y.shape[0]} rows, the topology {topology.num_rows}.")
     if use_triton(data, y):
-        return _kernels().dsd_t_triton(data, topology, y)
+        return kernels.dsd_t_triton(data, topology, y)
     return reference.dsd_t_reference(data, topology, y)
 
 
@@ -77,7 +70,7 @@ def dds_t(x: torch.Tensor, data: torch.Tensor, topology: Topology) -> torch.Tens
     if x.shape[0] != topology.num_rows:
         raise ValueError(f"dds_t: x has {x.shape[0]} rows, the topology {topology.num_rows}.")
     if use_triton(x, data):
-        return _kernels().dds_t_triton(x, data, topology)
+        return kernels.dds_t_triton(x, data, topology)
     return reference.dds_t_reference(x, data, topology)
 
 

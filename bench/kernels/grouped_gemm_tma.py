@@ -2,18 +2,21 @@
 device-side descriptors, one program per multiprocessor walking the tiles of all experts, and
 optionally the row operand read through an index (a gather fused into the product).
 
-Not used by the dMoE layer: on an H100 and an H200 it runs at the speed of torch._grouped_mm's
-CUTLASS kernel, not faster, and fusing the gathers gains at most ~0.17 ms per step at the third
-benchmark configuration, because the weight gradient cannot read gathered rows through TMA
-(BENCHMARKS.md, "A persistent Triton grouped GEMM and fused gathers (tenth session)"). It is
-kept, tested, as the starting point for that fusion. The portable kernels the layer runs where
-torch._grouped_mm is missing are in moe.kernels.grouped_gemm.
+An experiment, not part of the product: the dMoE layer does not use it. It runs at the speed of
+torch._grouped_mm's CUTLASS kernel, not faster, and fusing the gathers gains too little to close
+the layer's gap because the weight gradient cannot read gathered rows through TMA
+(docs/benchmark-log.md, the persistent TMA grouped GEMM and fused gathers). It is kept, tested,
+as the starting point for that fusion and for bench/grouped_gemm_tma.py. The portable kernels
+the layer runs where torch._grouped_mm is missing are in moe.kernels.grouped_gemm.
 
 `grouped_mm_tma(x, weight, tokens_per_expert)`: rows bins[e-1]:bins[e] (bins = cumsum of
 tokens_per_expert) times weight[e] ([E, K, N]) or, with transpose_weight, weight[e]^T ([E, N, K]);
 with row_index, row r of the product reads x[row_index[r]] (rows sorted by expert, x in token
 order). `weight_grad_tma(x, grad_out, tokens_per_expert)`: weight[e] = x_e^T @ grad_out_e, either
 operand optionally read through row_index. References: moe.kernels.grouped_gemm's.
+
+Its AOT_SPECS are not built by tools/compile_kernels.py, which collects megatron.kernels and
+moe.kernels only; tests/bench/kernels/test_grouped_gemm_tma.py compiles them.
 """
 
 from __future__ import annotations
@@ -29,10 +32,8 @@ if TRITON_AVAILABLE:
     import triton
     import triton.language as tl
 
-    from moe.kernels.grouped_gemm import _tile_coords
-else:  # pragma: no cover
-    triton = None
-    tl = None
+    from megatron.kernels.aot import AotSpec
+    from moe.kernels.grouped_gemm_kernels import _tile_coords
 
 
 def available() -> bool:
@@ -45,8 +46,8 @@ def available() -> bool:
 
 
 # The launch shape is grouped_gemm's TileSizes; its Hopper row-product shape (128 x 256 tiles,
-# 64 deep, 8 warps, 3 stages) was also the fastest here, for both kernels, on an H100 and an H200
-# (bench/grouped_gemm_tma.py).
+# 64 deep, 8 warps, 3 stages) was also the fastest here, for both kernels
+# (bench/grouped_gemm_tma.py; docs/benchmark-log.md).
 HOPPER_TILES = HOPPER_ROW_TILE_SIZES
 
 
@@ -66,7 +67,7 @@ def _use_torch_allocator(device: torch.device) -> None:
 
 def _check(condition: bool, message: str) -> None:
     if not condition:
-        raise ValueError(f"{message} (moe/kernels/grouped_gemm_tma.py)")
+        raise ValueError(f"{message} (bench/kernels/grouped_gemm_tma.py)")
 
 
 def _check_dtype(*tensors: torch.Tensor) -> None:
@@ -330,8 +331,8 @@ if TRITON_AVAILABLE:
                 block_shape=[BLOCK_T, BLOCK_N],
             )
             if GATHER_X or GATHER_GRAD:
-                # The next block's index is loaded an iteration ahead: the row loads do not wait
-                # on a load issued in their own iteration (measured 15-25% faster).
+                # The next block's index is loaded an iteration ahead, so that the row loads do
+                # not wait on a load issued in their own iteration (docs/benchmark-log.md).
                 ts = tl.arange(0, BLOCK_T)
                 next_source = tl.load(row_index_ptr + row_begin + ts, mask=ts < rows, other=0)
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -364,8 +365,6 @@ if TRITON_AVAILABLE:
 
 
 def _aot_specs() -> list:
-    from megatron.kernels.aot import AotSpec
-
     common = {"BLOCK_M": 128, "BLOCK_N": 256, "NUM_PROGRAMS": 132}
     rows = [
         AotSpec(
@@ -409,5 +408,5 @@ def _aot_specs() -> list:
     return rows + weight_grads
 
 
-# What `python tools/compile_kernels.py` builds: every variant of both kernels, in bf16.
+# Every variant of both kernels, in bf16 (see the module docstring for who builds them).
 AOT_SPECS = _aot_specs() if available() else []

@@ -1,10 +1,11 @@
-"""The persistent TMA grouped GEMM (run by Triton's CPU interpreter) against the grouped_mm
-references, plain and with its row operand gathered through an index."""
+"""The persistent TMA grouped GEMM of bench/kernels (run by Triton's CPU interpreter) against the
+grouped_mm references, plain and with its row operand gathered through an index."""
 
 import pytest
 import torch
 
-from moe.kernels import grouped_gemm, grouped_gemm_tma
+from bench.kernels import grouped_gemm_tma
+from moe.kernels import grouped_gemm
 
 pytestmark = [
     pytest.mark.skipif(

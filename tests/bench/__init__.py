@@ -1,0 +1,1 @@
+"""Tests for bench/ code that the benchmarks share."""

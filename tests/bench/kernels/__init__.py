@@ -1,0 +1,1 @@
+"""Tests for bench.kernels, the experimental kernels only the benchmarks use."""
