@@ -1,10 +1,10 @@
-"""Session set-up shared by every test."""
+"""Session set-up and fixtures shared by every test."""
 
 import pytest
 import torch
 
 from tests import triton_interpreter
-from tests.sample_data import CORPUS, gpt2_preprocess_args
+from tests.sample_data import CORPUS, copy_dataset, gpt2_preprocess_args
 
 # Without a GPU, MoE kernel tests run their Triton kernels through the interpreter; this must
 # happen before any test module imports triton.
@@ -21,3 +21,10 @@ def sample_prefix(tmp_path_factory):
     prefix = tmp_path_factory.mktemp("owt") / "owt"
     assert preprocess_data.main(gpt2_preprocess_args(CORPUS, prefix)) == 0
     return f"{prefix}_text_document"
+
+
+@pytest.fixture(scope="module")
+def data_prefix(sample_prefix, tmp_path_factory):
+    """`sample_prefix`'s dataset in a directory of the test module's own: the index caches one
+    module's runs write beside it are not there for another module's."""
+    return copy_dataset(sample_prefix, str(tmp_path_factory.mktemp("owt") / "owt_text_document"))

@@ -1,5 +1,6 @@
 """The bundled sample corpus and GPT-2 vocabulary, and the preprocessing command line tests share."""
 
+import shutil
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -18,3 +19,10 @@ def gpt2_preprocess_args(input_path, output_prefix, *extra, workers=2):
         "--tokenizer-type", "GPT2BPETokenizer", "--append-eod", "--workers", str(workers),
         *extra,
     ]  # fmt: skip
+
+
+def copy_dataset(prefix: str, new_prefix: str) -> str:
+    """Copy the indexed dataset `prefix` (.bin and .idx, not its index caches) to `new_prefix`."""
+    for suffix in (".bin", ".idx"):
+        shutil.copyfile(prefix + suffix, new_prefix + suffix)
+    return new_prefix

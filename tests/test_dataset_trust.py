@@ -1,13 +1,13 @@
 """pretrain_gpt.py end to end: the index cache says what it does, bad datasets stop with one line."""
 
-import shutil
-
 import numpy as np
 import pytest
 
 import pretrain_gpt
 from megatron.data.indexed_dataset import MMapIndexedDatasetBuilder
-from tests.test_pretrain_gpt import run_expecting_error, tiny_gpt_args
+from tests.sample_data import copy_dataset
+from tests.test_pretrain_gpt import run_expecting_error
+from tests.tiny_gpt import tiny_gpt_args
 
 SPLIT_NAMES = ("train", "valid", "test")
 
@@ -15,10 +15,7 @@ SPLIT_NAMES = ("train", "valid", "test")
 @pytest.fixture
 def fresh_prefix(sample_prefix, tmp_path):
     """The sample dataset in a directory of its own, so no index cache exists yet."""
-    prefix = str(tmp_path / "owt_text_document")
-    for suffix in (".bin", ".idx"):
-        shutil.copyfile(sample_prefix + suffix, prefix + suffix)
-    return prefix
+    return copy_dataset(sample_prefix, str(tmp_path / "owt_text_document"))
 
 
 def run_args(prefix, *extra):

@@ -1,18 +1,13 @@
 """--deterministic-mode: torch's deterministic algorithms during the run (and only then), the
 same results on the CPU, and on a GPU (compiled, bf16) repeatable runs and bit-exact resumes."""
 
-# The shared `data_prefix` fixture is imported, and test arguments of that name "redefine" it.
-# ruff: noqa: F811
-
 import os
 
 import pytest
 import torch
 
 import pretrain_gpt
-from tests.test_pretrain_gpt import data_prefix, tiny_gpt_args  # noqa: F401
-
-MOE = ("--moe-num-experts", "4", "--moe-top-k", "2")
+from tests.tiny_gpt import MOE_ARGS, tiny_gpt_args
 
 
 def _losses(result):
@@ -31,7 +26,7 @@ def test_on_during_the_run_then_restored(data_prefix, monkeypatch):
         return real_pretrain(*args, **kwargs)
 
     monkeypatch.setattr(pretrain_gpt, "pretrain", recording_pretrain)
-    args = tiny_gpt_args(data_prefix, *MOE, train_iters=3)
+    args = tiny_gpt_args(data_prefix, *MOE_ARGS, train_iters=3)
     plain = pretrain_gpt.main(args)
     deterministic = pretrain_gpt.main([*args, "--deterministic-mode"])
     assert seen == [False, True]
@@ -48,7 +43,7 @@ def test_gpu_runs_repeat_and_resume_bit_exact(data_prefix, tmp_path, monkeypatch
     """A compiled bf16 dMoE GPT on the GPU: two runs give the same losses at every iteration,
     and 6 iterations, a save, and 6 more from it give those of the 12 straight."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    args = tiny_gpt_args(data_prefix, *MOE, "--bf16", "--deterministic-mode", train_iters=12)
+    args = tiny_gpt_args(data_prefix, *MOE_ARGS, "--bf16", "--deterministic-mode", train_iters=12)
     first = pretrain_gpt.main(args)
     again = pretrain_gpt.main(args)
     assert _losses(first) == _losses(again)

@@ -13,36 +13,10 @@ import pytest
 import torch
 
 import pretrain_gpt
-from tests.sample_data import CORPUS, REPO, SAMPLE, gpt2_preprocess_args
-from tools import preprocess_data
+from tests.sample_data import REPO
+from tests.tiny_gpt import tiny_gpt_args
 
 LOSS_PATTERN = re.compile(r" iteration +(\d+)/ +\d+ \|.* lm loss: ([0-9.E+-]+) \|")
-
-
-@pytest.fixture(scope="module")
-def data_prefix(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("owt")
-    prefix = directory / "owt"
-    args = gpt2_preprocess_args(CORPUS, prefix)
-    assert preprocess_data.main(args) == 0
-    return f"{prefix}_text_document"
-
-
-def tiny_gpt_args(data_prefix, *extra, train_iters=20, micro_batch=4, global_batch=8, dropout=0.0):
-    args = [
-        "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-        "--seq-length", "64", "--max-position-embeddings", "64",
-        "--micro-batch-size", str(micro_batch), "--global-batch-size", str(global_batch),
-        "--train-iters", str(train_iters), "--lr", "0.003", "--min-lr", "0.0003",
-        "--lr-decay-style", "cosine", "--lr-warmup-iters", "2", "--clip-grad", "1.0",
-        "--weight-decay", "0.01", "--init-method-std", "0.02",
-        "--hidden-dropout", str(dropout), "--attention-dropout", str(dropout),
-        "--data-path", data_prefix, "--split", "949,50,1",
-        "--vocab-file", str(SAMPLE / "gpt2-vocab.json"), "--merge-file", str(SAMPLE / "gpt2-merges.txt"),
-        "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "1",
-        "--num-workers", "0", "--seed", "1234",
-    ]  # fmt: skip
-    return args + list(extra)
 
 
 def run_expecting_error(argv, capsys) -> str:

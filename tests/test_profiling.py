@@ -8,7 +8,7 @@ import torch
 import pretrain_gpt
 from megatron.config import LoggingConfig
 from megatron.profiling import StepProfiler
-from tests.test_pretrain_gpt import data_prefix, tiny_gpt_args  # noqa: F401 (fixture)
+from tests.tiny_gpt import tiny_gpt_args
 
 
 def _trace_events(directory):
@@ -17,7 +17,7 @@ def _trace_events(directory):
     return json.loads(traces[0].read_text())["traceEvents"]
 
 
-def test_pytorch_profiler_records_exactly_the_asked_iterations(data_prefix, tmp_path, capsys):  # noqa: F811
+def test_pytorch_profiler_records_exactly_the_asked_iterations(data_prefix, tmp_path, capsys):
     board = tmp_path / "tb"
     flags = ["--profile", "--use-pytorch-profiler", "--tensorboard-dir", str(board)]
     flags += ["--profile-step-start", "1", "--profile-step-end", "3"]
@@ -35,7 +35,7 @@ def test_pytorch_profiler_records_exactly_the_asked_iterations(data_prefix, tmp_
     assert "profiled iterations 2-3" in capsys.readouterr().out
 
 
-def test_a_run_that_ends_early_still_writes_its_trace(data_prefix, tmp_path):  # noqa: F811
+def test_a_run_that_ends_early_still_writes_its_trace(data_prefix, tmp_path):
     board = tmp_path / "tb"
     flags = ["--profile", "--use-pytorch-profiler", "--tensorboard-dir", str(board)]
     flags += ["--profile-step-start", "2", "--profile-step-end", "10"]
@@ -60,7 +60,7 @@ def test_only_listed_ranks_record(tmp_path):
     assert len(list(tmp_path.glob("rank*.pt.trace.json"))) == 2
 
 
-def test_without_profile_no_trace_is_written(data_prefix, tmp_path):  # noqa: F811
+def test_without_profile_no_trace_is_written(data_prefix, tmp_path):
     board = tmp_path / "tb"
     pretrain_gpt.main(tiny_gpt_args(data_prefix, "--tensorboard-dir", str(board), train_iters=3))
     assert board.is_dir() and not list(board.glob("*.pt.trace.json"))
@@ -83,14 +83,14 @@ def test_without_profile_no_trace_is_written(data_prefix, tmp_path):  # noqa: F8
         ),
     ],
 )
-def test_bad_profile_flags_are_rejected_before_work(data_prefix, capsys, extra, message):  # noqa: F811
+def test_bad_profile_flags_are_rejected_before_work(data_prefix, capsys, extra, message):
     with pytest.raises(SystemExit) as exit_info:
         pretrain_gpt.main(tiny_gpt_args(data_prefix, *extra))
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
 
 
-def test_nsys_profiling_needs_a_gpu(data_prefix, capsys, monkeypatch):  # noqa: F811
+def test_nsys_profiling_needs_a_gpu(data_prefix, capsys, monkeypatch):
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     with pytest.raises(SystemExit):
         pretrain_gpt.main(tiny_gpt_args(data_prefix, "--profile"))

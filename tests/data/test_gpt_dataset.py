@@ -4,7 +4,6 @@ import os
 
 import numpy as np
 import pytest
-import torch
 
 from megatron.data import gpt_dataset as gpt_dataset_module
 from megatron.data.blended_dataset import BlendedDataset
@@ -12,6 +11,7 @@ from megatron.data.gpt_dataset import GPTDataset, build_dataset, build_train_val
 from megatron.data.index_helpers import cpp_helpers_available
 from megatron.data.indexed_dataset import MMapIndexedDataset, MMapIndexedDatasetBuilder
 from tests.data import megatron_reference as reference
+from tests.distributed.launch import run_distributed
 
 SEQ_LENGTH = 16
 ARRAYS = ("doc_idx", "sample_idx", "shuffle_idx")
@@ -198,34 +198,18 @@ def test_data_errors_name_the_value(tmp_path, corpus):
         build_dataset("train", [empty], 4, SEQ_LENGTH, 1)
 
 
-def _two_rank_worker(rank: int, prefix: str, init_file: str, results: str) -> None:
-    torch.distributed.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=2
-    )
-    try:
-        if rank == 1:
+def _two_rank_worker(rank: int, world_size: int, prefix: str) -> np.ndarray:
+    if rank == 1:
 
-            def must_not_build(*args, **kwargs):
-                raise AssertionError("rank 1 built indices")
+        def must_not_build(*args, **kwargs):
+            raise AssertionError("rank 1 built indices")
 
-            gpt_dataset_module.build_gpt_indices = must_not_build
-        train, _, _ = build_train_valid_test_datasets(
-            [prefix], "90,10,0", [64, 8, 0], SEQ_LENGTH, 11
-        )
-        np.save(f"{results}{rank}.npy", np.stack([train[i]["text"] for i in range(len(train))]))
-    finally:
-        torch.distributed.destroy_process_group()
+        gpt_dataset_module.build_gpt_indices = must_not_build
+    train, _, _ = build_train_valid_test_datasets([prefix], "90,10,0", [64, 8, 0], SEQ_LENGTH, 11)
+    return np.stack([train[i]["text"] for i in range(len(train))])
 
 
-def test_only_rank_zero_builds_and_all_ranks_agree(corpus, tmp_path):
+def test_only_rank_zero_builds_and_all_ranks_agree(corpus):
     prefix, _ = corpus
-    results = str(tmp_path / "samples_rank")
-    # fork skips re-importing torch in the children, which is most of this test's time.
-    torch.multiprocessing.start_processes(
-        _two_rank_worker,
-        args=(prefix, str(tmp_path / "init"), results),
-        nprocs=2,
-        join=True,
-        start_method="fork",
-    )
-    np.testing.assert_array_equal(np.load(results + "0.npy"), np.load(results + "1.npy"))
+    samples = run_distributed(_two_rank_worker, 2, prefix)
+    np.testing.assert_array_equal(samples[0], samples[1])

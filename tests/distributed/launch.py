@@ -1,6 +1,9 @@
-"""Run a test function in N gloo processes on CPU and hand back what each rank returned.
+"""Launchers for multi-process tests on CPU (gloo).
 
-Usage::
+``run_distributed`` runs a test function in N forked gloo processes and hands back what each
+rank returned; ``torchrun`` runs pretrain_gpt.py under torchrun, in fresh interpreters.
+
+Usage of ``run_distributed``::
 
     def _check(rank: int, world_size: int, scale: float) -> float:
         # torch.distributed is initialized (gloo) here; rank/world_size match dist.get_rank() etc.
@@ -25,13 +28,18 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import subprocess
 import sys
 import tempfile
-from typing import Any, Callable
+from pathlib import Path
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from tests.sample_data import REPO
+from tests.tiny_gpt import tensorboard_scalars
 
 
 def run_distributed(
@@ -44,7 +52,7 @@ def run_distributed(
         start_method = "spawn" if torch.cuda.is_initialized() else "fork"
         mp.start_processes(
             _child,
-            args=(world_size, _free_port(), timeout_s, result_dir, fn, args),
+            args=(world_size, free_port(), timeout_s, result_dir, fn, args),
             nprocs=world_size,
             join=True,
             start_method=start_method,
@@ -94,8 +102,27 @@ def _result_path(result_dir: str, rank: int) -> str:
     return os.path.join(result_dir, f"rank{rank}.pt")
 
 
-def _free_port() -> int:
+def free_port() -> int:
     """A port nobody listens on now; rank 0's store binds it a moment later."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def torchrun(
+    nproc: int,
+    args: list,
+    tensorboard_dir: Path,
+    scalars: Iterable[str] = ("lm loss", "grad-norm"),
+) -> dict:
+    """Run pretrain_gpt.py on `nproc` gloo ranks under torchrun; its stdout and the
+    per-iteration values of the TensorBoard `scalars` rank 0 logged ({name: {iteration: value}})."""
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}"]
+    command += ["--master_addr=127.0.0.1", f"--master_port={free_port()}"]
+    command += [str(REPO / "pretrain_gpt.py"), *args, "--tensorboard-dir", str(tensorboard_dir)]
+    environment = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    completed = subprocess.run(
+        command, capture_output=True, text=True, env=environment, timeout=300
+    )
+    assert completed.returncode == 0, (completed.stdout + completed.stderr)[-4000:]
+    return {"stdout": completed.stdout, **tensorboard_scalars(tensorboard_dir, scalars)}

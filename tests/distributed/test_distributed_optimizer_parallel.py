@@ -7,9 +7,6 @@ The trainer runs inside `run_distributed`'s forked ranks (pretrain_gpt.main join
 gloo group) rather than under torchrun, which would import torch again in every rank.
 """
 
-# The shared `data_prefix` fixture is imported, and test arguments of that name "redefine" it.
-# ruff: noqa: F811
-
 from __future__ import annotations
 
 import os
@@ -24,7 +21,8 @@ import torch
 import pretrain_gpt
 from tests.distributed.launch import run_distributed
 from tests.distributed.test_expert_parallel_gpt import moe_gpt_args
-from tests.distributed.test_tensor_parallel_gpt import data_prefix, gpt_args  # noqa: F401
+from tests.distributed.test_tensor_parallel_gpt import gpt_args
+from tests.tiny_gpt import tensorboard_scalars
 
 ITERATIONS = 5
 MEMORY_LINE = re.compile(
@@ -50,18 +48,11 @@ def train(
     """Train in `world_size` ranks, saving under `directory / "ckpt"` every `save_interval`
     iterations and at the end; {scalar: {iteration: value}} for "lm loss" and "grad-norm" from
     rank 0's TensorBoard events."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
     tensorboard = directory / "tb"
     args = [*args, "--save", str(directory / "ckpt"), "--save-interval", str(save_interval)]
     args += ["--tensorboard-dir", str(tensorboard)]
     run_distributed(_pretrain, world_size, args, timeout_s=120.0)
-    events = EventAccumulator(str(tensorboard))
-    events.Reload()
-    return {
-        name: {event.step: event.value for event in events.Scalars(name)}
-        for name in ("lm loss", "grad-norm")
-    }
+    return tensorboard_scalars(tensorboard, ("lm loss", "grad-norm"))
 
 
 def checkpoint(directory: Path, iteration: int) -> Dict:

@@ -8,14 +8,11 @@ in its order. A lost or doubled micro-batch gradient would change
 the grad norm of the first iteration already.
 """
 
-# ruff: noqa: F811
-
 from __future__ import annotations
 
 import pytest
 
 from tests.distributed.test_expert_parallel_gpt import moe_gpt_args, run
-from tests.distributed.test_tensor_parallel_gpt import data_prefix  # noqa: F401
 
 
 @pytest.mark.parametrize(

@@ -32,6 +32,7 @@ from moe.config import MoEConfig
 from moe.layers import build_moe_layer
 from moe.mlp_spec import MoEMlpSpec
 from tests.distributed.launch import run_distributed
+from tests.tiny_gpt import moe_layer_model_config
 
 HIDDEN, FFN, TOKENS, EXPERTS = 8, 32, 6, 4
 
@@ -43,11 +44,7 @@ def reference_kernels(monkeypatch):
 
 
 def model_config(**overrides) -> ModelConfig:
-    base = dict(
-        num_layers=2, hidden_size=HIDDEN, num_attention_heads=2, ffn_hidden_size=FFN,
-        seq_length=TOKENS, max_position_embeddings=TOKENS, add_bias_linear=False,
-    )  # fmt: skip
-    return ModelConfig(**{**base, **overrides})
+    return moe_layer_model_config(HIDDEN, FFN, TOKENS, **overrides)
 
 
 def make_layer(impl: str, top_k: int, expert_parallel_size: int, targets: Optional[list]):

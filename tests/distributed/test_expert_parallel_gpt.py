@@ -10,9 +10,6 @@ samples at any data-parallel size: the load-balancing loss, a function of each m
 routing, is then the same number as in one process.
 """
 
-# The shared `data_prefix` fixture is imported, and test arguments of that name "redefine" it.
-# ruff: noqa: F811
-
 from __future__ import annotations
 
 import shutil
@@ -21,8 +18,8 @@ import pytest
 import torch
 
 import pretrain_gpt
-from tests.distributed.test_tensor_parallel_gpt import data_prefix, torchrun  # noqa: F401
-from tests.sample_data import SAMPLE
+from tests.distributed.launch import torchrun
+from tests.tiny_gpt import MOE_ARGS, tiny_gpt_args
 
 ITERATIONS = 5
 SCALARS = ("lm loss", "load balancing loss", "grad-norm")
@@ -32,20 +29,12 @@ TOLERANCE = 1e-5
 
 
 def moe_gpt_args(data_prefix, *extra):
-    args = [
-        "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-        "--seq-length", "32", "--max-position-embeddings", "32",
-        "--micro-batch-size", "2", "--global-batch-size", "8",
-        "--train-iters", str(ITERATIONS), "--lr", "0.003", "--min-lr", "0.0003",
-        "--lr-decay-style", "cosine", "--lr-warmup-iters", "2", "--clip-grad", "1.0",
-        "--hidden-dropout", "0.0", "--attention-dropout", "0.0",
-        "--moe-num-experts", "4", "--moe-top-k", "2",
-        "--data-path", data_prefix, "--split", "949,50,1",
-        "--vocab-file", str(SAMPLE / "gpt2-vocab.json"),
-        "--merge-file", str(SAMPLE / "gpt2-merges.txt"),
-        "--log-interval", "1", "--eval-iters", "0", "--num-workers", "0", "--seed", "1234",
-    ]  # fmt: skip
-    return args + list(extra)
+    """The dMoE GPT of these runs: 32-token samples, micro-batches of 2 in a global batch of 8,
+    no evaluation."""
+    return tiny_gpt_args(
+        data_prefix, *MOE_ARGS, *extra,
+        seq_length=32, micro_batch=2, global_batch=8, train_iters=ITERATIONS, eval_iters=0,
+    )  # fmt: skip
 
 
 def run(nproc: int, args: list, tensorboard_dir) -> dict:

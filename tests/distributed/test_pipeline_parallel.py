@@ -36,26 +36,12 @@ from megatron.pipeline.stages import (
 )
 from megatron.tensor_parallel import model_parallel_manual_seed
 from tests.distributed.launch import run_distributed
+from tests.tiny_gpt import tiny_model_config
 
 STEPS = 5
 MICRO_BATCH = 2
 TOLERANCE = dict(atol=1e-5, rtol=1e-5)
-
-
-def tiny_config(**overrides) -> ModelConfig:
-    fields = dict(
-        num_layers=4,
-        hidden_size=32,
-        num_attention_heads=4,
-        ffn_hidden_size=48,
-        seq_length=8,
-        max_position_embeddings=8,
-        padded_vocab_size=64,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-    )
-    fields.update(overrides)
-    return ModelConfig(**fields)
+LAYERS = 4  # splits evenly over every pipeline layout of CASES
 
 
 def optimizer_for(model: nn.Module):
@@ -115,7 +101,7 @@ def _pipeline_matches_single_process(
     num_micro_batches: int,
     overrides: dict,
 ) -> dict:
-    config = tiny_config(**overrides)
+    config = tiny_model_config(num_layers=LAYERS, **overrides)
     initial, expected_losses, expected_norms, expected_final = single_process_run(
         config, num_micro_batches
     )
@@ -198,7 +184,8 @@ def test_pipeline_matches_single_process(case):
     tensor_parallel = arguments[2]
     assert len(keys) == tensor_parallel * len(set(keys))
     torch.manual_seed(1234)
-    assert set(keys) == set(GPTModel(tiny_config(**arguments[4])).state_dict())
+    model = GPTModel(tiny_model_config(num_layers=LAYERS, **arguments[4]))
+    assert set(keys) == set(model.state_dict())
 
 
 def test_stage_layer_numbers_follow_megatron():

@@ -14,12 +14,8 @@ import pytest
 import torch
 
 import pretrain_gpt
-from tests.distributed.test_tensor_parallel_gpt import (
-    assert_same_run,
-    data_prefix,  # noqa: F401 (fixture)
-    gpt_args,
-    torchrun,
-)
+from tests.distributed.launch import torchrun
+from tests.distributed.test_tensor_parallel_gpt import assert_same_run, gpt_args
 
 # 4 layers, 4 micro-batches of 2 per step (global batch 8); evaluation (forwards only
 # through the pipeline) at iteration 5 and at the end.
@@ -48,14 +44,14 @@ def saving(directory: Path) -> list:
 
 
 @pytest.fixture(scope="module")
-def single_process(data_prefix, tmp_path_factory):  # noqa: F811
+def single_process(data_prefix, tmp_path_factory):
     root = tmp_path_factory.mktemp("single")
     run = torchrun(1, gpt_args(data_prefix, *PIPELINE_MODEL, *saving(root / "ckpt")), root / "tb")
     return {**run, "checkpoints": root / "ckpt"}
 
 
 @pytest.fixture(scope="module")
-def pipeline_run(data_prefix, tmp_path_factory):  # noqa: F811
+def pipeline_run(data_prefix, tmp_path_factory):
     """PP=2 with the interleaved schedule, saving at iterations 3 and 5."""
     root = tmp_path_factory.mktemp("pp2")
     args = gpt_args(data_prefix, *PIPELINE_MODEL, *saving(root / "ckpt"))
@@ -75,7 +71,7 @@ def pipeline_run(data_prefix, tmp_path_factory):  # noqa: F811
 )
 def test_pipeline_matches_single_process(
     single_process,
-    data_prefix,  # noqa: F811
+    data_prefix,
     tmp_path,
     nproc,
     tensor_parallel,
@@ -122,7 +118,7 @@ def test_pipeline_checkpoint_holds_the_single_process_tensors(single_process, pi
 def test_checkpoint_resumes_in_another_pipeline_layout(
     request,
     single_process,
-    data_prefix,  # noqa: F811
+    data_prefix,
     tmp_path,
     saved,
     nproc,
@@ -162,7 +158,7 @@ def test_checkpoint_resumes_in_another_pipeline_layout(
     ],
 )
 def test_bad_pipeline_sizes_stop_before_any_work(
-    data_prefix,  # noqa: F811
+    data_prefix,
     capsys,
     monkeypatch,
     world_size,

@@ -12,9 +12,6 @@ The trainer runs inside `run_distributed`'s forked ranks (pretrain_gpt.main join
 gloo group) rather than under torchrun, which would import torch again in every rank.
 """
 
-# The shared `data_prefix` fixture is imported, and test arguments of that name "redefine" it.
-# ruff: noqa: F811
-
 from __future__ import annotations
 
 import os
@@ -28,8 +25,7 @@ import torch
 import pretrain_gpt
 from megatron.pipeline.schedules import attach_loss
 from tests.distributed.launch import run_distributed
-from tests.distributed.test_tensor_parallel_gpt import data_prefix  # noqa: F401
-from tests.sample_data import SAMPLE
+from tests.tiny_gpt import MOE_ARGS, tensorboard_scalars, tiny_gpt_args
 
 ITERATIONS = 5
 TOLERANCE = 1e-5  # relative
@@ -38,22 +34,13 @@ INTERLEAVED = [*PIPELINE, "--num-layers-per-virtual-pipeline-stage", "1"]
 
 
 def moe_gpt_args(data_prefix, *extra):
-    # 4 micro-batches of 2 per step; validation (forwards only) at iteration 5 and at the end.
-    args = [
-        "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
-        "--seq-length", "16", "--max-position-embeddings", "16",
-        "--micro-batch-size", "2", "--global-batch-size", "8",
-        "--train-iters", str(ITERATIONS), "--lr", "0.003", "--min-lr", "0.0003",
-        "--lr-decay-style", "cosine", "--lr-warmup-iters", "2", "--clip-grad", "1.0",
-        "--hidden-dropout", "0.0", "--attention-dropout", "0.0",
-        "--moe-num-experts", "4", "--moe-top-k", "2", "--moe-loss-weight", "0.1",
-        "--data-path", data_prefix, "--split", "949,50,1",
-        "--vocab-file", str(SAMPLE / "gpt2-vocab.json"),
-        "--merge-file", str(SAMPLE / "gpt2-merges.txt"),
-        "--log-interval", "1", "--eval-iters", "1", "--eval-interval", "5",
-        "--num-workers", "0", "--seed", "1234",
-    ]  # fmt: skip
-    return args + list(extra)
+    """A 4-layer dMoE GPT of 16-token samples, 4 micro-batches of 2 per step; validation
+    (forwards only) at iteration 5 and at the end."""
+    return tiny_gpt_args(
+        data_prefix, *MOE_ARGS, "--moe-loss-weight", "0.1", *extra,
+        num_layers=4, hidden_size=32, seq_length=16, micro_batch=2, global_batch=8,
+        train_iters=ITERATIONS, eval_interval=5, eval_iters=1,
+    )  # fmt: skip
 
 
 def _pretrain(rank: int, world_size: int, args: List[str]) -> Dict:
@@ -73,15 +60,11 @@ def train(world_size: int, args: List[str], directory: Path, save: bool = False)
     """Rank 0's view of a run: {"losses": [{name: value}] per iteration, "grad-norm":
     {iteration: value} (from TensorBoard), "validation": [(where, {name: value})]}; saving
     under `directory / "ckpt"` at iterations 3 and 5 when `save`."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
     args = [*args, "--tensorboard-dir", str(directory / "tb")]
     if save:
         args += ["--save", str(directory / "ckpt"), "--save-interval", "3"]
     result = run_distributed(_pretrain, world_size, args, timeout_s=120.0)[0]
-    events = EventAccumulator(str(directory / "tb"))
-    events.Reload()
-    result["grad-norm"] = {event.step: event.value for event in events.Scalars("grad-norm")}
+    result["grad-norm"] = tensorboard_scalars(directory / "tb", ["grad-norm"])["grad-norm"]
     return result
 
 

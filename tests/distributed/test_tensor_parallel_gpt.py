@@ -12,75 +12,26 @@ makes the model the same function as the single-process one.
 from __future__ import annotations
 
 import math
-import os
 import shutil
-import socket
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 import pretrain_gpt
-from tests.sample_data import CORPUS, REPO, SAMPLE, gpt2_preprocess_args
-from tools import preprocess_data
+from tests.distributed.launch import torchrun
+from tests.tiny_gpt import tiny_gpt_args
 
 ITERATIONS = 5
 
 
-@pytest.fixture(scope="module")
-def data_prefix(tmp_path_factory):
-    prefix = tmp_path_factory.mktemp("owt") / "owt"
-    assert preprocess_data.main(gpt2_preprocess_args(CORPUS, prefix)) == 0
-    return f"{prefix}_text_document"
-
-
 def gpt_args(data_prefix, *extra, dropout=0.0, tensor_parallel=1):
-    args = [
-        "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-        "--seq-length", "32", "--max-position-embeddings", "32",
-        "--micro-batch-size", "2", "--global-batch-size", "4",
-        "--train-iters", str(ITERATIONS), "--lr", "0.003", "--min-lr", "0.0003",
-        "--lr-decay-style", "cosine", "--lr-warmup-iters", "2", "--clip-grad", "1.0",
-        "--hidden-dropout", str(dropout), "--attention-dropout", str(dropout),
-        "--data-path", data_prefix, "--split", "949,50,1",
-        "--vocab-file", str(SAMPLE / "gpt2-vocab.json"),
-        "--merge-file", str(SAMPLE / "gpt2-merges.txt"),
-        "--log-interval", "1", "--eval-iters", "0", "--num-workers", "0", "--seed", "1234",
-        "--tensor-model-parallel-size", str(tensor_parallel),
-        "--make-vocab-size-divisible-by", str(128 // tensor_parallel),
-    ]  # fmt: skip
-    return args + list(extra)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def torchrun(
-    nproc: int, args: list, tensorboard_dir: Path, scalars=("lm loss", "grad-norm")
-) -> dict:
-    """Run pretrain_gpt.py on `nproc` gloo ranks; its stdout and the per-iteration values of
-    the TensorBoard `scalars` rank 0 logged ({name: {iteration: value}})."""
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}"]
-    command += ["--master_addr=127.0.0.1", f"--master_port={_free_port()}"]
-    command += [str(REPO / "pretrain_gpt.py"), *args, "--tensorboard-dir", str(tensorboard_dir)]
-    environment = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    completed = subprocess.run(
-        command, capture_output=True, text=True, env=environment, timeout=300
-    )
-    assert completed.returncode == 0, (completed.stdout + completed.stderr)[-4000:]
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    events = EventAccumulator(str(tensorboard_dir))
-    events.Reload()
-    return {
-        "stdout": completed.stdout,
-        **{name: {event.step: event.value for event in events.Scalars(name)} for name in scalars},
-    }
+    """The GPT of these runs: 32-token samples, micro-batches of 2 in a global batch of 4,
+    no evaluation."""
+    return tiny_gpt_args(
+        data_prefix, *extra,
+        seq_length=32, micro_batch=2, global_batch=4, train_iters=ITERATIONS,
+        dropout=dropout, eval_iters=0, tensor_parallel=tensor_parallel,
+    )  # fmt: skip
 
 
 # Relative tolerances. (On CPU the clipped grad norm is summed in float64, see

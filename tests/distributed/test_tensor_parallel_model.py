@@ -30,24 +30,9 @@ from megatron.tensor_parallel import (
     model_parallel_manual_seed,
 )
 from tests.distributed.launch import run_distributed
+from tests.tiny_gpt import tiny_model_config
 
 TOLERANCE = dict(atol=1e-5, rtol=1e-5)
-
-
-def tiny_config(**overrides) -> ModelConfig:
-    fields = dict(
-        num_layers=2,
-        hidden_size=32,
-        num_attention_heads=4,
-        ffn_hidden_size=48,
-        seq_length=8,
-        max_position_embeddings=8,
-        padded_vocab_size=64,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-    )
-    fields.update(overrides)
-    return ModelConfig(**fields)
 
 
 VARIANTS = {
@@ -89,7 +74,7 @@ def optimizer_for(model: GPTModel):
 
 
 def _compare_with_single_process(rank: int, world_size: int, overrides: dict, sp: bool) -> None:
-    single_config = tiny_config(**overrides)
+    single_config = tiny_model_config(**overrides)
     torch.manual_seed(0)
     single = GPTModel(single_config)
     ps.initialize_model_parallel(tensor_model_parallel_size=world_size)
@@ -168,7 +153,7 @@ def _loss_and_grads(model: GPTModel, seed: int, sp: bool) -> tuple[torch.Tensor,
 
 def _dropout_is_consistent(rank: int, world_size: int, sp: bool) -> None:
     ps.initialize_model_parallel(tensor_model_parallel_size=world_size)
-    config = tiny_config(
+    config = tiny_model_config(
         tensor_model_parallel_size=world_size,
         sequence_parallel=sp,
         hidden_dropout=0.3,

@@ -8,9 +8,6 @@ sequence parallelism and TP=2 x DP=2 gives the single-process losses and grad no
 checkpoints move between TP=2 and one process.
 """
 
-# The shared `data_prefix` fixture is imported, and test arguments of that name "redefine" it.
-# ruff: noqa: F811
-
 from __future__ import annotations
 
 import contextlib
@@ -25,7 +22,6 @@ import torch.distributed as dist
 
 import pretrain_gpt
 from megatron import parallel_state as ps
-from megatron.config import ModelConfig
 from megatron.expert_parameters import is_expert_parameter, reduce_expert_gradients
 from megatron.tensor_parallel import (
     all_reduce_sequence_parallel_grads,
@@ -35,8 +31,7 @@ from moe.config import MoEConfig
 from moe.kernels import grouped_gemm
 from moe.layers import build_moe_layer
 from tests.distributed.launch import run_distributed
-from tests.distributed.test_tensor_parallel_gpt import data_prefix  # noqa: F401
-from tests.sample_data import SAMPLE
+from tests.tiny_gpt import MOE_ARGS, moe_layer_model_config, tiny_gpt_args
 
 HIDDEN, FFN, SEQUENCE, EXPERTS = 16, 32, 8, 4
 CLOSE = dict(atol=1e-5, rtol=1e-5)
@@ -64,12 +59,14 @@ if grouped_gemm.torch_has_grouped_mm():
 
 def make_layer(name: str, tensor_parallel: int = 1, sequence_parallel: bool = False, ep: int = 1):
     model_overrides, moe_overrides = LAYERS[name]
-    fields = dict(
-        num_layers=2, hidden_size=HIDDEN, num_attention_heads=2, ffn_hidden_size=FFN,
-        seq_length=SEQUENCE, max_position_embeddings=SEQUENCE, add_bias_linear=False,
-        tensor_model_parallel_size=tensor_parallel, sequence_parallel=sequence_parallel,
-    )  # fmt: skip
-    config = ModelConfig(**{**fields, **model_overrides})
+    config = moe_layer_model_config(
+        HIDDEN,
+        FFN,
+        SEQUENCE,
+        tensor_model_parallel_size=tensor_parallel,
+        sequence_parallel=sequence_parallel,
+        **model_overrides,
+    )
     moe = MoEConfig(
         num_experts=EXPERTS,
         top_k=2,
@@ -259,23 +256,11 @@ EXPERT_LOAD = "moe/tokens-per-expert layer {}"
 def moe_gpt_args(data_prefix, *extra, tensor_parallel=1):
     """A tiny fp32 dMoE GPT. A global batch of 8 in micro-batches of 2 keeps each micro-batch's
     samples (and so its load-balancing loss) the same at any data-parallel size."""
-    args = [
-        "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
-        "--seq-length", "32", "--max-position-embeddings", "32",
-        "--micro-batch-size", "2", "--global-batch-size", "8",
-        "--train-iters", str(ITERATIONS), "--lr", "0.003", "--min-lr", "0.0003",
-        "--lr-decay-style", "cosine", "--lr-warmup-iters", "2", "--clip-grad", "1.0",
-        "--hidden-dropout", "0.0", "--attention-dropout", "0.0",
-        "--moe-num-experts", "4", "--moe-top-k", "2", "--moe-loss-weight", "0.1",
-        "--data-path", data_prefix, "--split", "949,50,1",
-        "--vocab-file", str(SAMPLE / "gpt2-vocab.json"),
-        "--merge-file", str(SAMPLE / "gpt2-merges.txt"),
-        "--log-interval", "1", "--eval-iters", "0", "--num-workers", "0", "--seed", "1234",
-        "--tensor-model-parallel-size", str(tensor_parallel),
-        # The same padded vocabulary (50304) at every TP size: the same model.
-        "--make-vocab-size-divisible-by", str(128 // tensor_parallel),
-    ]  # fmt: skip
-    return args + list(extra)
+    return tiny_gpt_args(
+        data_prefix, *MOE_ARGS, "--moe-loss-weight", "0.1", *extra,
+        num_layers=4, hidden_size=32, seq_length=32, micro_batch=2, global_batch=8,
+        train_iters=ITERATIONS, eval_iters=0, tensor_parallel=tensor_parallel,
+    )  # fmt: skip
 
 
 def _pretrain(rank: int, world_size: int, args: list) -> str:

@@ -10,23 +10,14 @@ import torch.nn.functional as F
 
 from megatron.config import ModelConfig
 from megatron.model import GPTModel, param_groups_for_weight_decay
+from tests.tiny_gpt import tiny_model_config
 
 
 def tiny_config(**overrides) -> ModelConfig:
-    """A 2-layer model small enough for exact fp32 comparisons; dropout off."""
-    fields = dict(
-        num_layers=2,
-        hidden_size=32,
-        num_attention_heads=4,
-        ffn_hidden_size=48,
-        seq_length=12,
-        max_position_embeddings=16,
-        padded_vocab_size=40,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-    )
-    fields.update(overrides)
-    return ModelConfig(**fields)
+    """`tiny_model_config` (2 layers, dropout off) with 12-token samples, 16 positions and a
+    40-token vocabulary."""
+    fields = dict(seq_length=12, max_position_embeddings=16, padded_vocab_size=40)
+    return tiny_model_config(**{**fields, **overrides})
 
 
 def build(config: ModelConfig, seed: int = 0) -> GPTModel:

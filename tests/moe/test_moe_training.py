@@ -6,7 +6,7 @@ import re
 import pytest
 
 import pretrain_gpt
-from tests.test_pretrain_gpt import data_prefix, tiny_gpt_args  # noqa: F401  (fixture)
+from tests.tiny_gpt import tiny_gpt_args
 
 MOE_LINE = re.compile(r" iteration +(\d+)/.*\| load balancing loss: ([0-9.E+-]+) \|")
 # Shorter samples than the dense tests use: the same learning signal at a third of the cost.
@@ -18,7 +18,7 @@ def reference_kernels(monkeypatch):
     monkeypatch.setenv("MOE_KERNELS", "reference")
 
 
-def test_dmoe_top2_trains_and_logs_load_balancing_loss(data_prefix, capsys):  # noqa: F811
+def test_dmoe_top2_trains_and_logs_load_balancing_loss(data_prefix, capsys):
     args = tiny_gpt_args(
         data_prefix, *SHORT, "--moe-num-experts", "4", "--moe-top-k", "2", train_iters=16
     )
@@ -34,7 +34,7 @@ def test_dmoe_top2_trains_and_logs_load_balancing_loss(data_prefix, capsys):  # 
     assert "number of parameters" in output
 
 
-def test_moe_with_capacity_every_other_layer_and_zloss(data_prefix, capsys):  # noqa: F811
+def test_moe_with_capacity_every_other_layer_and_zloss(data_prefix, capsys):
     args = tiny_gpt_args(
         data_prefix, *SHORT,
         "--moe-num-experts", "4", "--moe-top-k", "1", "--no-moe-dropless",
@@ -49,7 +49,7 @@ def test_moe_with_capacity_every_other_layer_and_zloss(data_prefix, capsys):  # 
     assert len(result.losses) == 4
 
 
-def test_per_layer_expert_load_in_the_log_and_tensorboard(data_prefix, capsys, tmp_path):  # noqa: F811
+def test_per_layer_expert_load_in_the_log_and_tensorboard(data_prefix, capsys, tmp_path):
     """--moe-per-layer-logging: a line per log window with each MoE layer's expert load, and
     TensorBoard's histogram of tokens per expert with the max and min over the mean; the counts
     are every assignment of the window (4 samples x 32 tokens x top-2, before capacity drops)."""
@@ -102,7 +102,7 @@ def test_per_layer_expert_load_in_the_log_and_tensorboard(data_prefix, capsys, t
         (["--moe-num-experts", "4", "--swiglu", "--mlp-type", "mlp"], "--mlp-type glu"),
     ],
 )
-def test_bad_moe_flags_are_rejected_before_work(data_prefix, capsys, extra, message):  # noqa: F811
+def test_bad_moe_flags_are_rejected_before_work(data_prefix, capsys, extra, message):
     with pytest.raises(SystemExit) as exit_info:
         pretrain_gpt.main(tiny_gpt_args(data_prefix, *extra))
     assert exit_info.value.code == 2
@@ -111,7 +111,7 @@ def test_bad_moe_flags_are_rejected_before_work(data_prefix, capsys, extra, mess
 
 
 def test_expert_weight_copies_train_exactly_like_casting_every_micro_batch(
-    data_prefix,  # noqa: F811
+    data_prefix,
     monkeypatch,
     capsys,
 ):

@@ -5,14 +5,10 @@ from __future__ import annotations
 
 import copy
 import io
-import os
-import socket
 from typing import List
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from megatron.config import OptimizerConfig, TrainingConfig
@@ -22,6 +18,7 @@ from megatron.optimizer import (
     build_lr_scheduler,
     build_optimizer,
 )
+from tests.distributed.launch import run_distributed
 
 
 def tiny_model(seed: int = 0) -> nn.Module:
@@ -233,34 +230,20 @@ def test_state_round_trip_continues_bit_exactly():
     assert resumed_optimizer.param_groups[0]["lr"] == optimizer.param_groups[0]["lr"]
 
 
-def _overflow_on_one_rank(rank: int, world_size: int, port: int, results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
-        model = tiny_model()
-        optimizer = build_optimizer(model, OptimizerConfig(lr=0.1), training(fp16=True))
-        before = parameters(model)
-        backward(model, optimizer, batches(1)[0])
-        if rank == 1:
-            next(model.parameters()).grad[0, 0] = float("nan")
-        successful, _, _ = optimizer.step()
-        unchanged = all(torch.equal(a, b) for a, b in zip(parameters(model), before))
-        results[rank] = (successful, unchanged)
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def _overflow_on_one_rank(rank: int, world_size: int) -> tuple:
+    model = tiny_model()
+    optimizer = build_optimizer(model, OptimizerConfig(lr=0.1), training(fp16=True))
+    before = parameters(model)
+    backward(model, optimizer, batches(1)[0])
+    if rank == 1:
+        next(model.parameters()).grad[0, 0] = float("nan")
+    successful, _, _ = optimizer.step()
+    unchanged = all(torch.equal(a, b) for a, b in zip(parameters(model), before))
+    return successful, unchanged
 
 
 def test_overflow_on_one_rank_skips_the_step_on_all_ranks():
-    world_size = 2
-    results = mp.get_context("spawn").Manager().dict()
-    mp.spawn(_overflow_on_one_rank, args=(world_size, _free_port(), results), nprocs=world_size)
-    assert dict(results) == {0: (False, True), 1: (False, True)}
+    assert run_distributed(_overflow_on_one_rank, 2) == [(False, True), (False, True)]
 
 
 @pytest.mark.gpu
