@@ -48,7 +48,7 @@ from megatron.model import DENSE_MLP, GPTModel, MlpSpec, num_floating_point_oper
 from megatron.parallel_state import destroy_model_parallel
 from megatron.parallelize import parallelize
 from megatron.tokenizer import MegatronTokenizer, build_tokenizer, vocab_size_with_padding
-from megatron.training import TrainingResult, pretrain
+from megatron.training import TrainingResult, pretrain, total_train_iters
 from megatron.training_hooks import TrainingHooks
 from moe.arguments import MOE_MODEL_ARGUMENTS, add_moe_args
 from moe.config import MoEConfig, moe_config
@@ -274,6 +274,7 @@ def _setup_and_train(
             // _expert_parallel_size(moe),
             device=context.device,
         ),
+        final_iteration=total_train_iters(config),
     )
 
     datasets = build_datasets(config)

@@ -108,6 +108,24 @@ def test_an_empty_load_directory_keeps_megatrons_warning(sample_prefix, tmp_path
     assert "WARNING: could not find the tracker file" in capsys.readouterr().out
 
 
+def test_relaunching_a_finished_run_needs_no_free_space(
+    sample_prefix, checkpoints, monkeypatch, capsys
+):
+    """It saves nothing, so a full disk must not stop it (evaluation still runs); a run that
+    goes on past the checkpoint still needs room for one more."""
+    usage = shutil.disk_usage(checkpoints)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=1_000_000))
+    args = save_args(sample_prefix, checkpoints, "--load", str(checkpoints))
+    result = pretrain_gpt.main(args)
+    assert result.iteration == 10 and result.losses == []
+    further = save_args(
+        sample_prefix, checkpoints, "--load", str(checkpoints), "--override-opt_param-scheduler",
+        train_iters=15,
+    )  # fmt: skip
+    error = run_expecting_error(further, capsys)
+    assert "its file system has 0.00 GB free" in error, error
+
+
 def test_relaunching_a_finished_run_writes_nothing(sample_prefix, checkpoints, capsys):
     def stamps():
         return {

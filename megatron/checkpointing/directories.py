@@ -65,6 +65,7 @@ def check_checkpoint_directories(
     config: Any,
     estimated_bytes: int,
     print_fn: Callable[[str], None] = print_rank_0,
+    final_iteration: Optional[int] = None,
 ) -> None:
     """Refuse a run whose checkpoints would be lost or could not be written; called on every
     rank (global rank 0 looks at the file systems and tells the others).
@@ -73,12 +74,13 @@ def check_checkpoint_directories(
     tracker is refused. --save: created if missing; refused when it is not a writable
     directory, when its file system has less free space than `estimated_bytes` (one more
     checkpoint; the size of its newest one when it has one), and when it holds checkpoints
-    this run does not resume from, which it would overwrite.
+    this run does not resume from, which it would overwrite. A run that resumes --save at or
+    past `final_iteration` (its --train-iters) saves nothing more, so it needs no free space.
     """
     outcome = None
     if is_global_rank_zero():
         try:
-            outcome = ("notes", _check(config, estimated_bytes))
+            outcome = ("notes", _check(config, estimated_bytes, final_iteration))
         except CheckpointError as error:
             outcome = ("error", str(error))
     kind, value = broadcast_from(outcome)
@@ -88,7 +90,7 @@ def check_checkpoint_directories(
         print_fn(note)
 
 
-def _check(config: Any, estimated_bytes: int) -> list:
+def _check(config: Any, estimated_bytes: int, final_iteration: Optional[int]) -> list:
     notes = []
     if config.load and os.path.isdir(config.load) and read_tracker(config.load) is None:
         refuse_untracked_checkpoints(config.load)
@@ -118,6 +120,8 @@ def _check(config: Any, estimated_bytes: int) -> list:
                 f"note: {save} holds checkpoints newer than the tracker's iteration {tracked} "
                 f"({', '.join(map(str, newer))}); this run replaces them as it reaches them"
             )
+        if final_iteration is not None and isinstance(tracked, int) and tracked >= final_iteration:
+            return notes  # a finished run relaunched: nothing left to save
     needed = _newest_checkpoint_bytes(save, saved) or estimated_bytes
     free = shutil.disk_usage(save).free
     if free < needed:
