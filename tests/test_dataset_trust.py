@@ -6,8 +6,7 @@ import pytest
 import pretrain_gpt
 from megatron.data.indexed_dataset import MMapIndexedDatasetBuilder
 from tests.sample_data import copy_dataset
-from tests.test_pretrain_gpt import run_expecting_error
-from tests.tiny_gpt import tiny_gpt_args
+from tests.tiny_gpt import run_expecting_error, tiny_gpt_args
 
 SPLIT_NAMES = ("train", "valid", "test")
 

@@ -19,17 +19,6 @@ from tests.tiny_gpt import tiny_gpt_args
 LOSS_PATTERN = re.compile(r" iteration +(\d+)/ +\d+ \|.* lm loss: ([0-9.E+-]+) \|")
 
 
-def run_expecting_error(argv, capsys) -> str:
-    """The one `error: ...` line a user error prints, after checking the exit status is 1."""
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as exit_info:
-        pretrain_gpt.main(argv)
-    assert exit_info.value.code == 1
-    error = capsys.readouterr().err.strip()
-    assert error.startswith("error: ") and "\n" not in error, error
-    return error
-
-
 def _losses(result):
     return [losses["lm loss"] for losses in result.losses]
 

@@ -16,8 +16,7 @@ import pytest
 import pretrain_gpt
 from megatron.checkpointing import CheckpointError
 from tests.sample_data import REPO
-from tests.test_pretrain_gpt import run_expecting_error
-from tests.tiny_gpt import tiny_gpt_args
+from tests.tiny_gpt import run_expecting_error, tiny_gpt_args
 
 TIMES = re.compile(
     r"\(min, max\) time across ranks \(ms\):\n    (save|load)-checkpoint \.+: "

@@ -1,11 +1,15 @@
 """The tiny GPT and dMoE GPT tests share: their ModelConfig, their pretrain_gpt.py command
-line on the bundled sample corpus, and the TensorBoard scalars a run of it logged."""
+line on the bundled sample corpus, the TensorBoard scalars a run of it logged, and the one-line
+error a user error prints."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional
 
+import pytest
+
+import pretrain_gpt
 from megatron.config import ModelConfig
 from tests.sample_data import MERGES, VOCAB
 
@@ -97,3 +101,14 @@ def tensorboard_scalars(directory: Path, names: Iterable[str]) -> Dict[str, Dict
     events = EventAccumulator(str(directory))
     events.Reload()
     return {name: {event.step: event.value for event in events.Scalars(name)} for name in names}
+
+
+def run_expecting_error(argv, capsys) -> str:
+    """The one `error: ...` line a user error prints, after checking the exit status is 1."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        pretrain_gpt.main(argv)
+    assert exit_info.value.code == 1
+    error = capsys.readouterr().err.strip()
+    assert error.startswith("error: ") and "\n" not in error, error
+    return error
