@@ -10,14 +10,15 @@ The entry point builds the whole model (`GPTModel(config.model, mlp_spec)`) and 
 2. Expert placement: at build time too. An MoE layer keeps its expert-parallel block of experts
    (moe.experts, from its MoEConfig) and marks them (megatron.expert_parameters).
 3. Pipeline split (`split_pipeline`): this rank's stage chunks, holding the whole model's weights.
-4. Activation recomputation: chosen by config.model (megatron.model.transformer.TransformerBlock).
+4. Activation recomputation (`apply_activation_recomputation`): full (whole layers, by
+   TransformerBlock) or selective (the core attention, by SelfAttention), per config.model.
 5. Device placement.
 6. Data parallelism (`data_parallel`): torch DDP around the model; or nothing, when the
    distributed optimizer reduce-scatters the gradients in its step or, under a pipeline, the
    trainer all-reduces them after the schedule.
 7. Compile (`compile_model`): torch.compile of the whole model on GPUs, unless an extension's
    training hooks veto it (megatron.training_hooks).
-Steps 1, 2 and 4 still happen inside the model's constructors.
+Steps 1 and 2 still happen inside the model's constructors.
 """
 
 from __future__ import annotations
@@ -32,10 +33,12 @@ from megatron import parallel_state
 from megatron.distributed import wrap_data_parallel
 from megatron.initialize import DistributedContext, print_rank_0
 from megatron.model import GPTModel
+from megatron.model.attention import SelfAttention
+from megatron.model.transformer import TransformerBlock
 from megatron.pipeline.stages import build_stage_model_chunks, full_to_stage_state_dict
 
 if TYPE_CHECKING:
-    from megatron.config import Config
+    from megatron.config import Config, ModelConfig
 
 
 @dataclass
@@ -59,9 +62,10 @@ def parallelize(
     context: DistributedContext,
     compile_veto: Callable[[torch.device], Optional[str]] = lambda device: None,
 ) -> ParallelModel:
-    """Apply steps 3, 5, 6 and 7 of the module docstring to the whole `model`, in order."""
+    """Apply steps 3 to 7 of the module docstring to the whole `model`, in order."""
     pipeline = parallel_state.get_pipeline_model_parallel_world_size() > 1
     unwrapped: nn.Module = split_pipeline(model) if pipeline else model
+    apply_activation_recomputation(unwrapped, config.model)
     unwrapped = unwrapped.to(context.device)
     module, wrapped_in_ddp = data_parallel(unwrapped, config, context, pipeline)
     if config.training.torch_compile and context.device.type == "cuda" and not pipeline:
@@ -84,6 +88,21 @@ def split_pipeline(whole: GPTModel) -> nn.ModuleList:
     for chunk in chunks:
         chunk.load_state_dict(full_to_stage_state_dict(whole_state, chunk), strict=True)
     return nn.ModuleList(chunks)
+
+
+def apply_activation_recomputation(model: nn.Module, model_config: ModelConfig) -> nn.Module:
+    """Switch on config.recompute_granularity's recomputation in every block (or attention) of
+    `model` (a model or its stage chunks); returns `model`. Raises ValueError when "full" lacks
+    a method or a layer count."""
+    granularity = model_config.recompute_granularity
+    for module in model.modules():
+        if granularity == "full" and isinstance(module, TransformerBlock):
+            module.set_full_recompute(
+                model_config.recompute_method, model_config.recompute_num_layers
+            )
+        elif granularity == "selective" and isinstance(module, SelfAttention):
+            module.recompute_core_attention = True
+    return model
 
 
 def data_parallel(

@@ -56,7 +56,9 @@ class SelfAttention(nn.Module):
         self.heads_per_group = self.num_heads // self.num_query_groups
         self.head_dim = config.kv_channels
         self.attention_dropout = config.attention_dropout
-        self.recompute_core_attention = config.recompute_granularity == "selective"
+        # Selective recompute, switched on by megatron.parallelize for
+        # recompute_granularity="selective".
+        self.recompute_core_attention = False
         # Heads differ per TP rank, so their dropout masks must too. Under sequence parallelism
         # the whole decoder block already draws from the per-rank stream (TransformerBlock).
         self.fork_dropout_rng = tensor_parallel_size > 1 and not config.sequence_parallel

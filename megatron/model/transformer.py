@@ -52,7 +52,8 @@ class TransformerBlock(nn.Module):
     """`num_layers` TransformerLayers and the final norm; a pipeline stage holds the layers
     numbered `layer_numbers` (global, 0-based) and the final norm only when it is the last.
 
-    Full recompute (`recompute_granularity="full"`, training only) keeps just the inputs of
+    Full recompute (training only; switched on by `set_full_recompute`, which
+    megatron.parallelize calls for `recompute_granularity="full"`) keeps just the inputs of
     checkpointed layers and re-runs their forward in backward:
       "uniform": layers in chunks of `recompute_num_layers`, one checkpoint per chunk;
       "block":   each of the first `recompute_num_layers` layers checkpointed, the rest not.
@@ -81,20 +82,26 @@ class TransformerBlock(nn.Module):
             config.hidden_dropout > 0.0 or config.attention_dropout > 0.0
         )
 
-        self.recompute_full = config.recompute_granularity == "full"
-        self.recompute_method = config.recompute_method
-        self.recompute_num_layers = config.recompute_num_layers
-        if self.recompute_full:
-            if config.recompute_method not in RECOMPUTE_METHODS:
-                raise ValueError(
-                    f"recompute_granularity='full' needs recompute_method in {RECOMPUTE_METHODS},"
-                    f" got {config.recompute_method!r}; set --recompute-method"
-                )
-            if not config.recompute_num_layers or config.recompute_num_layers < 1:
-                raise ValueError(
-                    "recompute_granularity='full' needs recompute_num_layers >= 1, got "
-                    f"{config.recompute_num_layers!r}; set --recompute-num-layers"
-                )
+        self.recompute_full = False
+        self.recompute_method: Optional[str] = None
+        self.recompute_num_layers: Optional[int] = None
+
+    def set_full_recompute(self, method: Optional[str], num_layers: Optional[int]) -> None:
+        """Checkpoint layers in training forwards by `method` ("uniform" or "block") and
+        `num_layers` (see the class docstring)."""
+        if method not in RECOMPUTE_METHODS:
+            raise ValueError(
+                f"recompute_granularity='full' needs recompute_method in {RECOMPUTE_METHODS},"
+                f" got {method!r}; set --recompute-method"
+            )
+        if not num_layers or num_layers < 1:
+            raise ValueError(
+                "recompute_granularity='full' needs recompute_num_layers >= 1, got "
+                f"{num_layers!r}; set --recompute-num-layers"
+            )
+        self.recompute_full = True
+        self.recompute_method = method
+        self.recompute_num_layers = num_layers
 
     def _run_layers(
         self, start: int, end: int, hidden_states: torch.Tensor, rotary_cos_sin: RotaryCosSin

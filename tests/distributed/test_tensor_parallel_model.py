@@ -23,6 +23,7 @@ from megatron.checkpointing.full_state import (
 from megatron.config import ModelConfig, OptimizerConfig, TrainingConfig
 from megatron.model import GPTModel
 from megatron.optimizer import build_optimizer
+from megatron.parallelize import apply_activation_recomputation
 from megatron.tensor_parallel import (
     all_reduce_sequence_parallel_grads,
     gather_from_tensor_model_parallel_region,
@@ -169,7 +170,10 @@ def _dropout_is_consistent(rank: int, world_size: int, sp: bool) -> None:
         ("selective", dict(recompute_granularity="selective")),
     ):
         model_parallel_manual_seed(0)
-        models[name] = GPTModel(replace(config, **recompute)).train()
+        recompute_config = replace(config, **recompute)
+        models[name] = apply_activation_recomputation(
+            GPTModel(recompute_config), recompute_config
+        ).train()
     loss, grads = _loss_and_grads(models["plain"], 5, sp)
     # Recomputation replays the dropout masks of the forward, the per-TP-rank ones included.
     for name in ("full", "selective"):

@@ -1,4 +1,5 @@
-"""Activation recomputation must not change the loss or any gradient."""
+"""Activation recomputation (megatron.parallelize.apply_activation_recomputation) must not change
+the loss or any gradient, and must actually recompute."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import torch
 
 from megatron.config import ModelConfig
 from megatron.model import GPTModel
+from megatron.parallelize import apply_activation_recomputation
 
 RECOMPUTE_SETTINGS = {
     "full_uniform_2": dict(
@@ -38,11 +40,17 @@ def loss_and_grads(dropout: float, **recompute):
         **recompute,
     )
     torch.manual_seed(0)
-    model = GPTModel(config).train()
+    model = apply_activation_recomputation(GPTModel(config), config).train()
+    mlp_forwards = []
+    model.decoder.layers[0].mlp.register_forward_pre_hook(lambda *_: mlp_forwards.append(1))
     tokens = torch.randint(0, 50, (2, 10), generator=torch.Generator().manual_seed(1))
     torch.manual_seed(2)  # same dropout masks in every run
     loss = model(tokens, labels=tokens.roll(-1, dims=1)).mean()
     loss.backward()
+    # Full recompute runs the first layer's forward again in backward; the others once.
+    assert len(mlp_forwards) == (2 if config.recompute_granularity == "full" else 1)
+    selective = config.recompute_granularity == "selective"
+    assert model.decoder.layers[0].self_attention.recompute_core_attention == selective
     return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
@@ -67,7 +75,10 @@ def test_full_recompute_needs_method_and_layers():
         padded_vocab_size=8,
         recompute_granularity="full",
     )
-    with pytest.raises(ValueError, match="recompute_method"):
-        GPTModel(ModelConfig(**base, recompute_num_layers=1))
-    with pytest.raises(ValueError, match="recompute_num_layers"):
-        GPTModel(ModelConfig(**base, recompute_method="uniform"))
+    for fields, missing in (
+        (dict(recompute_num_layers=1), "recompute_method"),
+        (dict(recompute_method="uniform"), "recompute_num_layers"),
+    ):
+        config = ModelConfig(**base, **fields)
+        with pytest.raises(ValueError, match=missing):
+            apply_activation_recomputation(GPTModel(config), config)
