@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import argparse
 
-from megatron.arguments.no_effect import NO_EFFECT
+# Flags Megatron-LM accepts that select a fused CUDA kernel or an overlap we do not implement
+# separately; they parse so existing launch scripts run, and change nothing.
+NO_EFFECT = "Accepted for Megatron-LM compatibility; has no effect in this framework."
 
 
 def add_training_args(parser: argparse.ArgumentParser) -> None:
