@@ -1,5 +1,7 @@
 """Session set-up and fixtures shared by every test."""
 
+import os
+
 import pytest
 import torch
 
@@ -28,3 +30,12 @@ def data_prefix(sample_prefix, tmp_path_factory):
     """`sample_prefix`'s dataset in a directory of the test module's own: the index caches one
     module's runs write beside it are not there for another module's."""
     return copy_dataset(sample_prefix, str(tmp_path_factory.mktemp("owt") / "owt_text_document"))
+
+
+@pytest.fixture
+def triton_kernels(monkeypatch):
+    """Run the public ops through their Triton kernels: the interpreter on CPU tensors, for the
+    kernel-vs-reference tests (megatron/kernels, moe/kernels, bench/kernels)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("these kernel-vs-reference tests use CPU tensors and Triton's CPU interpreter")
+    monkeypatch.setenv("MOE_KERNELS", "triton")

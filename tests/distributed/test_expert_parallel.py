@@ -9,7 +9,6 @@ input gradients, and (after the non-expert gradients are averaged over data para
 from __future__ import annotations
 
 import argparse
-import os
 from typing import Optional
 
 import pytest
@@ -181,13 +180,10 @@ def test_crossed_routing_with_an_idle_expert(impl):
     assert results[1]["tokens_per_expert"].tolist() == [4, 0, 2, 0]
 
 
-def test_grouped_backend_on_the_triton_kernels(monkeypatch):
+def test_grouped_backend_on_the_triton_kernels(triton_kernels):
     """The same exchange through the Triton permute and grouped-GEMM kernels (the interpreter
-    on the CPU): top_k = 1 gathers without weights, and a rank that receives no rows."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        # The ranks hold CPU tensors (gloo): the kernels can only run in the interpreter.
-        pytest.skip("needs Triton's CPU interpreter (tests/conftest.py enables it without a GPU)")
-    monkeypatch.setenv("MOE_KERNELS", "triton")
+    on the CPU; the ranks hold CPU tensors): top_k = 1 gathers without weights, and a rank
+    that receives no rows."""
     check_against_one_process("grouped", 2, world_size=2, ep=2)
     targets = [[2, 3, 2, 2, 3, 3], [3, 3, 2, 3, 2, 2]]
     check_against_one_process("grouped", 1, world_size=2, ep=2, targets=targets)
