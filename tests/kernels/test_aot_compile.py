@@ -1,4 +1,6 @@
-"""Every Triton kernel in megatron/kernels and moe/kernels (their AOT_SPECS) compiles for MI300X, MI250X and H100 on this CPU.
+"""Every Triton kernel (the AOT_SPECS of megatron/kernels and moe/kernels, through
+tools/compile_kernels.py, and of the benchmarks' bench/kernels, which that tool leaves out)
+compiles for MI300X, MI250X and H100 on this CPU.
 
 The compiling runs in a child process without TRITON_INTERPRET: interpreter tests in this session
 set it, and under it `triton.jit` gives functions that cannot be compiled. This module never
@@ -27,10 +29,20 @@ FINAL_STAGE = {"mi300x": "hsaco", "mi250x": "hsaco", "h100": "cubin"}
 ASSEMBLY_STAGE = {"mi300x": "amdgcn", "mi250x": "amdgcn", "h100": "ptx"}
 
 
-def _run_aot(flag: str):
+# The product's kernels through its tool; the benchmarks' through the same megatron.kernels.aot.
+PRODUCT = [sys.executable, "tools/compile_kernels.py"]
+BENCH = [
+    sys.executable,
+    "-c",
+    "import sys; from megatron.kernels.aot import main; "
+    "sys.exit(main(sys.argv[1:], ['bench.kernels']))",
+]
+
+
+def _run_aot(command: list, flag: str):
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     result = subprocess.run(
-        [sys.executable, "tools/compile_kernels.py", flag],
+        [*command, flag],
         cwd=REPO_ROOT,
         env=env,
         capture_output=True,
@@ -38,16 +50,18 @@ def _run_aot(flag: str):
         timeout=900,
     )
     if not result.stdout.strip():
-        raise RuntimeError(f"python tools/compile_kernels.py {flag} failed:\n{result.stderr}")
+        raise RuntimeError(f"{' '.join(command[1:])} {flag} failed:\n{result.stderr}")
     return json.loads(result.stdout)
 
 
-SPEC_NAMES = _run_aot("--list")
+# The bench list is empty where this Triton has no device-side tensor descriptors
+# (bench/kernels/grouped_gemm_tma.py's available()).
+SPEC_NAMES = _run_aot(PRODUCT, "--list") + _run_aot(BENCH, "--list")
 
 
 @pytest.fixture(scope="module")
 def report():
-    return _run_aot("--json")
+    return {**_run_aot(PRODUCT, "--json"), **_run_aot(BENCH, "--json")}
 
 
 def test_specs_cover_every_kernel_file():
