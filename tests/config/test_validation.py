@@ -1,0 +1,174 @@
+"""Impossible or unsupported command lines: one ConfigError naming the flags, before any work."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron.config import ConfigError, parse_arguments
+from tests.config.command_lines import config, error_message
+
+
+@pytest.mark.parametrize(
+    "extra, kwargs, world_size, expected",
+    [
+        ((), {"num_attention_heads": "5"}, 1, ["--num-attention-heads 5", "--hidden-size 64"]),
+        (
+            ("--group-query-attention", "--num-query-groups", "3"),
+            {},
+            1,
+            ["--num-query-groups 3", "--num-attention-heads 4"],
+        ),
+        ((), {"global_batch_size": "12"}, 4, ["--global-batch-size 12", "--micro-batch-size 2"]),
+        (
+            ("--tensor-model-parallel-size", "3"),
+            {},
+            8,
+            ["world size 8", "--tensor-model-parallel-size 3"],
+        ),
+        (("--train-samples", "100"), {}, 1, ["--train-iters", "--train-samples", "both"]),
+        ((), {"drop": ("--train-iters",)}, 1, ["--train-iters", "--train-samples", "neither"]),
+        (("--bf16", "--fp16"), {}, 1, ["--fp16", "--bf16"]),
+        ((), {"seq_length": "64"}, 1, ["--seq-length 64", "--max-position-embeddings 32"]),
+        (
+            ("--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "2"),
+            {},
+            1,
+            ["--lr-warmup-fraction 0.1", "--lr-warmup-iters 2"],
+        ),
+        ((), {"min_lr": "0.01"}, 1, ["--min-lr 0.01", "--lr 0.001"]),
+        ((), {"drop": ("--data-path",)}, 1, ["--data-path", "--train-data-path"]),
+        ((), {"data_path": "1.0 a 2.0"}, 1, ["--data-path", "3 entries", "pairs"]),
+        ((), {"data_path": "x a 2.0 b"}, 1, ["--data-path", "'x'"]),
+        (
+            ("--train-data-path", "t"),
+            {},
+            1,
+            ["--data-path", "--train-data-path", "one data source"],
+        ),
+        ((), {"split": "90,x,5"}, 1, ["--split", "'x'"]),
+        (("--recompute-method", "uniform"), {}, 1, ["--recompute-method uniform", "full"]),
+        (
+            ("--recompute-granularity", "selective", "--recompute-method", "block"),
+            {},
+            1,
+            ["--recompute-method block", "--recompute-granularity full"],
+        ),
+        (("--recompute-granularity", "full"), {}, 1, ["--recompute-method"]),
+        (
+            ("--checkpoint-activations", "--recompute-granularity", "selective"),
+            {},
+            1,
+            ["--checkpoint-activations", "--recompute-granularity selective"],
+        ),
+        (
+            "--recompute-granularity full --recompute-method block --recompute-num-layers 3".split(),
+            {},
+            1,
+            ["--recompute-num-layers 3", "--num-layers 2"],
+        ),
+        ((), {"drop": ("--vocab-file",)}, 1, ["GPT2BPETokenizer", "--vocab-file"]),
+        ((), {"drop": ("--merge-file",)}, 1, ["GPT2BPETokenizer", "--merge-file"]),
+        (
+            ("--tokenizer-type", "SentencePieceTokenizer"),
+            {},
+            1,
+            ["SentencePieceTokenizer", "--tokenizer-model"],
+        ),
+        (("--save-interval", "5"), {}, 1, ["--save-interval 5", "--save"]),
+        (("--save", "ckpt"), {}, 1, ["--save ckpt", "--save-interval"]),
+        (("--rampup-batch-size", "16", "8", "1000"), {}, 1, ["--rampup-batch-size", "supported"]),
+        (
+            ("--tensor-model-parallel-size", "8"),
+            {},
+            8,
+            ["--num-attention-heads 4", "--tensor-model-parallel-size 8"],
+        ),
+        (
+            ("--tensor-model-parallel-size", "2", "--ffn-hidden-size", "63"),
+            {},
+            2,
+            ["--ffn-hidden-size 63", "--tensor-model-parallel-size 2"],
+        ),
+        (
+            "--tensor-model-parallel-size 4 --group-query-attention --num-query-groups 2".split(),
+            {},
+            4,
+            ["--num-query-groups 2", "--tensor-model-parallel-size 4"],
+        ),
+        (
+            ("--tensor-model-parallel-size", "2", "--sequence-parallel"),
+            {"seq_length": "31"},
+            2,
+            ["--seq-length 31", "--tensor-model-parallel-size 2"],
+        ),
+        ((), {"drop": ("--lr", "--num-layers")}, 1, ["--num-layers", "--lr"]),
+        ((), {"drop": ("--max-position-embeddings",)}, 1, ["--max-position-embeddings"]),
+        (("--data-impl", "lazy"), {}, 1, ["--data-impl lazy", "mmap"]),
+        ((), {"hidden_dropout": "1.5"}, 1, ["--hidden-dropout", "1.5"]),
+        ((), {"micro_batch_size": "0"}, 1, ["--micro-batch-size", "> 0"]),
+        (
+            ("--lr-decay-samples", "100"),
+            {},
+            1,
+            ["--train-iters", "--lr-decay-samples", "--lr-decay-iters"],
+        ),
+        (("--lr-warmup-iters", "10"), {}, 1, ["--lr-warmup-iters 10", "--lr-decay-iters 10"]),
+        (
+            ("--position-embedding-type", "rope", "--rotary-percent", "0.1"),
+            {},
+            1,
+            ["--rotary-percent 0.1", "even"],
+        ),
+        (
+            ("--DDP-impl", "torch", "--accumulate-allreduce-grads-in-fp32"),
+            {},
+            1,
+            ["--accumulate-allreduce-grads-in-fp32", "--DDP-impl local"],
+        ),
+    ],
+)
+def test_validation_errors_name_the_flags(extra, kwargs, world_size, expected):
+    message = error_message(*extra, world_size=world_size, **kwargs)
+    for fragment in expected:
+        assert fragment in message, f"{fragment!r} missing from {message!r}"
+
+
+def test_config_error_is_a_value_error():
+    assert issubclass(ConfigError, ValueError)
+
+
+def test_bad_world_size():
+    with pytest.raises(ConfigError, match="world size"):
+        config(world_size=0)
+
+
+def test_unknown_flag_is_reported():
+    with pytest.raises(ConfigError, match="unrecognized arguments: --foo"):
+        config("--foo", "3")
+
+
+def test_flags_are_not_abbreviated():
+    with pytest.raises(ConfigError, match="unrecognized arguments: --num-lay"):
+        parse_arguments(["--num-lay", "2"])
+
+
+def test_bad_choice_and_bad_type_raise_config_error():
+    with pytest.raises(ConfigError, match="--lr-decay-style"):
+        config("--lr-decay-style", "exponential")
+    with pytest.raises(ConfigError, match="--num-layers"):
+        config(num_layers="two")
+
+
+def test_load_dir_missing_is_only_a_note(tmp_path):
+    missing = tmp_path / "nothing"
+    cfg = config("--load", str(missing))
+    assert cfg.checkpoint.load == str(missing)
+    assert any("does not exist" in note and str(missing) in note for note in cfg.notes)
+    assert not any("--load" in note for note in config("--load", str(tmp_path)).notes)
+
+
+def test_per_split_data_paths():
+    cfg = config(*"--train-data-path 1 a 1 b --valid-data-path v".split(), drop=("--data-path",))
+    assert cfg.data.data_path is None
+    assert cfg.data.train_data_path == ("1", "a", "1", "b")
+    assert cfg.data.valid_data_path == ("v",) and cfg.data.test_data_path is None
