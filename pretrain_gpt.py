@@ -44,6 +44,7 @@ from megatron.initialize import (
     set_random_seed,
     world_size_from_environment,
 )
+from megatron.kernels.dispatch import kernel_mode_set
 from megatron.model import DENSE_MLP, GPTModel, MlpSpec, num_floating_point_operations
 from megatron.parallel_state import destroy_model_parallel
 from megatron.parallelize import parallelize
@@ -166,7 +167,10 @@ def main(argv: Optional[List[str]] = None) -> TrainingResult:
     parallel = config.parallel
     tensor_parallel_size = parallel.tensor_model_parallel_size
 
-    with deterministic_mode(config.training.deterministic_mode):
+    with (
+        deterministic_mode(config.training.deterministic_mode),
+        kernel_mode_set(config.training.kernels),
+    ):
         context = initialize_distributed(parallel.distributed_backend)
         initialize_model_parallel(
             tensor_parallel_size,

@@ -27,7 +27,9 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron.config import ModelConfig  # noqa: E402
+from megatron.kernels.dispatch import kernel_mode  # noqa: E402
 from moe.config import MoEConfig  # noqa: E402
+from moe.kernels.grouped_gemm import choose_backend  # noqa: E402
 from moe.layers import build_moe_layer  # noqa: E402
 
 # (hidden, ffn per expert, experts, top_k, tokens): the issue's configurations.
@@ -46,8 +48,9 @@ GRAPHED_SUFFIX = "+compile-cudagraphs"
 
 
 def build_layer(hidden, ffn, experts, top_k, backend, dtype=torch.bfloat16):
-    """The layer for `backend`; "grouped+compile" is the grouped layer under torch.compile, as
-    training runs it (one graph: moe.kernels.traceable)."""
+    """The layer for `backend`, on the grouped GEMM a run would choose for this GPU and dtype;
+    "grouped+compile" is the grouped layer under torch.compile, as training runs it (one graph
+    on torch._grouped_mm)."""
     graphed = backend.endswith(GRAPHED_SUFFIX)
     backend = backend.removesuffix(GRAPHED_SUFFIX)
     compiled = backend.endswith(COMPILED_SUFFIX)
@@ -57,7 +60,10 @@ def build_layer(hidden, ffn, experts, top_k, backend, dtype=torch.bfloat16):
         ffn_hidden_size=ffn, seq_length=1024, max_position_embeddings=1024,
         add_bias_linear=False, init_method_std=0.02,
     )  # fmt: skip
-    moe = MoEConfig(num_experts=experts, top_k=top_k, mlp_impl=backend)
+    grouped_gemm = choose_backend(
+        torch.device("cuda"), dtype, (hidden, ffn), experts, kernel_mode()
+    )
+    moe = MoEConfig(num_experts=experts, top_k=top_k, mlp_impl=backend, grouped_gemm=grouped_gemm)
     torch.manual_seed(0)
     layer = build_moe_layer(model, moe).cuda().to(dtype)
     # One shape per layer, as in training; dynamic=False keeps the later configs from being
@@ -206,7 +212,7 @@ def check(backend):
     hidden, ffn, experts, top_k, tokens = 1024, 2048, 16, 2, 4096
     errors = []
     results = {}
-    # The compiled path is bf16-only (torch._grouped_mm): checked against the eager grouped
+    # The compiled layer runs torch._grouped_mm, bf16 only: checked against the eager grouped
     # layer in bf16; the others against the loop reference in fp32.
     eager = backend.removesuffix(GRAPHED_SUFFIX).removesuffix(COMPILED_SUFFIX)
     compiled = eager != backend

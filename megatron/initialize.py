@@ -38,6 +38,14 @@ def world_size_from_environment() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def compute_device() -> torch.device:
+    """The device this process computes on: its local rank's GPU, or the CPU without one."""
+    if torch.cuda.is_available():
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
 def initialize_distributed(
     requested_backend: str = "nccl", timeout_minutes: int = 30
 ) -> DistributedContext:
@@ -50,12 +58,11 @@ def initialize_distributed(
     world_size = world_size_from_environment()
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+    device = compute_device()
+    if device.type == "cuda":
         torch.cuda.set_device(device)
         backend = requested_backend
     else:
-        device = torch.device("cpu")
         backend = "gloo"
     if world_size == 1 and "MASTER_ADDR" not in os.environ:
         return DistributedContext(0, 1, 0, device, None)

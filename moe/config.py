@@ -7,10 +7,16 @@ raises `megatron.config.ConfigError` naming the flag, the value and what to chan
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from dataclasses import dataclass
 from typing import List, Optional
 
+import torch
+
 from megatron.config import Config, ConfigError, ModelConfig
+from megatron.initialize import compute_device
+from moe.kernels import grouped_gemm
+from moe.kernels.grouped_gemm import MOE
 
 MLP_IMPLS = ("grouped", "sparse", "reference")
 MLP_TYPES = ("mlp", "glu")
@@ -46,6 +52,9 @@ class MoEConfig:
     per_layer_logging: bool = False
     # Ranks the experts are sharded over (moe.expert_parallel); 1: every rank holds all experts.
     expert_model_parallel_size: int = 1
+    # The dMoE's grouped product (moe.kernels.grouped_gemm.BACKENDS): a run chooses it once for
+    # its device and precision (`moe_config`); this default runs everywhere.
+    grouped_gemm: str = MOE
 
     def is_moe_layer(self, layer_number: int) -> bool:
         """Whether layer `layer_number` (0-based) gets experts: every `layer_freq`-th, from 0."""
@@ -128,12 +137,15 @@ class MoEConfig:
 
     def notes(self) -> List[str]:
         """Informational lines for rank 0 about how the flags were read."""
+        notes = []
         if self.dropless and self.capacity_factor != 1.0:
-            return [
+            notes.append(
                 f"--moe-capacity-factor {self.capacity_factor} is unused by the dropless dMoE; "
                 "pass --no-moe-dropless for MoE with capacity"
-            ]
-        return []
+            )
+        if self.dropless and self.mlp_impl == "grouped":
+            notes.append(f"dMoE grouped GEMM: {self.grouped_gemm}")
+        return notes
 
     def validate(self, model: ModelConfig) -> None:
         """Raise ConfigError for a combination the MoE layers cannot build."""
@@ -258,5 +270,19 @@ def _check_expert_parallel_layout(
 
 def moe_config(args: argparse.Namespace, config: Config) -> Optional[MoEConfig]:
     """The run's MoE config from its resolved flags, for `Config.from_args(extensions=...)`;
-    None without --moe-num-experts."""
-    return MoEConfig.from_args(args, config.model, config.parallel.data_parallel_size)
+    None without --moe-num-experts. The grouped GEMM is chosen here, once, for the device this
+    process will compute on and the dtype its experts' rows will have."""
+    moe = MoEConfig.from_args(args, config.model, config.parallel.data_parallel_size)
+    if moe is None:
+        return None
+    training, model = config.training, config.model
+    rows_dtype = torch.bfloat16 if training.bf16 else torch.float16 if training.fp16 else None
+    widths = (model.hidden_size, model.ffn_hidden_size // model.tensor_model_parallel_size)
+    backend = grouped_gemm.choose_backend(
+        compute_device(),
+        rows_dtype or torch.float32,
+        widths,
+        moe.num_experts // moe.expert_model_parallel_size,
+        training.kernels,
+    )
+    return dataclasses.replace(moe, grouped_gemm=backend)

@@ -4,19 +4,20 @@ With an expert-parallel (EP) group of P ranks and E experts, rank r holds the co
 experts [r * E/P, (r + 1) * E/P) (`Experts` draws the full [E, ...] weights and keeps its slice,
 so any P reproduces the P = 1 numbers). A dMoE layer's forward on rank r then runs:
 
-1. route its own tokens over all E experts and sort the assignments by expert (`_sort`); rows
-   sorted by global expert are also sorted by destination rank;
+1. route its own tokens over all E experts, sort the assignments by expert and gather the rows in
+   that order (moe.kernels.token_rows); rows sorted by global expert are also sorted by
+   destination rank;
 2. `ExpertExchange.plan`: one all_to_all_single of the [P, E/P] count matrix tells every rank
    how many rows each source sends to each of its local experts; the split sizes then come to the
    host (`.tolist()`), the layer's one device-to-host sync: all_to_all_single takes its splits as
    Python ints, as in Megatron-core and MegaBlocks;
-3. `dispatch`: all_to_all_single of the rows with those variable splits. The received rows are
-   grouped by source rank, then expert; `local_indices` reorders them into local-expert-major
-   order (expert, then source rank) through the ordinary gather / scatter of moe.kernels.permute
-   with top_k = 1, whose backward is the opposite permutation (a gather, no atomics);
-4. the local experts run exactly as on one rank (grouped GEMM or block-sparse), then the rows go
-   back to source-major order and `combine` returns them with the reverse all-to-all; the origin
-   rank scatters them to its tokens weighted by the router.
+3. `dispatch`: all_to_all_single of the rows, and of their router weights, with those variable
+   splits. The received rows are grouped by source rank, then expert; `local_indices` reorders
+   them into local-expert-major order (expert, then source rank) by a permutation whose backward
+   is the opposite permutation (a gather, no atomics);
+4. the local experts run exactly as on one rank (grouped GEMM or block-sparse, each output row
+   scaled by its weight), then the rows go back to source-major order and `combine` returns them
+   with the reverse all-to-all; the origin rank sums each token's rows.
 Backward of each all-to-all is the all-to-all of the gradients with the splits swapped.
 `ExpertExchange` is this plain exchange; the dMoE layer runs the same exchange with its
 all-to-alls overlapped with the rank's own rows (moe.overlapped_exchange), which tests check
@@ -100,8 +101,8 @@ class ExpertExchange:
     """How one layer's rows move through an expert-parallel group, planned from the counts.
 
     send_splits[p]: rows this rank sends to rank p; receive_splits[s]: rows it gets from rank s.
-    The received rows (source-major) reach the local experts through moe.kernels.permute with
-    top_k = 1: `local_indices[i]` is the received row at local-expert-major slot i,
+    The received rows (source-major) reach the local experts through a permutation:
+    `local_indices[i]` is the received row at local-expert-major slot i,
     `tokens_per_local_expert` [E/P] the rows of each local expert over all sources and
     `local_bins` their inclusive cumulative sum.
     """

@@ -1,8 +1,9 @@
 """The experts' weights and their MLP (GELU) or GLU computation, on three token layouts.
 
 Weights are stored per expert as matmul operands: w1 (and v1 for GLU) [E, h, f], w2 [E, f, h],
-so one expert is `act(x @ w1[e]) @ w2[e]` (GLU: `(act(x @ w1[e]) * (x @ v1[e])) @ w2[e]`),
-a batch of capacity-padded experts is a `torch.bmm`, and sorted rows are a `grouped_mm`.
+so one expert is `act(x @ w1[e]) @ w2[e]` (GLU: `(act(x @ w1[e]) * (x @ v1[e])) @ w2[e]`): one
+expert's rows for the per-expert loop of the reference, a `torch.bmm` for the MoE's
+capacity-padded slots, a grouped GEMM for the dMoE's rows sorted by expert.
 
 Under tensor parallelism (Megatron-core's default, expert tensor parallel size = TP size) each
 TP rank holds f / tp of every expert's ffn channels: w1 and v1 split on their last dim like a
@@ -22,6 +23,7 @@ from torch.utils.checkpoint import checkpoint
 
 from megatron.expert_parameters import mark_expert_parallel
 from megatron.tensor_parallel import set_tensor_model_parallel_attributes
+from moe.kernels.grouped_gemm import MOE, grouped_product
 from moe.kernels.scaled_activation import scaled_activation
 from moe.weight_copies import CachedCast, GradientAccumulator
 
@@ -47,6 +49,9 @@ class Experts(nn.Module):
     With `tensor_parallel_size` T > 1 it holds channels [t * f/T, (t + 1) * f/T) of each
     expert's ffn, t = `tensor_parallel_rank` (module docstring), marked with Megatron's
     tensor-parallel attributes so checkpoints and the grad norm treat them as shards.
+
+    `grouped_gemm` names the grouped product of `forward_grouped`
+    (moe.kernels.grouped_gemm.BACKENDS).
     """
 
     def __init__(
@@ -63,6 +68,7 @@ class Experts(nn.Module):
         expert_parallel_rank: int = 0,
         tensor_parallel_size: int = 1,
         tensor_parallel_rank: int = 0,
+        grouped_gemm: str = MOE,
     ) -> None:
         super().__init__()
         if mlp_type not in ("mlp", "glu"):
@@ -90,6 +96,7 @@ class Experts(nn.Module):
         self.activation_name = activation
         self.activation = gelu_tanh if activation == "gelu" else F.silu
         self.memory_optimized = memory_optimized
+        self.grouped_gemm = grouped_gemm
         local, ffn = self.num_local_experts, self.local_ffn_hidden_size
         self.w1 = nn.Parameter(torch.empty(local, hidden_size, ffn))
         if mlp_type == "glu":
@@ -249,8 +256,8 @@ class Experts(nn.Module):
             if gate_input is not None:
                 intermediate = intermediate * gate_input
             if row_scale is not None:
-                # In fp32, as the combine did before: the router's weights (fp32 under
-                # autocast) are not rounded to bf16 before they scale the row.
+                # In fp32: the router's weights (fp32 under autocast) are not rounded to bf16
+                # before they scale the row.
                 scaled = intermediate.float() * row_scale.float().unsqueeze(-1)
                 intermediate = scaled.to(intermediate.dtype)
             return project(intermediate, w2)
@@ -274,34 +281,27 @@ class Experts(nn.Module):
         """Every expert on its capacity-padded slot block: x [E, C, h] -> [E, C, h] (bmm)."""
         return self._mlp(x, torch.bmm)
 
-    def forward_grouped(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        """Rows sorted by expert, x [N, h], local expert e owning the next tokens_per_expert[e]
-        rows."""
-        from moe.kernels.grouped_gemm import grouped_mm
-
-        def project(inputs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-            # Under autocast the inputs arrive in the compute dtype while the (fp32 master)
-            # weights do not: grouped_mm is an autograd Function autocast does not cast for.
-            return grouped_mm(inputs, weight.to(inputs.dtype), tokens_per_expert)
-
-        return self._mlp(x, project)
-
-    def forward_sorted_rows(
-        self, x: torch.Tensor, offsets: torch.Tensor, row_scale: Optional[torch.Tensor] = None
+    def forward_grouped(
+        self,
+        x: torch.Tensor,
+        tokens_per_expert: torch.Tensor,
+        offsets: torch.Tensor,
+        row_scale: torch.Tensor,
     ) -> torch.Tensor:
-        """forward_grouped for torch.compile: rows sorted by expert, expert e's rows ending at
-        offsets[e] (int32, inclusive cumulative counts), through torch._grouped_mm directly.
+        """The dMoE's experts: rows sorted by expert, x [N, h], local expert e owning the next
+        tokens_per_expert[e] rows (`offsets`: their int32 inclusive cumulative sums), each row's
+        output scaled by `row_scale` [N] (the router's weight of the row).
 
-        `row_scale` [rows] (the router's weight of each row) scales the activations before the
-        second projection: the same as scaling the output rows (the projection is linear),
-        without a pass over them. For the plain MLP one op does the activation, the scaling and
-        their gradients (moe.kernels.scaled_activation); for GLU Inductor fuses the scaling into
-        the activation's kernels.
+        The scaling is applied to the activations before the second projection: the same as
+        scaling the output rows (the projection is linear), without a pass over them, and the
+        combine's backward is then a plain gather. For the plain MLP one op does the activation,
+        the scaling and their gradients (moe.kernels.scaled_activation); for GLU Inductor fuses
+        the scaling into the activation's kernels. The products are the run's grouped GEMM
+        (moe.kernels.grouped_gemm.grouped_product, chosen once into `grouped_gemm`).
         """
-        from moe.kernels.traceable import grouped_projection
 
         def project(inputs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-            return grouped_projection(inputs, weight, offsets)
+            return grouped_product(inputs, weight, tokens_per_expert, offsets, self.grouped_gemm)
 
         return self._mlp(x, project, row_scale)
 

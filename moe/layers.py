@@ -8,9 +8,17 @@ leaves on the layer, for the training step to collect:
   it (moe.expert_load: the per-layer expert load in the log and TensorBoard).
 `MoEAuxiliaryLosses(model)()` turns them into the weighted terms added to the LM loss.
 
-Backends (`--moe-impl`): "grouped" permutes with moe.kernels.permute and multiplies with
-torch.bmm over capacity slots (MoE) or grouped_mm over sorted rows (dMoE); "sparse" uses the
-block-sparse kernels (dMoE only); "reference" is the per-expert loop of moe.reference.
+Backends (`--moe-impl`): "grouped" multiplies with torch.bmm over capacity slots (MoE) or a
+grouped GEMM over rows sorted by expert (dMoE); "sparse" uses the block-sparse kernels (dMoE
+only); "reference" is the per-expert loop of moe.reference.
+
+The dMoE has one data path, eager or compiled, on one rank or many: sort the assignments by
+expert and gather the token rows into that order (moe.kernels.token_rows), run the experts on
+them with each row's output scaled by its router weight (the only place the weights apply;
+moe.experts), sum each token's rows back. What varies is the product: the run's grouped GEMM
+(`MoEConfig.grouped_gemm`, chosen once at setup) or the block-sparse kernels. The MoE with
+capacity sorts the same way and moves rows into capacity slots (moe.kernels.permute's binned
+layout), weighting them in the scatter back.
 
 With `expert_model_parallel_size` > 1 the dMoE holds only its rank's block of experts and moves
 assignments to the rank of their expert and back by all-to-all (moe.expert_parallel).
@@ -34,6 +42,7 @@ from megatron.model.parallel_layers import check_tensor_parallel_state
 from moe.config import MoEConfig
 from moe.expert_parallel import expert_parallel_rank_and_size
 from moe.experts import Experts
+from moe.kernels import permute, token_rows
 from moe.overlapped_exchange import OverlappedExchange, run_experts_overlapped
 from moe.reference import reference_moe
 from moe.router import (
@@ -56,31 +65,10 @@ SPARSE_UNAVAILABLE = (
 )
 
 
-def _permute_ops():
-    """moe.kernels.permute, with a message saying what to do when it is missing."""
-    try:
-        from moe.kernels import permute
-    except ImportError as error:
-        raise RuntimeError(
-            "--moe-impl grouped needs the permutation kernels in moe/kernels/permute.py, which "
-            "could not be imported; use --moe-impl reference"
-        ) from error
-    return permute
-
-
 def _compiling() -> bool:
     """True while torch.compile traces the layer (never on a torch without torch.compiler)."""
     compiler = getattr(torch, "compiler", None)
     return compiler is not None and compiler.is_compiling()
-
-
-def _traceable_path_runs(tokens: torch.Tensor) -> bool:
-    """Whether the compiled dropless layer can be one graph (moe.kernels.traceable): bf16, the
-    only dtype torch._grouped_mm takes, on a device where it is fast. Otherwise the Triton path
-    runs, breaking the graph."""
-    from moe.kernels import traceable
-
-    return tokens.dtype == torch.bfloat16 and traceable.runs_on(tokens.device)
 
 
 def _in_backward() -> bool:
@@ -128,6 +116,7 @@ class MoELayer(nn.Module):
             expert_parallel_rank=self.expert_parallel_rank,
             tensor_parallel_size=model_config.tensor_model_parallel_size,
             tensor_parallel_rank=parallel_state.get_tensor_model_parallel_rank(),
+            grouped_gemm=moe_config.grouped_gemm,
         )
         # MegaBlocks' experts have no biases; the layer adds one output bias (--bias).
         if model_config.add_bias_linear:
@@ -240,14 +229,10 @@ class MoELayer(nn.Module):
         )
 
     def _sort(self, routing: Routing):
-        """(flat weights, indices, bins, tokens_per_expert) of the stable sort by expert."""
-        permute = _permute_ops()
-        flat_indices = routing.expert_indices.reshape(-1).int()
+        """(order, slot_of, tokens_per_expert) of the stable sort of the assignments by
+        expert (moe.kernels.token_rows.sort_assignments)."""
         with torch.no_grad():
-            tokens_per_expert = permute.expert_histogram(flat_indices, self.config.num_experts)
-            _, indices = permute.sort_by_expert(flat_indices, self.config.num_experts)
-            bins = torch.cumsum(tokens_per_expert, 0).int()
-        return routing.expert_weights.reshape(-1), indices, bins, tokens_per_expert
+            return token_rows.sort_assignments(routing.expert_indices, self.config.num_experts)
 
 
 class MoE(MoELayer):
@@ -265,11 +250,12 @@ class MoE(MoELayer):
         capacity = self.expert_capacity(tokens.shape[0])
         if self.config.mlp_impl == "reference":
             return self._reference(tokens, routing, capacity or None)
-        permute = _permute_ops()
-        weights, indices, bins, tokens_per_expert = self._sort(routing)
+        order, _, tokens_per_expert = self._sort(routing)
         if capacity == 0:
             capacity = int(tokens_per_expert.max())
         top_k = self.config.top_k
+        indices, bins = order.int(), torch.cumsum(tokens_per_expert, 0).int()
+        weights = routing.expert_weights.reshape(-1)
         expert_inputs = permute.binned_gather(tokens, indices, bins, capacity, top_k)
         expert_outputs = self.experts.forward_batched(expert_inputs)
         output = permute.binned_scatter(expert_outputs, indices, weights, bins, top_k)
@@ -294,40 +280,26 @@ class DroplessMoE(MoELayer):
     def compute_experts(
         self, tokens: torch.Tensor, routing: Routing
     ) -> Tuple[torch.Tensor, torch.Tensor]:
-        impl = self.config.mlp_impl
-        if impl == "reference":
+        if self.config.mlp_impl == "reference":
             return self._reference(tokens, routing, None)
         if self.expert_parallel_size > 1:
             return self._compute_experts_expert_parallel(tokens, routing)
-        if impl == "grouped" and _compiling() and _traceable_path_runs(tokens):
-            return self._grouped_traceable(tokens, routing)
-        weights, indices, bins, tokens_per_expert = self._sort(routing)
-        output = self._run_experts(
-            tokens, indices, weights, bins, tokens_per_expert, self.config.top_k
-        )
-        return output, tokens_per_expert
+        order, slot_of, tokens_per_expert = self._sort(routing)
+        top_k = self.config.top_k
+        rows = token_rows.gather_rows(tokens, order, slot_of, top_k)
+        row_weights = routing.expert_weights.reshape(-1).index_select(0, order)
+        outputs = self._run_experts(rows, row_weights, tokens_per_expert)
+        return token_rows.sum_rows(outputs, order, slot_of, top_k), tokens_per_expert
 
     def _run_experts(
-        self,
-        rows: torch.Tensor,
-        indices: torch.Tensor,
-        weights: Optional[torch.Tensor],
-        bins: torch.Tensor,
-        tokens_per_expert: torch.Tensor,
-        top_k: int,
+        self, rows: torch.Tensor, row_weights: torch.Tensor, tokens_per_expert: torch.Tensor
     ) -> torch.Tensor:
-        """Gather `rows` into expert order (permute's `indices` and `bins`), run this rank's
-        experts, scatter back weighted by `weights` (None: 1): [indices.numel() / top_k, h].
-
-        On one rank the rows are the tokens and the permutation the routing's; under expert
-        parallelism they are the received rows, put in expert order with top_k = 1.
-        """
+        """This rank's experts on `rows` sorted by expert (tokens_per_expert[e] rows each), each
+        output row scaled by its router weight."""
         if self.config.mlp_impl == "sparse":
-            return self._sparse(rows, weights, indices, bins, tokens_per_expert, top_k)
-        permute = _permute_ops()
-        expert_inputs = permute.gather(rows, indices, bins, top_k)
-        expert_outputs = self.experts.forward_grouped(expert_inputs, tokens_per_expert)
-        return permute.scatter(expert_outputs, indices, weights, bins, top_k)
+            return self._sparse(rows, row_weights, tokens_per_expert)
+        offsets = torch.cumsum(tokens_per_expert, 0, dtype=torch.int32)
+        return self.experts.forward_grouped(rows, tokens_per_expert, offsets, row_weights)
 
     # The all-to-all split sizes need a host sync, which no traced graph can hold: under
     # torch.compile this method runs eagerly, between graphs (docs/moe.md).
@@ -335,77 +307,68 @@ class DroplessMoE(MoELayer):
     def _compute_experts_expert_parallel(
         self, tokens: torch.Tensor, routing: Routing
     ) -> Tuple[torch.Tensor, torch.Tensor]:
-        """compute_experts with the experts sharded over the expert-parallel group: rows to
-        the ranks of their experts, the local experts, rows back (moe.expert_parallel), the
-        all-to-alls overlapped with this rank's own rows (moe.overlapped_exchange)."""
-        permute = _permute_ops()
-        weights, indices, bins, tokens_per_expert = self._sort(routing)
+        """compute_experts with the experts sharded over the expert-parallel group: rows and
+        their router weights to the ranks of their experts, the local experts, rows back
+        (moe.expert_parallel), the all-to-alls overlapped with this rank's own rows
+        (moe.overlapped_exchange)."""
+        order, slot_of, tokens_per_expert = self._sort(routing)
         top_k = self.config.top_k
         # Sorted by global expert is sorted by destination rank: each rank's rows are one block.
-        rows = permute.gather(tokens, indices, bins, top_k)
+        rows = token_rows.gather_rows(tokens, order, slot_of, top_k)
+        row_weights = routing.expert_weights.reshape(-1).index_select(0, order)
         exchange = OverlappedExchange.plan(
             tokens_per_expert, parallel_state.get_expert_model_parallel_group()
         )
         with self.experts.weights_cast_once(rows.dtype):
-            returned = run_experts_overlapped(rows, exchange, self._run_local_experts)
-        output = permute.scatter(returned, indices, weights, bins, top_k)
-        return output, tokens_per_expert
+            returned = run_experts_overlapped(rows, row_weights, exchange, self._run_local_experts)
+        return token_rows.sum_rows(returned, order, slot_of, top_k), tokens_per_expert
 
     def _run_local_experts(
         self,
         rows: torch.Tensor,
-        indices: Optional[torch.Tensor],
-        bins: torch.Tensor,
+        row_weights: torch.Tensor,
+        order: Optional[torch.Tensor],
         tokens_per_local_expert: torch.Tensor,
     ) -> torch.Tensor:
-        """The local experts on rows in local-expert order (`indices` None) or put in that
-        order by `indices` (moe.overlapped_exchange.RunExperts); outputs in the rows' order."""
-        if indices is None and self.config.mlp_impl != "sparse":
-            return self.experts.forward_grouped(rows, tokens_per_local_expert)
-        if indices is None:  # the block-sparse path pads through a permutation: the identity
-            indices = torch.arange(rows.shape[0], device=rows.device, dtype=torch.int32)
-        return self._run_experts(rows, indices, None, bins, tokens_per_local_expert, top_k=1)
-
-    def _grouped_traceable(
-        self, tokens: torch.Tensor, routing: Routing
-    ) -> Tuple[torch.Tensor, torch.Tensor]:
-        """The grouped backend as torch.compile sees it: same function, one graph (see
-        moe.kernels.traceable), the permutation kernels generated and fused by Inductor."""
-        from moe.kernels import traceable
-
-        top_k = self.config.top_k
-        order, slot_of, tokens_per_expert = traceable.sort_assignments(
-            routing.expert_indices, self.config.num_experts
+        """The local experts on rows in local-expert order (`order` None) or put in that order
+        by `order` (moe.overlapped_exchange.RunExperts); outputs in the rows' order."""
+        if order is None:
+            return self._run_experts(rows, row_weights, tokens_per_local_expert)
+        order = order.long()
+        positions = torch.arange(order.numel(), device=order.device)
+        slot_of = torch.empty_like(order).scatter_(0, order, positions)
+        sorted_rows = token_rows.gather_rows(rows, order, slot_of, 1)
+        outputs = self._run_experts(
+            sorted_rows, row_weights.index_select(0, order), tokens_per_local_expert
         )
-        expert_inputs = traceable.gather_rows(tokens, order, slot_of, top_k)
-        offsets = torch.cumsum(tokens_per_expert, 0, dtype=torch.int32)
-        # The router's weights scale the activations inside the experts rather than the
-        # expert outputs in the combine: the combine's backward is then a plain gather, and the
-        # weights' gradient a reduction fused into the activation's backward
-        # (docs/benchmark-log.md).
-        row_weights = routing.expert_weights.reshape(-1).index_select(0, order)
-        expert_outputs = self.experts.forward_sorted_rows(expert_inputs, offsets, row_weights)
-        output = traceable.sum_rows(expert_outputs, order, slot_of, top_k)
-        return output, tokens_per_expert
+        return token_rows.sum_rows(outputs, order, slot_of, 1)
 
-    def _sparse(self, rows, weights, indices, bins, tokens_per_expert, top_k) -> torch.Tensor:
+    def _sparse(
+        self, rows: torch.Tensor, row_weights: torch.Tensor, tokens_per_expert: torch.Tensor
+    ) -> torch.Tensor:
+        """`_run_experts` on the block-sparse kernels: the sorted rows padded to whole blocks
+        per expert, the experts as two block-sparse products, the padding dropped, the rows
+        scaled by their weights."""
         from moe.kernels.block_sparse import Topology, sparse_mlp
 
-        permute = _permute_ops()
         block = self.sparse_block_size
         experts = self.experts
         num_experts, hidden, ffn = experts.w1.shape
         w1, _, w2 = experts.projection_weights(rows.dtype)
         with torch.no_grad():
+            bins = torch.cumsum(tokens_per_expert, 0).int()
             padded_bins = permute.padded_bins(tokens_per_expert, block)
             topology = Topology.from_padded_bins(padded_bins, ffn, block)
-        expert_inputs = permute.padded_gather(rows, indices, bins, padded_bins, top_k)
+            identity = torch.arange(rows.shape[0], device=rows.device, dtype=torch.int32)
+        padded_rows = permute.padded_gather(rows, identity, bins, padded_bins, 1)
         # [E, h, f] -> [h, E*f] and [E, f, h] -> [E*f, h]: the block-sparse operand layouts.
-        compute_dtype = expert_inputs.dtype  # autocast's dtype: weights cast like autocast would
+        compute_dtype = rows.dtype  # autocast's dtype: weights cast like autocast would
         w1 = w1.to(compute_dtype).permute(1, 0, 2).reshape(hidden, num_experts * ffn)
         w2 = w2.to(compute_dtype).reshape(num_experts * ffn, hidden)
-        expert_outputs = sparse_mlp(expert_inputs, w1, w2, topology)
-        return permute.padded_scatter(expert_outputs, indices, weights, bins, padded_bins, top_k)
+        padded_outputs = sparse_mlp(padded_rows, w1, w2, topology)
+        outputs = permute.padded_scatter(padded_outputs, identity, None, bins, padded_bins, 1)
+        # In fp32: the router's weights are not rounded to the rows' dtype first.
+        return (outputs.float() * row_weights.float().unsqueeze(-1)).to(outputs.dtype)
 
 
 def build_moe_layer(model_config: ModelConfig, moe_config: MoEConfig) -> MoELayer:

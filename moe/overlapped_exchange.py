@@ -32,11 +32,11 @@ import torch.distributed as dist
 
 from moe.expert_parallel import _expert_major_order, exchange_counts
 
-# run(rows, indices, bins, tokens_per_local_expert) -> outputs in the rows' order. `indices`
-# None: the rows are already in local-expert order; else moe.kernels.permute's gather indices
-# (with top_k = 1) that put them there, and `bins` their inclusive cumulative counts.
+# run(rows, row_weights, order, tokens_per_local_expert) -> outputs in the rows' order, each
+# scaled by its weight. `order` None: the rows are already in local-expert order; else the
+# permutation that puts them there (sorted row i is rows[order[i]]).
 RunExperts = Callable[
-    [torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor], torch.Tensor
+    [torch.Tensor, torch.Tensor, Optional[torch.Tensor], torch.Tensor], torch.Tensor
 ]
 
 
@@ -159,30 +159,31 @@ def _exchange_wait(pending, output_splits, input_splits, group, flight) -> torch
 
 
 def run_experts_overlapped(
-    rows: torch.Tensor, exchange: OverlappedExchange, run: RunExperts
+    rows: torch.Tensor, row_weights: torch.Tensor, exchange: OverlappedExchange, run: RunExperts
 ) -> torch.Tensor:
-    """Rows sorted by global expert (this rank's sends, rank-major) -> the experts' outputs in
-    the same order, the rows of other ranks' experts computed there (module docstring)."""
+    """Rows sorted by global expert (this rank's sends, rank-major) and their router weights ->
+    the experts' weighted outputs in the same order, the rows of other ranks' experts computed
+    there (module docstring). The weights travel beside the rows, in an exchange of their own."""
     own_end = exchange.own_start + sum(exchange.own_halves)
+    halves = list(exchange.own_halves)
     remote_rows = torch.cat([rows[: exchange.own_start], rows[own_end:]])
-    own_first, own_second = rows[exchange.own_start : own_end].split(list(exchange.own_halves))
+    remote_weights = torch.cat([row_weights[: exchange.own_start], row_weights[own_end:]])
+    own_first, own_second = rows[exchange.own_start : own_end].split(halves)
+    weights_first, weights_second = row_weights[exchange.own_start : own_end].split(halves)
     group = exchange.group
     send, receive = exchange.remote_send_splits, exchange.remote_receive_splits
 
-    dispatch = _InFlight()
+    dispatch, dispatch_weights = _InFlight(), _InFlight()
     pending = _exchange_start(remote_rows, receive, send, group, dispatch)
-    out_first = _run_sorted(run, own_first, exchange.own_counts[0])
+    pending_weights = _exchange_start(remote_weights, receive, send, group, dispatch_weights)
+    out_first = run(own_first, weights_first, None, exchange.own_counts[0])
     received = _exchange_wait(pending, receive, send, group, dispatch)
-    remote_bins = torch.cumsum(exchange.remote_counts, 0).int()
-    remote_out = run(received, exchange.remote_indices, remote_bins, exchange.remote_counts)
+    received_weights = _exchange_wait(pending_weights, receive, send, group, dispatch_weights)
+    remote_out = run(received, received_weights, exchange.remote_indices, exchange.remote_counts)
 
     combine = _InFlight()
     pending = _exchange_start(remote_out, send, receive, group, combine)
-    out_second = _run_sorted(run, own_second, exchange.own_counts[1])
+    out_second = run(own_second, weights_second, None, exchange.own_counts[1])
     returned = _exchange_wait(pending, send, receive, group, combine)
     before = exchange.own_start
     return torch.cat([returned[:before], out_first, out_second, returned[before:]])
-
-
-def _run_sorted(run: RunExperts, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    return run(rows, None, torch.cumsum(counts, 0).int(), counts)

@@ -4,9 +4,9 @@
   the forwards of every step and evaluation, their held gradients flushed after the backwards.
 - The per-layer expert load (moe.expert_load) at each --log-interval: a line with
   --moe-per-layer-logging, TensorBoard histograms and spreads with --tensorboard-dir.
-- The compile choice: only the dropless grouped MoE in bf16 compiles as one graph, where
-  torch._grouped_mm is fast (moe.kernels.traceable); other MoE layers launch Triton kernels from
-  Python and run faster eagerly.
+- The compile choice: only the dropless grouped MoE on torch._grouped_mm (the grouped GEMM a
+  run chooses where it is fast, moe.kernels.grouped_gemm.choose_backend) compiles as one graph;
+  other MoE layers launch Triton kernels from Python and run faster eagerly.
 """
 
 from __future__ import annotations
@@ -22,12 +22,11 @@ from megatron.training_hooks import TrainingHooks
 from moe.config import MoEConfig
 from moe.expert_load import format_expert_load_line, gather_expert_load, load_spread
 from moe.experts import flush_expert_gradients, refresh_compute_weights
-from moe.kernels import traceable
+from moe.kernels.grouped_gemm import TORCH
 
 EAGER_NOTE = (
-    "this MoE model runs without torch.compile (only the dropless grouped backend in bf16 "
-    "compiles as one graph, on GPUs where torch._grouped_mm is fast: NVIDIA Hopper/Blackwell "
-    "with torch 2.8 or newer)"
+    "this MoE model runs without torch.compile (only the dropless grouped backend on "
+    "torch._grouped_mm compiles as one graph: bf16 on NVIDIA Hopper with torch 2.8 or newer)"
 )
 
 
@@ -70,12 +69,7 @@ class MoETrainingHooks(TrainingHooks):
 
     def compile_veto(self, device: torch.device) -> Optional[str]:
         moe = self.moe
-        whole = (
-            moe.dropless
-            and moe.mlp_impl == "grouped"
-            and self.training.bf16
-            and traceable.runs_on(device)
-        )
+        whole = moe.dropless and moe.mlp_impl == "grouped" and moe.grouped_gemm == TORCH
         return None if whole else EAGER_NOTE
 
     def setup(self, model: nn.Module, wrapped_in_ddp: bool, device: torch.device) -> None:

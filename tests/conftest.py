@@ -13,6 +13,8 @@ from tests.sample_data import CORPUS, copy_dataset, gpt2_preprocess_args
 if not torch.cuda.is_available():
     triton_interpreter.enable()
 
+from megatron.kernels import dispatch  # noqa: E402  (after the interpreter is set up)
+
 
 @pytest.fixture(scope="session")
 def sample_prefix(tmp_path_factory):
@@ -38,4 +40,17 @@ def triton_kernels(monkeypatch):
     kernel-vs-reference tests (megatron/kernels, moe/kernels, bench/kernels)."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("these kernel-vs-reference tests use CPU tensors and Triton's CPU interpreter")
-    monkeypatch.setenv("MOE_KERNELS", "triton")
+    force_kernel_mode(monkeypatch, "triton")
+
+
+def force_kernel_mode(monkeypatch, mode: str) -> None:
+    """Every op of this test in kernel `mode` (megatron.kernels.dispatch), in this process and
+    in the processes it starts (MOE_KERNELS, which they read at their first op)."""
+    monkeypatch.setattr(dispatch, "_mode", mode)
+    monkeypatch.setenv("MOE_KERNELS", mode)
+
+
+@pytest.fixture
+def reference_kernels(monkeypatch):
+    """The plain-PyTorch references of every kernel, here and in started processes."""
+    force_kernel_mode(monkeypatch, "reference")

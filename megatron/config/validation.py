@@ -14,6 +14,7 @@ import torch
 
 from megatron.arguments import ArgumentGroupAdder, build_parser
 from megatron.data.dataset_splits import parse_data_path, parse_split_string
+from megatron.kernels.dispatch import kernel_mode_from_environment
 
 
 class ConfigError(ValueError):
@@ -60,6 +61,7 @@ def resolve_arguments_with_notes(
     _resolve_parallelism(args, world_size)
     _resolve_batch_size(args, notes)
     _resolve_precision(args, notes)
+    _resolve_kernels(args)
     _resolve_iterations_and_lr(args)
     _resolve_model_shape(args, notes)
     _check_tensor_parallel(args, notes)
@@ -160,6 +162,14 @@ def _resolve_precision(args: argparse.Namespace, notes: List[str]) -> None:
         # bf16 gradients lose too much precision when summed over micro-batches and ranks.
         args.accumulate_allreduce_grads_in_fp32 = True
         notes.append("accumulate and all-reduce gradients in fp32 for bfloat16 data type.")
+
+
+def _resolve_kernels(args: argparse.Namespace) -> None:
+    """The kernel mode (megatron.kernels.dispatch) from MOE_KERNELS, read here once."""
+    try:
+        args.kernels = kernel_mode_from_environment()
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
 
 
 def _resolve_iterations_and_lr(args: argparse.Namespace) -> None:

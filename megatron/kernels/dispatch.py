@@ -1,8 +1,11 @@
 """When the public ops run their Triton kernels and when their pure-PyTorch references.
 
-Kernels run on GPU tensors when Triton is importable. `MOE_KERNELS=triton` forces the kernels
-(tests do this with `TRITON_INTERPRET=1` to run them on the CPU through Triton's interpreter);
-`MOE_KERNELS=reference` forces the references everywhere.
+Kernels run on GPU tensors when Triton is importable. The mode can force a choice: "triton"
+forces the kernels (tests do this with `TRITON_INTERPRET=1` to run them on the CPU through
+Triton's interpreter), "reference" forces the references everywhere. It is read once: a run
+takes it from the `MOE_KERNELS` environment variable when its config is built (shown as
+`kernels` in the arguments block) and sets it for its duration (`kernel_mode_set`); other
+callers get the environment's value at their first op.
 
 Triton is optional (the project installs it only on Linux x86_64). Every module of
 megatron.kernels and moe.kernels therefore imports without it, by one pattern:
@@ -30,17 +33,51 @@ first `import triton` (tests/triton_interpreter.py).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
+from typing import Iterator, Optional
 
 import torch
 
 TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
 
+KERNEL_MODES = ("auto", "triton", "reference")
+
+# The mode every op reads; None until the first op or `kernel_mode_set`.
+_mode: Optional[str] = None
+
+
+def kernel_mode_from_environment() -> str:
+    """MOE_KERNELS: "auto" (default), "triton" or "reference"; ValueError naming any other."""
+    mode = os.environ.get("MOE_KERNELS", "auto")
+    if mode not in KERNEL_MODES:
+        raise ValueError(
+            f"MOE_KERNELS={mode!r} is not one of {', '.join(KERNEL_MODES)}; unset it (auto: "
+            "Triton kernels on GPUs) or choose one of them"
+        )
+    return mode
+
 
 def kernel_mode() -> str:
-    """MOE_KERNELS: "auto" (default), "triton" or "reference"."""
-    return os.environ.get("MOE_KERNELS", "auto")
+    """The mode in force: the one set by `kernel_mode_set`, else the environment's."""
+    global _mode
+    if _mode is None:
+        _mode = kernel_mode_from_environment()
+    return _mode
+
+
+@contextlib.contextmanager
+def kernel_mode_set(mode: str) -> Iterator[None]:
+    """Every op within runs in `mode`; the previous mode returns after."""
+    global _mode
+    if mode not in KERNEL_MODES:
+        raise ValueError(f"kernel mode {mode!r} is not one of {', '.join(KERNEL_MODES)}")
+    previous, _mode = _mode, mode
+    try:
+        yield
+    finally:
+        _mode = previous
 
 
 def use_triton(*tensors: torch.Tensor) -> bool:

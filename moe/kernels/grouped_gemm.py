@@ -1,26 +1,22 @@
 """Grouped GEMM for dropless MoE: rows grouped by expert, each group times its own expert weight.
 
 `grouped_mm(x, weight, tokens_per_expert)` multiplies rows `bins[e-1]:bins[e]` of `x` by
-`weight[e]`, where `bins = cumsum(tokens_per_expert)`. Each of the three products (forward,
-input gradient, weight gradient) picks one backend at run time:
+`weight[e]`, where `bins = cumsum(tokens_per_expert)`: the Triton kernels
+(moe.kernels.grouped_gemm_kernels, launched here) where `use_triton(...)` says so, else the
+pure-PyTorch reference, a loop over experts (megatron.kernels.dispatch).
 
-1. `torch._grouped_mm` (CUTLASS, no host sync) for bf16 CUDA tensors on sm90/sm100 whose
-   layout it accepts (see `_grouped_mm_supported`);
-2. otherwise the Triton kernels (moe.kernels.grouped_gemm_kernels, launched here), when
-   `use_triton(...)` says so;
-3. otherwise the pure-PyTorch reference, a loop over experts.
-
-`MOE_KERNELS=triton` / `MOE_KERNELS=reference` (see `megatron.kernels.dispatch`) force the Triton
-kernels / the references for every product.
+The dMoE's experts call `grouped_product`, the one part of their data path that differs between
+platforms: torch._grouped_mm (CUTLASS, no host sync) where it is fast, else `grouped_mm`. Which of
+the two a run uses is chosen once, at setup (`choose_backend`, into `MoEConfig.grouped_gemm`).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
-from megatron.kernels.dispatch import TRITON_AVAILABLE, kernel_mode, use_triton
+from megatron.kernels.dispatch import TRITON_AVAILABLE, use_triton
 from moe.kernels.grouped_gemm_kernels import (
     DEFAULT_TILE_SIZES,
     HOPPER_ROW_TILE_SIZES,
@@ -138,30 +134,14 @@ class _GroupedMM(torch.autograd.Function):
         return grad_x, grad_weight, None, None
 
 
-def _backend(weight: torch.Tensor, *row_operands: torch.Tensor) -> str:
-    """'torch', 'triton' or 'reference' for one product of contiguous row-grouped operands.
-
-    Every row operand ([N_total, K] or [N_total, N]) must pass `_grouped_mm_supported` with the
-    weight for torch._grouped_mm: their row strides are the strides the product will use.
-    """
-    # A forced mode (MOE_KERNELS=triton or reference) also skips torch._grouped_mm, so the Triton
-    # kernels can be tested and timed on GPUs that have it.
-    mode = kernel_mode()
-    if mode == "auto" and all(_grouped_mm_supported(rows, weight) for rows in row_operands):
-        return "torch"
-    tensors = (weight, *row_operands)
-    if use_triton(*tensors) and all(tensor.dtype in _TRITON_DTYPES for tensor in tensors):
-        return "triton"
-    return "reference"
+def _use_kernels(*tensors: torch.Tensor) -> bool:
+    """The Triton kernels where the kernel mode says so and they take the dtype, else the
+    reference."""
+    return use_triton(*tensors) and all(tensor.dtype in _TRITON_DTYPES for tensor in tensors)
 
 
 def _forward_product(x, weight, tokens_per_expert, tile_sizes):
-    backend = _backend(weight, x)
-    if backend == "torch":
-        return torch._grouped_mm(
-            x, weight, offs=torch.cumsum(tokens_per_expert, 0, dtype=torch.int32)
-        )
-    if backend == "triton":
+    if _use_kernels(weight, x):
         return _grouped_mm_triton(
             x, weight, tokens_per_expert, transpose_weight=False, tile_sizes=tile_sizes
         )
@@ -171,12 +151,7 @@ def _forward_product(x, weight, tokens_per_expert, tile_sizes):
 
 def _input_grad(grad_out, weight, tokens_per_expert, tile_sizes):
     """grad_x_e = grad_out_e @ weight[e]^T."""
-    backend = _backend(weight, grad_out)
-    if backend == "torch":
-        offsets = torch.cumsum(tokens_per_expert, 0, dtype=torch.int32)
-        # A column-major view of weight[e]^T is a layout torch._grouped_mm accepts as is.
-        return torch._grouped_mm(grad_out, weight.transpose(1, 2), offs=offsets)
-    if backend == "triton":
+    if _use_kernels(weight, grad_out):
         return _grouped_mm_triton(
             grad_out, weight, tokens_per_expert, transpose_weight=True, tile_sizes=tile_sizes
         )
@@ -185,37 +160,18 @@ def _input_grad(grad_out, weight, tokens_per_expert, tile_sizes):
 
 def _weight_grad(x, grad_out, weight, tokens_per_expert, tile_sizes):
     """grad_weight[e] = x_e^T @ grad_out_e; zero for experts without rows."""
-    backend = _backend(weight, x, grad_out)
-    if backend == "torch":
-        offsets = torch.cumsum(tokens_per_expert, 0, dtype=torch.int32)
-        grad_weight = torch._grouped_mm(x.t(), grad_out, offs=offsets)
-        if _empty_groups_may_be_unwritten(grad_weight.device):
-            # Empty groups are not written on sm100 (pytorch/pytorch#172439): zero them in
-            # place, without a host sync. Not on Hopper, which writes them: there the pass over
-            # the whole weight gradient would be a full memory pass for nothing
-            # (docs/benchmark-log.md).
-            grad_weight.masked_fill_((tokens_per_expert == 0).view(-1, 1, 1), 0)
-        return grad_weight
-    if backend == "triton":
+    if _use_kernels(weight, x, grad_out):
         return _weight_grad_triton(x, grad_out, tokens_per_expert, tile_sizes)
     return _weight_grad_reference(x, grad_out, tokens_per_expert)
 
 
-def _empty_groups_may_be_unwritten(device: torch.device) -> bool:
-    """Whether torch._grouped_mm may leave empty groups of x^T @ dy unwritten on this GPU."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 10
+# --------------------------------------------------------------------------------------------
+# The product a dMoE runs: torch._grouped_mm or the op above, chosen once per run
+# --------------------------------------------------------------------------------------------
 
-
-def _grouped_mm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """True when torch._grouped_mm runs x [M, K] (rows grouped) times weight [E, K, N] on its fast path.
-
-    Also holds for the backward products (grad_out @ weight[e]^T, x^T @ grad_out) when both
-    x and grad_out pass with weight: they use the same strides, transposed. Never raises.
-    """
-    try:
-        return _grouped_mm_supported_or_raise(x, weight)
-    except Exception:
-        return False
+TORCH = "torch._grouped_mm"
+MOE = "moe.kernels.grouped_gemm"
+BACKENDS = (TORCH, MOE)
 
 
 def torch_has_grouped_mm() -> bool:
@@ -225,53 +181,58 @@ def torch_has_grouped_mm() -> bool:
 
 def torch_grouped_mm_is_fast_on(device: torch.device) -> bool:
     """Whether the running torch has torch._grouped_mm (2.8 and newer) with its CUTLASS kernel
-    on `device` (NVIDIA sm90 / sm100, bf16). Elsewhere it is missing (older torch) or falls back
-    to copying the offsets to the host and looping over torch.mm, a device sync per call,
-    slower than the Triton kernels; on ROCm only gfx942/gfx950 builds with CK have a fast path,
-    not detected here, so AMD GPUs take the Triton kernels."""
+    on `device` and it writes every group of the weight gradient: NVIDIA sm90 (Hopper). Elsewhere
+    it is missing (older torch) or falls back to copying the offsets to the host and looping over
+    torch.mm, a device sync per call, slower than the Triton kernels. On sm100 (Blackwell) it
+    leaves the weight gradient of experts without rows unwritten (pytorch/pytorch#172439); on
+    ROCm only gfx942/gfx950 builds with CK have a fast path, not detected here. Those GPUs take
+    the Triton kernels."""
     if not torch_has_grouped_mm() or torch.version.hip is not None:
         return False
     if device.type != "cuda":
         return False
     major, _ = torch.cuda.get_device_capability(device)
-    return major in (9, 10)
+    return major == 9
 
 
-def _grouped_mm_supported_or_raise(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    # Constraints from aten/src/ATen/native/cuda/GroupedBlas.cpp (_grouped_mm_cuda),
-    # GroupedMMUtils.h (_grouped_mm_validate_inputs) and cuda/GroupMM.cu (bf16 CUTLASS kernel).
-    if not (x.is_cuda and weight.is_cuda) or x.device != weight.device:
-        return False
-    if not torch_grouped_mm_is_fast_on(x.device):
-        return False
-    # Any other dtype goes to the fallback described in torch_grouped_mm_is_fast_on.
-    if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
-        return False
-    if x.dim() != 2 or weight.dim() != 3:
-        return False
-    # With zero rows the weight-gradient operand x^T [K, 0] has no stride the checks accept
-    # (pytorch/pytorch#192497); and groups are capped by the one-block setup kernel.
-    if x.shape[0] == 0 or not 0 < weight.shape[0] < _GROUPED_MM_MAX_GROUPS:
-        return False
-    element_size = x.element_size()
-    for operand in (x, weight):
-        if operand.numel() == 0 or operand.data_ptr() % _GROUPED_MM_ALIGNMENT_BYTES:
-            return False
-        if not _tma_compatible_strides(operand, element_size):
-            return False
-    return True
+def choose_backend(
+    device: torch.device, dtype: torch.dtype, widths: Sequence[int], num_groups: int, mode: str
+) -> str:
+    """The grouped product of a run on `device` with rows of `dtype`, chosen once at setup:
+    TORCH where torch._grouped_mm is fast (`torch_grouped_mm_is_fast_on`, bf16, every operand
+    width in `widths` a multiple of the 16 bytes its TMA loads need, fewer than 1024 groups,
+    kernel `mode` "auto");
+    else MOE, whose op runs the Triton kernels or the references as `mode` says. A compiled
+    dMoE is one graph only on TORCH: the Triton launches break it (moe.training_hooks)."""
+    aligned = all(width * 2 % _GROUPED_MM_ALIGNMENT_BYTES == 0 for width in widths)
+    if (
+        mode == "auto"
+        and dtype == torch.bfloat16
+        and aligned
+        and 0 < num_groups < _GROUPED_MM_MAX_GROUPS
+        and torch_grouped_mm_is_fast_on(device)
+    ):
+        return TORCH
+    return MOE
 
 
-def _tma_compatible_strides(operand: torch.Tensor, element_size: int) -> bool:
-    """Row- or column-major in the last two dims, with the other stride a multiple of 16 bytes."""
-    rows, cols = operand.shape[-2:]
-    row_stride, col_stride = operand.stride()[-2:]
-    alignment = _GROUPED_MM_ALIGNMENT_BYTES // element_size
-    if col_stride == 1 and row_stride >= max(1, cols):
-        return row_stride % alignment == 0
-    if row_stride == 1 and col_stride >= max(1, rows):
-        return col_stride % alignment == 0
-    return False
+def grouped_product(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    tokens_per_expert: torch.Tensor,
+    offsets: torch.Tensor,
+    backend: str,
+) -> torch.Tensor:
+    """x [N, K] rows grouped by expert (tokens_per_expert [E] of them each; `offsets` their
+    int32 inclusive cumulative sums) times weight [E, K, N'], cast to x's dtype here because
+    autocast covers neither product. `backend` from `choose_backend`: torch._grouped_mm with
+    its own autograd, which torch.compile traces; or `grouped_mm`. Without rows the op runs:
+    torch._grouped_mm's weight gradient rejects an operand of no rows (pytorch/pytorch#192497).
+    """
+    weight = weight.to(x.dtype)
+    if backend == TORCH and x.shape[0] > 0:
+        return torch._grouped_mm(x, weight, offs=offsets)
+    return grouped_mm(x, weight, tokens_per_expert)
 
 
 # --------------------------------------------------------------------------------------------

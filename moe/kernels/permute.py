@@ -1,10 +1,12 @@
-"""Moving token rows into expert order and back: gather/scatter, padded and binned variants.
+"""Rows in expert order into the buffers of padded and binned layouts and back.
 
-Every op maps sorted slot i (assignment indices[i], token indices[i] // top_k) to a row of an
-expert-ordered buffer, in one of three layouts:
-- dense:  row = i                                   (gather / scatter)
-- padded: row = padded start of expert e + rank in e (padded_gather / padded_scatter)
-- binned: row = e * capacity + rank in e, dropped when rank >= capacity (binned_*)
+The dMoE sorts its rows by expert with moe.kernels.token_rows; two products want a buffer with
+room between the experts. Every op here maps sorted slot i (assignment indices[i], token
+indices[i] // top_k) to a row of such a buffer, in one of two layouts:
+- padded: row = padded start of expert e + rank in e, each expert's rows padded to a whole
+  number of blocks (padded_gather / padded_scatter: the block-sparse products);
+- binned: row = e * capacity + rank in e, dropped when rank >= capacity (binned_*: the MoE with
+  capacity, whose experts are one torch.bmm)
 One gather kernel writes each buffer row once (zeros where no assignment lands) and one scatter
 kernel sums each token's top_k rows in fp32, so forward and backward of every op are these two
 kernels: gather's backward is a scatter and scatter's backward is a weighted gather that also
@@ -20,15 +22,7 @@ from typing import Optional
 import torch
 
 from megatron.kernels.dispatch import TRITON_AVAILABLE, use_triton
-from moe.kernels.permute_kernels import BINNED, BLOCK_H, DENSE, INVERT_BLOCK, PADDED
-from moe.kernels.sort import (
-    expert_bins,
-    expert_histogram,
-    expert_histogram_reference,
-    padded_bins,
-    sort_by_expert,
-    sort_by_expert_reference,
-)
+from moe.kernels.permute_kernels import BINNED, BLOCK_H, INVERT_BLOCK, PADDED
 
 if TRITON_AVAILABLE:
     import triton
@@ -39,26 +33,16 @@ if TRITON_AVAILABLE:
         _scatter_kernel,
     )
 
-# The whole permute API in one import; counting and sorting live in sort.py.
 __all__ = [
     "binned_gather",
     "binned_gather_reference",
     "binned_scatter",
     "binned_scatter_reference",
-    "expert_bins",
-    "expert_histogram",
-    "expert_histogram_reference",
-    "gather",
-    "gather_reference",
     "padded_bins",
     "padded_gather",
     "padded_gather_reference",
     "padded_scatter",
     "padded_scatter_reference",
-    "scatter",
-    "scatter_reference",
-    "sort_by_expert",
-    "sort_by_expert_reference",
 ]
 
 
@@ -206,8 +190,6 @@ def _rows_reference(bins, padded_bins, capacity, layout):
     counts = torch.diff(bins.long(), prepend=bins.new_zeros(1).long())
     experts = torch.repeat_interleave(torch.arange(bins.numel(), device=bins.device), counts)
     rank = torch.arange(experts.numel(), device=bins.device) - (bins.long() - counts)[experts]
-    if layout == DENSE:
-        return torch.arange(experts.numel(), device=bins.device)
     if layout == PADDED:
         padded = padded_bins.long()
         return torch.cat([padded.new_zeros(1), padded[:-1]])[experts] + rank
@@ -237,32 +219,12 @@ def _scatter_reference(y, indices, weights, bins, padded_bins, capacity, top_k, 
 # --- public ops ---------------------------------------------------------------------------------
 
 
-def gather_reference(x, indices, bins, top_k: int) -> torch.Tensor:
-    """Plain-PyTorch gather: out[i] = x[indices[i] // top_k]."""
-    return _gather_reference(x, indices, bins, None, 0, top_k, DENSE, indices.numel())
-
-
-def gather(x: torch.Tensor, indices, bins, top_k: int) -> torch.Tensor:
-    """Token rows in expert order, [T * top_k, H]: out[i] = x[indices[i] // top_k]."""
-    if not use_triton(x):
-        return gather_reference(x, indices, bins, top_k)
-    indices, bins = _ints(indices, bins)
-    return _Gather.apply(x, indices, bins, None, 0, top_k, DENSE, indices.numel())
-
-
-def scatter_reference(y, indices, weights, bins, top_k: int) -> torch.Tensor:
-    """Plain-PyTorch scatter: out[t] = sum_j weights[a] * y[slot of a], a = t * top_k + j."""
-    return _scatter_reference(y, indices, weights, bins, None, 0, top_k, DENSE)
-
-
-def scatter(
-    y: torch.Tensor, indices, weights: Optional[torch.Tensor], bins, top_k: int
-) -> torch.Tensor:
-    """Inverse of gather with top-k weights (None = 1): [T * top_k, H] -> [T, H]."""
-    if not use_triton(y):
-        return scatter_reference(y, indices, weights, bins, top_k)
-    indices, bins = _ints(indices, bins)
-    return _Scatter.apply(y, indices, _flat(weights), bins, None, 0, top_k, DENSE)
+def padded_bins(tokens_per_expert: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Inclusive ends after rounding each expert's count up to a multiple of block_size, int32 [E]."""
+    if block_size <= 0:
+        raise ValueError(f"padded_bins: block_size must be positive, got {block_size}")
+    padded = (tokens_per_expert.long() + block_size - 1) // block_size * block_size
+    return torch.cumsum(padded, 0).int()
 
 
 def padded_gather_reference(x, indices, bins, padded_bins, top_k: int) -> torch.Tensor:

@@ -3,7 +3,7 @@
 `_gather_kernel` writes each row of an expert-ordered buffer once (zeros where no assignment
 lands), optionally with the routing-weight gradient; `_scatter_kernel` sums each token's top_k
 rows in fp32; `_invert_permutation_kernel` gives each assignment's sorted slot. LAYOUT picks the
-buffer's layout (DENSE, PADDED or BINNED; see moe.kernels.permute).
+buffer's layout (PADDED or BINNED; see moe.kernels.permute).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ if TRITON_AVAILABLE:
 
     from megatron.kernels.aot import AotSpec
 
-DENSE, PADDED, BINNED = 0, 1, 2
+PADDED, BINNED = 1, 2
 BLOCK_H = 128
 INVERT_BLOCK = 256
 
@@ -59,19 +59,15 @@ if TRITON_AVAILABLE:
         With WEIGHT_GRAD, also grad_weights[a] = dot(src[token], other[row]) (scatter's backward).
         """
         row = tl.program_id(0)
-        if LAYOUT == 0:
-            position = row
-            valid = row >= 0
+        if LAYOUT == 1:
+            expert = _expert_of(row, padded_bins_ptr, num_experts, BLOCK_E)
+            rank = row - _start_of(expert, padded_bins_ptr)
         else:
-            if LAYOUT == 1:
-                expert = _expert_of(row, padded_bins_ptr, num_experts, BLOCK_E)
-                rank = row - _start_of(expert, padded_bins_ptr)
-            else:
-                expert = row // capacity
-                rank = row - expert * capacity
-            start = _start_of(expert, bins_ptr)
-            valid = rank < tl.load(bins_ptr + expert) - start
-            position = start + rank
+            expert = row // capacity
+            rank = row - expert * capacity
+        start = _start_of(expert, bins_ptr)
+        valid = rank < tl.load(bins_ptr + expert) - start
+        position = start + rank
         assignment = tl.load(indices_ptr + position, mask=valid, other=0)
         token = (assignment // top_k).to(tl.int64)
         scale = 1.0
@@ -125,18 +121,14 @@ if TRITON_AVAILABLE:
         while choice < top_k:  # while, not range(): see _gather_kernel
             assignment = token * top_k + choice
             position = tl.load(positions_ptr + assignment)
-            if LAYOUT == 0:
-                row = position
-                valid = position >= 0
+            expert = _expert_of(position, bins_ptr, num_experts, BLOCK_E)
+            rank = position - _start_of(expert, bins_ptr)
+            if LAYOUT == 1:
+                row = _start_of(expert, padded_bins_ptr) + rank
+                valid = rank >= 0
             else:
-                expert = _expert_of(position, bins_ptr, num_experts, BLOCK_E)
-                rank = position - _start_of(expert, bins_ptr)
-                if LAYOUT == 1:
-                    row = _start_of(expert, padded_bins_ptr) + rank
-                    valid = rank >= 0
-                else:
-                    row = expert * capacity + rank
-                    valid = rank < capacity
+                row = expert * capacity + rank
+                valid = rank < capacity
             values = tl.load(src_ptr + row.to(tl.int64) * hidden + cols, mask=mask & valid, other=0)
             values = values.to(tl.float32)
             if HAS_WEIGHTS:
@@ -197,11 +189,11 @@ def _scatter_spec(layout: int, dtype: str, has_weights: bool) -> AotSpec:
 
 
 AOT_SPECS = (
-    [_gather_spec(layout, "bf16", False, False) for layout in (DENSE, PADDED, BINNED)]
-    + [_gather_spec(layout, "bf16", True, True) for layout in (DENSE, PADDED, BINNED)]
-    + [_gather_spec(PADDED, "fp32", True, False)]
-    + [_scatter_spec(layout, "bf16", True) for layout in (DENSE, PADDED, BINNED)]
-    + [_scatter_spec(DENSE, "fp32", False)]
+    [_gather_spec(layout, "bf16", False, False) for layout in (PADDED, BINNED)]
+    + [_gather_spec(BINNED, "bf16", True, True)]
+    + [_gather_spec(PADDED, "fp32", False, False)]
+    + [_scatter_spec(PADDED, dtype, False) for dtype in ("bf16", "fp32")]
+    + [_scatter_spec(BINNED, "bf16", has_weights) for has_weights in (False, True)]
     + [
         AotSpec(
             kernel=_invert_permutation_kernel,

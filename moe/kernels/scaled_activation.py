@@ -1,7 +1,7 @@
 """The expert activation scaled by each row's router weight, as one op torch.compile keeps whole.
 
-The compiled dMoE (Experts.forward_sorted_rows) multiplies each expert row's activations by the
-router's weight for that row before the second projection:
+The dMoE's experts (Experts.forward_grouped) multiply each row's activations by the router's
+weight for that row before the second projection:
 
     out[r, :] = act(h[r, :]) * scale[r]      (act: tanh-GELU or SiLU; the product in fp32)
 

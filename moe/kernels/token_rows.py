@@ -1,26 +1,29 @@
-"""Token rows into expert order and back for top-k > 1, as ops torch.compile keeps whole.
+"""The dMoE's token rows into expert order and back, as ops torch.compile keeps whole.
 
-The compiled dMoE (moe.kernels.traceable) moves rows with index_select and sums each token's
-top_k rows, and Inductor turns those into reductions over the top-k dimension that read the
-gathered rows at a fraction of the memory bandwidth (docs/benchmark-log.md). These ops do the
-same work in Triton kernels that read and write each row once, in tiles of several rows by a
-run of channels:
+Assignment a = t * top_k + j is token t's j-th choice. `sort_assignments` sorts the assignments
+by expert: `order` (sorted slot -> assignment), its inverse `slot_of` (assignment -> sorted slot)
+and the rows per expert, with static shapes and no host synchronization (no data-dependent
+sizes, no `.item()`), so that Dynamo captures a whole dMoE layer. Then:
 
 - `gather_rows(x, order, slot_of, top_k)`: out[i] = x[order[i] // top_k], written as
   out[slot_of[t * top_k + j]] = x[t];
 - `sum_rows(rows, order, slot_of, top_k)`: out[t] = sum_j rows[slot_of[t * top_k + j]], in fp32.
 
-Each is the other's backward. The router's weights are not applied here: the compiled layer
-scales the expert activations by them (Experts.forward_sorted_rows), where Inductor fuses the
-scaling and its gradient into the activation's kernels.
-
-They are `torch.library` custom ops with their own autograd, so Dynamo records each as one node
-instead of tracing into the kernels. Each runs its Triton kernel where `use_triton` says so
-and its pure-PyTorch reference otherwise (CPU tensors, MOE_KERNELS=reference).
+Each is the other's backward. The router's weights are not applied here: the experts scale their
+activations by them (moe.experts), where the scaling and its gradient fuse into the activation's
+kernels. For top_k > 1 the two are Triton kernels that read and write each row once, in tiles
+of several rows by a run of channels: Inductor's own reductions over the top-k dimension read
+the gathered rows at a fraction of the memory bandwidth (docs/benchmark-log.md). They are
+`torch.library` custom ops with their own autograd, so Dynamo records each as one node instead
+of tracing into the kernels, and each runs its Triton kernel where `use_triton` says so and its
+pure-PyTorch reference otherwise. For top_k = 1 they are permutations, index_select with its
+inverse as backward, which Inductor fuses into the kernels around them.
 """
 
 # No `from __future__ import annotations`: torch.library.custom_op reads the ops' signatures from
 # their annotations, and older torch (2.4) does not resolve string annotations.
+
+from typing import Tuple
 
 import torch
 
@@ -193,18 +196,61 @@ _gather_rows_op.register_autograd(_gather_backward, setup_context=_permutation_s
 _sum_rows_op.register_autograd(_sum_backward, setup_context=_permutation_setup)
 
 
+class _Permute(torch.autograd.Function):
+    """out[i] = x[order[i]] for a permutation `order` with inverse `inverse`; backward
+    grad_x[j] = grad_out[inverse[j]] (a gather, where autograd's index_select backward would
+    be an atomic scatter)."""
+
+    @staticmethod
+    def forward(ctx, x, order, inverse):
+        ctx.save_for_backward(inverse)
+        return x.index_select(0, order)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (inverse,) = ctx.saved_tensors
+        return grad_out.index_select(0, inverse), None, None
+
+
+def sort_assignments(
+    expert_indices: torch.Tensor, num_experts: int
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(order, slot_of, tokens_per_expert) for expert indices [T, top_k] (or flat).
+
+    order: int64, the stable sort by expert (ties keep token order); slot_of: int64, its
+    inverse permutation; tokens_per_expert: int32 [num_experts].
+    """
+    flat = expert_indices.reshape(-1)
+    # 16-bit keys: the GPU's radix sort makes one pass per key byte, 8 for int64 indices.
+    key_dtype = torch.int16 if num_experts <= torch.iinfo(torch.int16).max else flat.dtype
+    sorted_experts, order = torch.sort(flat.to(key_dtype), stable=True)
+    positions = torch.arange(flat.numel(), device=flat.device)
+    slot_of = torch.empty_like(order).scatter_(0, order, positions)
+    # Counts from where each expert's run starts in the sorted keys, rather than a scatter_add
+    # (atomics on E counters) or bincount (whose output size depends on the data).
+    experts = torch.arange(num_experts + 1, device=flat.device, dtype=key_dtype)
+    starts = torch.searchsorted(sorted_experts, experts)
+    tokens_per_expert = (starts[1:] - starts[:-1]).to(torch.int32)
+    return order, slot_of, tokens_per_expert
+
+
 def gather_rows(
     x: torch.Tensor, order: torch.Tensor, slot_of: torch.Tensor, top_k: int
 ) -> torch.Tensor:
-    """Token rows in expert order, [T * top_k, H]: out[i] = x[order[i] // top_k]."""
+    """Token rows in expert order, [T * top_k, H]: out[i] = x[order[i] // top_k]; the backward
+    sums each token's top_k rows in fp32."""
+    if top_k == 1:
+        return _Permute.apply(x, order, slot_of)
     return _gather_rows_op(x, order, slot_of, top_k)
 
 
 def sum_rows(
     rows: torch.Tensor, order: torch.Tensor, slot_of: torch.Tensor, top_k: int
 ) -> torch.Tensor:
-    """[T * top_k, H] rows in expert order -> [T, H]: out[t] = sum_j rows[slot_of[t * top_k + j]]
-    (accumulated in fp32); its backward is gather_rows."""
+    """Inverse of gather_rows: [T * top_k, H] rows in expert order -> [T, H], out[t] =
+    sum_j rows[slot_of[t * top_k + j]] accumulated in fp32; its backward is gather_rows."""
+    if top_k == 1:
+        return _Permute.apply(rows, slot_of, order)
     return _sum_rows_op(rows, order, slot_of, top_k)
 
 

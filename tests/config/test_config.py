@@ -302,3 +302,12 @@ def test_arguments_block_of_resolved_arguments():
     for line in body:
         name, dots, _ = line.strip().split(" ", 2)
         assert dots == "." * (48 - len(name))
+
+
+def test_the_kernel_mode_is_read_from_the_environment_once_into_the_config(monkeypatch):
+    monkeypatch.setenv("MOE_KERNELS", "reference")
+    cfg = config()
+    monkeypatch.setenv("MOE_KERNELS", "triton")
+    assert cfg.training.kernels == "reference" and cfg.arguments["kernels"] == "reference"
+    monkeypatch.delenv("MOE_KERNELS")
+    assert config().training.kernels == "auto"

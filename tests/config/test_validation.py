@@ -172,3 +172,9 @@ def test_per_split_data_paths():
     assert cfg.data.data_path is None
     assert cfg.data.train_data_path == ("1", "a", "1", "b")
     assert cfg.data.valid_data_path == ("v",) and cfg.data.test_data_path is None
+
+
+def test_an_unknown_kernel_mode_names_the_variable(monkeypatch):
+    monkeypatch.setenv("MOE_KERNELS", "fast")
+    message = error_message()
+    assert "MOE_KERNELS='fast'" in message and "auto, triton, reference" in message

@@ -36,10 +36,7 @@ from tests.tiny_gpt import moe_layer_model_config
 HIDDEN, FFN, TOKENS, EXPERTS = 8, 32, 6, 4
 
 
-@pytest.fixture(autouse=True)
-def reference_kernels(monkeypatch):
-    # Plain-PyTorch references of the kernels, here and in the forked ranks (they inherit it).
-    monkeypatch.setenv("MOE_KERNELS", "reference")
+pytestmark = pytest.mark.usefixtures("reference_kernels")
 
 
 def model_config(**overrides) -> ModelConfig:

@@ -14,9 +14,7 @@ from tests.distributed.launch import run_distributed
 HIDDEN, LOCAL_EXPERTS = 6, 3
 
 
-@pytest.fixture(autouse=True)
-def reference_kernels(monkeypatch):
-    monkeypatch.setenv("MOE_KERNELS", "reference")
+pytestmark = pytest.mark.usefixtures("reference_kernels")
 
 
 class _Label(torch.autograd.Function):
@@ -34,18 +32,21 @@ class _Label(torch.autograd.Function):
 
 
 def _experts_runner(weights: torch.Tensor, log: list):
-    """run(rows, indices, bins, counts) of moe.overlapped_exchange with per-expert matrices; the
-    rows' backward is labelled 'own' when they arrive already sorted, else 'remote'."""
+    """run(rows, row_weights, order, counts) of moe.overlapped_exchange with per-expert
+    matrices, each output row scaled by its weight; the rows' backward is labelled 'own' when
+    they arrive already sorted, else 'remote'."""
 
-    def run(rows, indices, bins, counts):
-        if indices is not None:  # permutations in fp64 (moe.kernels.permute rounds to fp32)
-            rows = rows.index_select(0, indices.long())
-        name = "own" if indices is None else "remote"
+    def run(rows, row_weights, order, counts):
+        if order is not None:  # permutations in fp64 (the layer's sum in fp32)
+            rows = rows.index_select(0, order.long())
+            row_weights = row_weights.index_select(0, order.long())
+        name = "own" if order is None else "remote"
         rows = _Label.apply(rows, f"{name} backward", log)
         groups = rows.split(counts.tolist())
         out = torch.cat([group @ weights[e] for e, group in enumerate(groups)])
-        if indices is not None:
-            out = torch.zeros_like(out).index_copy(0, indices.long(), out)
+        out = out * row_weights.unsqueeze(-1)
+        if order is not None:
+            out = torch.zeros_like(out).index_copy(0, order.long(), out)
         return out
 
     return run
@@ -57,51 +58,56 @@ def _rank_inputs(rank: int, world_size: int):
     counts = torch.randint(0, 5, (num_experts,), generator=generator)
     counts[rank] = 0  # an expert without rows from this rank
     rows = torch.randn(int(counts.sum()), HIDDEN, generator=generator, dtype=torch.float64)
+    row_weights = torch.rand(int(counts.sum()), generator=generator, dtype=torch.float64)
     torch.manual_seed(7)  # the same full expert weights everywhere; each rank keeps its block
     full = torch.randn(num_experts, HIDDEN, HIDDEN, dtype=torch.float64)
     block = full[rank * LOCAL_EXPERTS : (rank + 1) * LOCAL_EXPERTS]
-    return counts, rows, block
+    return counts, rows, row_weights, block
 
 
 def _compare(rank: int, world_size: int):
-    counts, rows, block = _rank_inputs(rank, world_size)
+    counts, rows, row_weights, block = _rank_inputs(rank, world_size)
     results = {}
     for name in ("plain", "overlapped"):
         x = rows.clone().requires_grad_()
+        scale = row_weights.clone().requires_grad_()
         weights = block.clone().requires_grad_()
         log: list = []
         run = _experts_runner(weights, log)
         if name == "plain":
             exchange = ExpertExchange.plan(counts, None)
             received = exchange.dispatch(x)
+            received_scale = exchange.dispatch(scale.unsqueeze(-1)).squeeze(-1)
             out = run(
                 received,
+                received_scale,
                 exchange.local_indices,
-                exchange.local_bins,
                 exchange.tokens_per_local_expert,
             )
             out = exchange.combine(out)
         else:
             exchange = overlapped.OverlappedExchange.plan(counts, None)
-            out = overlapped.run_experts_overlapped(x, exchange, run)
+            out = overlapped.run_experts_overlapped(x, scale, exchange, run)
         generator = torch.Generator().manual_seed(5 + rank)
         grad = torch.randn(out.shape, generator=generator, dtype=torch.float64)
         out.backward(grad)
-        results[name] = (out.detach(), x.grad, weights.grad)
+        results[name] = (out.detach(), x.grad, scale.grad, weights.grad)
     return [(a - b).abs().max().item() for a, b in zip(results["plain"], results["overlapped"])]
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_overlapped_exchange_matches_the_plain_exchange(world_size):
     for rank_errors in run_distributed(_compare, world_size):
-        # outputs, row gradients, expert weight gradients (fp64; summed in another order)
+        # outputs, row and row-weight gradients, expert weight gradients (fp64; summed in
+        # another order)
         assert max(rank_errors) < 1e-12, rank_errors
 
 
 def _backward_order(rank: int, world_size: int):
-    counts, rows, block = _rank_inputs(rank, world_size)
+    counts, _, _, block = _rank_inputs(rank, world_size)
     counts += 2  # rows for every expert, so each stage of the schedule has work
     rows = torch.randn(int(counts.sum()), HIDDEN, dtype=torch.float64)
+    row_weights = torch.rand(int(counts.sum()), dtype=torch.float64, requires_grad=True)
     log: list = []
 
     class _LoggedWork:
@@ -113,7 +119,10 @@ def _backward_order(rank: int, world_size: int):
             return self.work.wait()
 
     original_start = overlapped._start
-    starts = iter(["dispatch", "combine", "reverse combine", "reverse dispatch"])
+    starts = iter(
+        ["dispatch", "dispatch weights", "combine", "reverse combine", "reverse dispatch",
+         "reverse dispatch weights"]
+    )  # fmt: skip
 
     def logged_start(x, output_splits, input_splits, group):
         out, work, sent = original_start(x, output_splits, input_splits, group)
@@ -126,7 +135,8 @@ def _backward_order(rank: int, world_size: int):
         x = rows.requires_grad_()
         weights = block.clone().requires_grad_()
         exchange = overlapped.OverlappedExchange.plan(counts, None)
-        out = overlapped.run_experts_overlapped(x, exchange, _experts_runner(weights, log))
+        run = _experts_runner(weights, log)
+        out = overlapped.run_experts_overlapped(x, row_weights, exchange, run)
         log.append("forward done")
         out.sum().backward()
     finally:
@@ -139,7 +149,9 @@ def test_each_all_to_all_has_own_rows_to_overlap():
     for log in run_distributed(_backward_order, 2):
         assert log == [
             "start dispatch",
+            "start dispatch weights",
             "wait dispatch",
+            "wait dispatch weights",
             "start combine",
             "wait combine",
             "forward done",
@@ -148,6 +160,8 @@ def test_each_all_to_all_has_own_rows_to_overlap():
             "wait reverse combine",
             "remote backward",
             "start reverse dispatch",
+            "start reverse dispatch weights",
             "own backward",  # the first half
             "wait reverse dispatch",
+            "wait reverse dispatch weights",
         ], log

@@ -52,9 +52,13 @@ LAYERS = {
         dict(dropless=False, mlp_impl="reference", mlp_type="glu"),
     ),
 }
-# The path torch.compile traces is built on torch._grouped_mm (torch 2.8 and newer).
+# The grouped GEMM a run on Hopper chooses, torch._grouped_mm (torch 2.8 and newer), here by
+# torch's CPU kernel in fp32.
 if grouped_gemm.torch_has_grouped_mm():
-    LAYERS["dmoe_traceable_glu"] = (dict(swiglu=True), dict(mlp_impl="grouped", mlp_type="glu"))
+    LAYERS["dmoe_torch_grouped_mm_glu"] = (
+        dict(swiglu=True),
+        dict(mlp_impl="grouped", mlp_type="glu", grouped_gemm=grouped_gemm.TORCH),
+    )
 
 
 def make_layer(name: str, tensor_parallel: int = 1, sequence_parallel: bool = False, ep: int = 1):
@@ -86,10 +90,6 @@ def make_layer(name: str, tensor_parallel: int = 1, sequence_parallel: bool = Fa
                 else:
                     torch.nn.init.normal_(module.weight, std=0.02)
                     torch.nn.init.zeros_(module.bias)
-    if name.startswith("dmoe_traceable"):
-        # The path torch.compile traces (moe.kernels.traceable, torch._grouped_mm), run eagerly
-        # in fp32: the layer takes it only while compiling in bf16.
-        layer.compute_experts = layer._grouped_traceable
     return layer
 
 

@@ -26,14 +26,18 @@ for package_name in ("megatron.kernels", "moe.kernels"):
         assert getattr(module, "AOT_SPECS", []) == [], info.name
 
 from megatron.kernels import accumulate, cross_entropy
-from moe.kernels import grouped_gemm, permute, router_topk, scaled_activation, sort, token_rows
+from moe.kernels import grouped_gemm, permute, router_topk, scaled_activation, token_rows
 
-expert_indices = torch.tensor([2, 0, 1, 0, 2, 1])
-bin_ids, indices = sort.sort_by_expert(expert_indices, 3)
-bins = sort.expert_bins(sort.expert_histogram(expert_indices, 3))
+expert_indices = torch.tensor([[2, 0], [1, 0], [2, 1]])
+order, slot_of, counts = token_rows.sort_assignments(expert_indices, 3)
 x = torch.randn(3, 4)
-rows = permute.gather(x, indices, bins, 2)
-assert torch.equal(rows, permute.gather_reference(x, indices, bins, 2))
+rows = token_rows.gather_rows(x, order, slot_of, 2)
+assert torch.equal(rows, token_rows.gather_rows_reference(x, order, 2))
+bins = torch.cumsum(counts, 0).int()
+padded = permute.padded_gather(x, order.int(), bins, permute.padded_bins(counts, 4), 2)
+assert torch.equal(
+    padded, permute.padded_gather_reference(x, order.int(), bins, permute.padded_bins(counts, 4), 2)
+)
 weight = torch.randn(3, 4, 5)
 counts = torch.tensor([2, 2, 2])
 assert torch.equal(

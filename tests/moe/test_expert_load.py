@@ -18,10 +18,7 @@ from moe.expert_load import (
 from moe.mlp_spec import MoEMlpSpec
 from tests.moe.test_layers import make_layer, model_config
 
-
-@pytest.fixture(autouse=True)
-def reference_kernels(monkeypatch):
-    monkeypatch.setenv("MOE_KERNELS", "reference")
+pytestmark = pytest.mark.usefixtures("reference_kernels")
 
 
 @pytest.mark.parametrize("dropless", [True, False])

@@ -18,10 +18,7 @@ REPO = Path(__file__).resolve().parents[2]
 HIDDEN, FFN = 16, 32
 
 
-@pytest.fixture(autouse=True)
-def reference_kernels(monkeypatch):
-    # The pure-PyTorch references of the kernels: no Triton on the CPU.
-    monkeypatch.setenv("MOE_KERNELS", "reference")
+pytestmark = pytest.mark.usefixtures("reference_kernels")
 
 
 def model_config(**overrides) -> ModelConfig:
@@ -304,14 +301,19 @@ def test_tensor_parallel_splits_are_checked_before_building(overrides, message):
 
 
 def test_grouped_dmoe_with_triton_kernels_under_the_interpreter(triton_kernels, monkeypatch):
-    """The grouped backend on the real Triton kernels (permute + grouped_mm) == the loop reference."""
-    from moe.kernels import grouped_gemm, permute
+    """The grouped backend on the real Triton kernels (token rows, scaled activation, grouped
+    GEMM) == the loop reference."""
+    from moe.kernels import grouped_gemm, scaled_activation, token_rows
 
     def refuse(*args, **kwargs):
         raise AssertionError("a reference ran instead of the Triton kernel")
 
-    for module, name in ((grouped_gemm, "grouped_mm_reference"), (grouped_gemm, "_weight_grad_reference"),
-                         (permute, "gather_reference"), (permute, "scatter_reference")):  # fmt: skip
+    for module, name in (
+        (grouped_gemm, "grouped_mm_reference"), (grouped_gemm, "_weight_grad_reference"),
+        (token_rows, "gather_rows_reference"), (token_rows, "sum_rows_reference"),
+        (scaled_activation, "scaled_activation_reference"),
+        (scaled_activation, "scaled_activation_backward_reference"),
+    ):  # fmt: skip
         monkeypatch.setattr(module, name, refuse)
 
     model = ModelConfig(
@@ -333,9 +335,8 @@ def test_grouped_dmoe_with_triton_kernels_under_the_interpreter(triton_kernels, 
 
 
 @pytest.mark.parametrize("impl", ["grouped", "sparse"])
-def test_dmoe_under_bf16_autocast_with_fp32_weights(monkeypatch, impl):
+def test_dmoe_under_bf16_autocast_with_fp32_weights(impl):
     """As in training: fp32 parameters, bf16 autocast. Close to the fp32 layer, weights get fp32 grads."""
-    monkeypatch.setenv("MOE_KERNELS", "reference")
     model = ModelConfig(
         num_layers=2, hidden_size=32, num_attention_heads=2, ffn_hidden_size=64,
         seq_length=16, max_position_embeddings=16, add_bias_linear=False,

@@ -13,9 +13,7 @@ MOE_LINE = re.compile(r" iteration +(\d+)/.*\| load balancing loss: ([0-9.E+-]+)
 SHORT = ("--seq-length", "32", "--max-position-embeddings", "32")
 
 
-@pytest.fixture(autouse=True)
-def reference_kernels(monkeypatch):
-    monkeypatch.setenv("MOE_KERNELS", "reference")
+pytestmark = pytest.mark.usefixtures("reference_kernels")
 
 
 def test_dmoe_top2_trains_and_logs_load_balancing_loss(data_prefix, capsys):
@@ -32,6 +30,23 @@ def test_dmoe_top2_trains_and_logs_load_balancing_loss(data_prefix, capsys):
     losses = [step["lm loss"] for step in result.losses]
     assert sum(losses[-4:]) / 4 < sum(losses[:4]) / 4 - 0.5, losses
     assert "number of parameters" in output
+
+
+def test_the_run_shows_and_scopes_its_kernel_choices(data_prefix, capsys, monkeypatch):
+    """The kernel mode (MOE_KERNELS, read once) shows in the arguments block and holds for the
+    run only; the grouped GEMM chosen for the device is named after the block."""
+    from megatron.kernels import dispatch
+
+    monkeypatch.setattr(dispatch, "_mode", "triton")  # what this process had before the run
+    seen = []
+    monkeypatch.setattr(
+        pretrain_gpt, "pretrain", lambda *args, **kwargs: seen.append(dispatch.kernel_mode())
+    )
+    pretrain_gpt.main(tiny_gpt_args(data_prefix, *SHORT, "--moe-num-experts", "4", train_iters=4))
+    output = capsys.readouterr().out
+    assert f"  kernels {'.' * 41} reference\n" in output
+    assert "dMoE grouped GEMM: moe.kernels.grouped_gemm\n" in output
+    assert seen == ["reference"] and dispatch.kernel_mode() == "triton"
 
 
 def test_moe_with_capacity_every_other_layer_and_zloss(data_prefix, capsys):

@@ -7,6 +7,7 @@ import torch
 from megatron.kernels.dispatch import TRITON_AVAILABLE  # noqa: E402
 from moe.kernels.block_sparse import Topology, dds_t, dsd, dsd_t, sdd, sparse_mlp  # noqa: E402
 from moe.kernels.block_sparse import ops as block_sparse_ops  # noqa: E402
+from tests.conftest import force_kernel_mode
 
 pytestmark = pytest.mark.skipif(not TRITON_AVAILABLE, reason="Triton is not installed")
 
@@ -39,7 +40,7 @@ def kernel_path(request, monkeypatch):
 
             monkeypatch.setattr(block_sparse_ops.reference, name, refuse)
     else:
-        monkeypatch.setenv("MOE_KERNELS", "reference")
+        force_kernel_mode(monkeypatch, "reference")
     return request.param
 
 

@@ -131,39 +131,50 @@ def test_triton_handles_no_rows_and_noncontiguous_inputs(triton_only):
     _assert_close(got, reference(x, weight, tokens_per_expert), rtol=1e-4)
 
 
-def test_torch_grouped_mm_branch(monkeypatch):
-    """The torch._grouped_mm calls of all three products, run by torch's CPU kernel."""
-    if not hasattr(torch, "_grouped_mm"):
+def test_grouped_product_on_torch_grouped_mm(reference_kernels):
+    """grouped_product with torch._grouped_mm (torch's CPU kernel here): all three products
+    equal the reference, the experts without rows get a zero weight gradient; no rows at all
+    take the op, whose weight gradient torch's does not give (pytorch/pytorch#192497)."""
+    if not grouped_gemm.torch_has_grouped_mm():
         pytest.skip("this torch has no torch._grouped_mm")
-    monkeypatch.setenv("MOE_KERNELS", "auto")
-    monkeypatch.setattr(grouped_gemm, "_grouped_mm_supported", lambda x, weight: True)
     generator = torch.Generator().manual_seed(11)
     tokens_per_expert = torch.tensor([7, 0, 12, 5])
+    offsets = torch.cumsum(tokens_per_expert, 0, dtype=torch.int32)
     x = torch.randn(24, 32, generator=generator)
     weight = torch.randn(4, 32, 48, generator=generator)
     grad_out = torch.randn(24, 48, generator=generator)
-    assert grouped_gemm._backend(weight, x) == "torch"
-    try:
-        actual = _run(grouped_gemm.grouped_mm, x, weight, tokens_per_expert, grad_out)
-    except NotImplementedError:
-        pytest.skip("this torch has no CPU torch._grouped_mm")
+
+    def product(x, weight, tokens_per_expert):
+        return grouped_gemm.grouped_product(
+            x, weight, tokens_per_expert, offsets, grouped_gemm.TORCH
+        )
+
+    actual = _run(product, x, weight, tokens_per_expert, grad_out)
     expected = _run(grouped_gemm.grouped_mm_reference, x, weight, tokens_per_expert, grad_out)
     for got, want in zip(actual, expected):
         assert got.shape == want.shape
         _assert_close(got, want, rtol=1e-5)
     assert torch.equal(actual[2][1], torch.zeros(32, 48))
+    empty = torch.zeros(0, 32, requires_grad=True)
+    none = torch.zeros(4, dtype=torch.int64)
+    weight = weight.requires_grad_()
+    out = grouped_gemm.grouped_product(empty, weight, none, none.int(), grouped_gemm.TORCH)
+    out.sum().backward()
+    assert out.shape == (0, 48) and torch.equal(weight.grad, torch.zeros_like(weight))
 
 
-def test_reference_mode_uses_reference(monkeypatch):
-    monkeypatch.setenv("MOE_KERNELS", "reference")
-    x = torch.randn(5, 16)
+def test_reference_mode_uses_reference(reference_kernels, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a Triton kernel ran in reference mode")
+
+    monkeypatch.setattr(grouped_gemm, "_grouped_mm_triton", refuse)
+    monkeypatch.setattr(grouped_gemm, "_weight_grad_triton", refuse)
+    x = torch.randn(5, 16, requires_grad=True)
     weight = torch.randn(2, 16, 16)
     tokens_per_expert = torch.tensor([2, 3])
-    assert grouped_gemm._backend(weight, x) == "reference"
-    torch.testing.assert_close(
-        grouped_gemm.grouped_mm(x, weight, tokens_per_expert),
-        grouped_gemm.grouped_mm_reference(x, weight, tokens_per_expert),
-    )
+    got = grouped_gemm.grouped_mm(x, weight, tokens_per_expert)
+    got.sum().backward()
+    torch.testing.assert_close(got, grouped_gemm.grouped_mm_reference(x, weight, tokens_per_expert))
 
 
 def test_shape_errors_say_what_was_wrong():
@@ -178,52 +189,22 @@ def test_shape_errors_say_what_was_wrong():
 
 
 @pytest.mark.parametrize(
-    "x,weight",
-    [
-        (torch.randn(8, 16, dtype=torch.bfloat16), torch.randn(2, 16, 32, dtype=torch.bfloat16)),
-        (torch.randn(8, 16), torch.randn(2, 16, 32)),
-        (torch.randn(0, 16, dtype=torch.bfloat16), torch.randn(2, 16, 32, dtype=torch.bfloat16)),
-        (torch.randn(8, 12, dtype=torch.bfloat16), torch.randn(2, 12, 20, dtype=torch.bfloat16)),
-        (torch.randn(8, 16, dtype=torch.bfloat16), torch.randn(16, 32, dtype=torch.bfloat16)),
-        (torch.randn(8, 16, dtype=torch.bfloat16), torch.randn(3, 5, 16, 32).to(torch.bfloat16)),
-        (torch.randn(8, 16, dtype=torch.bfloat16).t(), torch.randn(2, 16, 32).to(torch.bfloat16)),
-    ],
+    "width,accepted", [(8, True), (16, True), (24, True), (12, False), (20, False)]
 )
-def test_grouped_mm_supported_is_false_on_cpu_and_never_raises(x, weight):
-    assert grouped_gemm._grouped_mm_supported(x, weight) is False
-
-
-def test_grouped_mm_supported_never_raises_on_odd_arguments():
-    assert grouped_gemm._grouped_mm_supported(None, torch.randn(2, 16, 32)) is False
-    assert grouped_gemm._grouped_mm_supported(torch.randn(8, 16), "weight") is False
-
-
-def _bf16(*shape):
-    return torch.randn(*shape).to(torch.bfloat16)
-
-
-@pytest.mark.parametrize(
-    "x,accepted",
-    [
-        (_bf16(8, 16), True),
-        (_bf16(16, 8).t(), True),  # column-major, 16-byte stride
-        (_bf16(16, 12)[:, :8].t(), False),  # column-major, 24-byte stride
-        (_bf16(8, 32)[:, ::2], False),  # no unit stride
-        (_bf16(8, 20)[:, :16], False),  # row-major, 40-byte stride
-    ],
-)
-def test_tma_stride_rules_match_torch(x, accepted):
-    """Our layout rule agrees with torch._grouped_mm's own check where torch runs it on the CPU."""
-    assert grouped_gemm._tma_compatible_strides(x, x.element_size()) is accepted
-    if not hasattr(torch, "_grouped_mm"):
-        return
-    weight = _bf16(2, 16, 32)
+def test_the_width_rule_of_choose_backend_matches_torch(width, accepted):
+    """choose_backend takes torch._grouped_mm only for operand widths of whole 16 bytes: the
+    rule torch's own check applies (run here by its CPU kernel) to bf16 rows."""
+    assert (width * 2 % 16 == 0) is accepted
+    if not grouped_gemm.torch_has_grouped_mm():
+        pytest.skip("this torch has no torch._grouped_mm")
+    x = torch.randn(8, width).to(torch.bfloat16)
+    weight = torch.randn(2, width, 16).to(torch.bfloat16)
     offsets = torch.tensor([3, 8], dtype=torch.int32)
     try:
         torch._grouped_mm(x, weight, offs=offsets)
     except NotImplementedError:
         pytest.skip("this torch has no CPU torch._grouped_mm to compare with")
     except RuntimeError as error:
-        assert not accepted, f"torch rejected a layout we accept: {error}"
+        assert not accepted, f"torch rejected a width the rule accepts: {error}"
     else:
-        assert accepted, "torch accepted a layout we reject"
+        assert accepted, "torch accepted a width the rule rejects"

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from moe.kernels.grouped_gemm import grouped_mm, grouped_mm_reference
+from moe.kernels.grouped_gemm import MOE, TORCH, grouped_mm_reference, grouped_product
+from tests.conftest import force_kernel_mode
 
 pytestmark = [
     pytest.mark.gpu,
@@ -15,20 +16,21 @@ def _relative_error(value, exact):
     return ((value.double() - exact).norm() / exact.norm()).item()
 
 
-# "auto": torch._grouped_mm where it runs (bf16 on Hopper), "triton": our kernel with the tiles
-# default_tile_sizes picks for the GPU; 200 x 328 leaves partial tiles (wrapped loads).
+# The two grouped products a run may choose: torch._grouped_mm (bf16 on Hopper), and our
+# Triton kernels with the tiles default_tile_sizes picks for the GPU; 200 x 328 leaves partial
+# tiles (wrapped loads).
 @pytest.mark.parametrize(
-    "kernels,dtype,in_features,out_features",
+    "backend,dtype,in_features,out_features",
     [
-        ("auto", torch.bfloat16, 256, 512),
-        ("triton", torch.bfloat16, 256, 512),
-        ("triton", torch.float16, 200, 328),
+        (TORCH, torch.bfloat16, 256, 512),
+        (MOE, torch.bfloat16, 256, 512),
+        (MOE, torch.float16, 200, 328),
     ],
 )
-def test_grouped_mm_with_empty_experts_matches_fp64(
-    monkeypatch, kernels, dtype, in_features, out_features
+def test_grouped_product_with_empty_experts_matches_fp64(
+    monkeypatch, backend, dtype, in_features, out_features
 ):
-    monkeypatch.setenv("MOE_KERNELS", kernels)
+    force_kernel_mode(monkeypatch, "auto" if backend == TORCH else "triton")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     torch.manual_seed(0)
     tokens_per_expert = torch.tensor([300, 0, 120, 0, 77, 0, 500, 3], device="cuda")
@@ -37,7 +39,8 @@ def test_grouped_mm_with_empty_experts_matches_fp64(
     grad_out = torch.randn(x.shape[0], out_features, device="cuda", dtype=dtype)
     x.requires_grad_()
     weight.requires_grad_()
-    out = grouped_mm(x, weight, tokens_per_expert)
+    offsets = torch.cumsum(tokens_per_expert, 0, dtype=torch.int32)
+    out = grouped_product(x, weight, tokens_per_expert, offsets, backend)
     out.backward(grad_out)
     x64 = x.detach().double().requires_grad_()
     weight64 = weight.detach().double().requires_grad_()

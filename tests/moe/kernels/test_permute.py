@@ -1,4 +1,4 @@
-"""Permute kernels (Triton interpreter on CPU) against their PyTorch references and brute-force loops."""
+"""Padded and binned permute kernels (Triton interpreter on CPU) against their PyTorch references and brute-force loops."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch  # noqa: E402
 triton = pytest.importorskip("triton")
 pytestmark = pytest.mark.usefixtures("triton_kernels")
 
-from moe.kernels import permute, sort  # noqa: E402
+from moe.kernels import permute  # noqa: E402
 
 # (tokens, top_k, experts, hidden): tiny, because the interpreter runs each program in Python.
 CASES = [(1, 1, 1, 16), (7, 2, 4, 48), (7, 4, 8, 16), (64, 2, 8, 16), (64, 1, 4, 48), (1, 4, 4, 48)]
@@ -27,9 +27,6 @@ def launches(monkeypatch):
         "gather": permute._gather_kernel,
         "scatter": permute._scatter_kernel,
         "invert": permute._invert_permutation_kernel,
-        "count": sort._expert_count_kernel,
-        "offsets": sort._block_offsets_kernel,
-        "sort_scatter": sort._sort_scatter_kernel,
     }
     for name, kernel in kernels.items():
         original = kernel.run
@@ -47,9 +44,14 @@ def _routing(tokens, top_k, experts, seed):
     generator = torch.Generator().manual_seed(seed)
     used = max(experts - 1, 1)
     expert_indices = torch.randint(0, used, (tokens * top_k,), generator=generator)
-    tokens_per_expert = sort.expert_histogram_reference(expert_indices, experts)
-    bin_ids, indices = sort.sort_by_expert_reference(expert_indices)
-    return expert_indices, tokens_per_expert, indices, sort.expert_bins(tokens_per_expert)
+    tokens_per_expert = torch.bincount(expert_indices, minlength=experts).int()
+    _, indices = torch.sort(expert_indices, stable=True)
+    return (
+        expert_indices,
+        tokens_per_expert,
+        indices.int(),
+        torch.cumsum(tokens_per_expert, 0).int(),
+    )
 
 
 def test_kernels_run_in_the_interpreter():
@@ -61,36 +63,9 @@ def test_kernels_run_in_the_interpreter():
     )
 
 
-@pytest.mark.parametrize("tokens,top_k,experts,hidden", CASES)
-def test_histogram_and_sort_match_brute_force(tokens, top_k, experts, hidden, launches):
-    expert_indices, _, _, _ = _routing(tokens, top_k, experts, seed=tokens + experts)
-    counts = sort.expert_histogram(expert_indices, experts)
-    expected = [sum(int(e) == expert for e in expert_indices) for expert in range(experts)]
-    assert counts.dtype == torch.int32 and counts.tolist() == expected
-    # Stable: ties keep assignment order, so this Python sort is the definition.
-    order = sorted(range(len(expert_indices)), key=lambda a: (int(expert_indices[a]), a))
-    for num_experts in (experts, None):
-        bin_ids, indices = sort.sort_by_expert(expert_indices, num_experts)
-        assert indices.dtype == torch.int32 and indices.tolist() == order
-        assert bin_ids.tolist() == [int(expert_indices[a]) for a in order]
-    assert launches["count"] == 3 and launches["sort_scatter"] == 2
-
-
-def test_sort_is_stable_across_blocks():
-    generator = torch.Generator().manual_seed(0)
-    expert_indices = torch.randint(0, 3, (sort.SORT_BLOCK * 2 + 5,), generator=generator)
-    bin_ids, indices = sort.sort_by_expert(expert_indices, 3)
-    expected_bins, expected = torch.sort(expert_indices.int(), stable=True)
-    assert torch.equal(indices, expected.int()) and torch.equal(bin_ids, expected_bins)
-    assert torch.equal(
-        sort.expert_histogram(expert_indices, 3), torch.bincount(expert_indices).int()
-    )
-
-
 def test_padded_bins():
     counts = torch.tensor([0, 5, 8, 1], dtype=torch.int32)
-    assert sort.padded_bins(counts, 4).tolist() == [0, 8, 16, 20]
-    assert sort.expert_bins(counts).tolist() == [0, 5, 13, 14]
+    assert permute.padded_bins(counts, 4).tolist() == [0, 8, 16, 20]
 
 
 def _layout_rows(tokens_per_expert, layout, block_size=4, capacity=2):
@@ -98,27 +73,19 @@ def _layout_rows(tokens_per_expert, layout, block_size=4, capacity=2):
     rows, start = [], 0
     for expert, count in enumerate(tokens_per_expert.tolist()):
         for rank in range(count):
-            if layout == "dense":
-                rows.append(len(rows))
-            elif layout == "padded":
+            if layout == "padded":
                 rows.append(start + rank)
             else:
                 rows.append(expert * capacity + rank if rank < capacity else None)
         start += -(-count // block_size) * block_size
-    size = {"dense": len(rows), "padded": start, "binned": len(tokens_per_expert) * capacity}
+    size = {"padded": start, "binned": len(tokens_per_expert) * capacity}
     return rows, size[layout]
 
 
 def _ops(layout, bins, tokens_per_expert, top_k, reference=False, block_size=4, capacity=2):
     """(gather(x, indices), scatter(y, indices, weights)) for one layout, kernel or reference."""
     suffix = "_reference" if reference else ""
-    padded = sort.padded_bins(tokens_per_expert, block_size)
-    if layout == "dense":
-        gather, scatter = getattr(permute, "gather" + suffix), getattr(permute, "scatter" + suffix)
-        return (
-            lambda x, i: gather(x, i, bins, top_k),
-            lambda y, i, w: scatter(y, i, w, bins, top_k),
-        )
+    padded = permute.padded_bins(tokens_per_expert, block_size)
     if layout == "padded":
         gather = getattr(permute, "padded_gather" + suffix)
         scatter = getattr(permute, "padded_scatter" + suffix)
@@ -134,7 +101,7 @@ def _ops(layout, bins, tokens_per_expert, top_k, reference=False, block_size=4, 
     )
 
 
-@pytest.mark.parametrize("layout", ["dense", "padded", "binned"])
+@pytest.mark.parametrize("layout", ["padded", "binned"])
 @pytest.mark.parametrize("tokens,top_k,experts,hidden", CASES[:3])
 def test_semantics_match_brute_force(layout, tokens, top_k, experts, hidden):
     _, tokens_per_expert, indices, bins = _routing(tokens, top_k, experts, seed=1)
@@ -160,7 +127,7 @@ def test_semantics_match_brute_force(layout, tokens, top_k, experts, hidden):
         )
 
 
-@pytest.mark.parametrize("layout", ["dense", "padded", "binned"])
+@pytest.mark.parametrize("layout", ["padded", "binned"])
 @pytest.mark.parametrize("tokens,top_k,experts,hidden", CASES)
 def test_kernel_matches_reference_with_gradients(layout, tokens, top_k, experts, hidden, launches):
     _, tokens_per_expert, indices, bins = _routing(tokens, top_k, experts, seed=tokens * top_k)
@@ -184,7 +151,7 @@ def test_kernel_matches_reference_with_gradients(layout, tokens, top_k, experts,
     assert launches["gather"] == 2 and launches["scatter"] == 2
 
 
-@pytest.mark.parametrize("layout", ["dense", "padded", "binned"])
+@pytest.mark.parametrize("layout", ["padded", "binned"])
 def test_bf16_accumulates_in_fp32(layout):
     """bf16 in and out, sums in fp32: never further from the fp64 result than PyTorch's bf16 path."""
     _, tokens_per_expert, indices, bins = _routing(7, 4, 4, seed=5)
