@@ -102,9 +102,8 @@ class ExpertExchange:
 
     send_splits[p]: rows this rank sends to rank p; receive_splits[s]: rows it gets from rank s.
     The received rows (source-major) reach the local experts through a permutation:
-    `local_indices[i]` is the received row at local-expert-major slot i,
-    `tokens_per_local_expert` [E/P] the rows of each local expert over all sources and
-    `local_bins` their inclusive cumulative sum.
+    `local_indices[i]` is the received row at local-expert-major slot i, and
+    `tokens_per_local_expert` [E/P] the rows of each local expert over all sources.
     """
 
     group: Optional[dist.ProcessGroup]
@@ -112,7 +111,6 @@ class ExpertExchange:
     receive_splits: List[int]
     tokens_per_local_expert: torch.Tensor
     local_indices: torch.Tensor
-    local_bins: torch.Tensor
 
     @classmethod
     @torch.no_grad()
@@ -124,10 +122,7 @@ class ExpertExchange:
         received, send_splits, receive_splits = exchange_counts(tokens_per_expert, group)
         local_indices = _expert_major_order(received, sum(receive_splits))
         tokens_per_local_expert = received.sum(0).int()
-        local_bins = torch.cumsum(tokens_per_local_expert, 0).int()
-        return cls(
-            group, send_splits, receive_splits, tokens_per_local_expert, local_indices, local_bins
-        )
+        return cls(group, send_splits, receive_splits, tokens_per_local_expert, local_indices)
 
     def dispatch(self, rows: torch.Tensor) -> torch.Tensor:
         """Rows sorted by global expert [sum(send_splits), h] -> the rows for this rank's

@@ -282,13 +282,14 @@ class DroplessMoE(MoELayer):
     ) -> Tuple[torch.Tensor, torch.Tensor]:
         if self.config.mlp_impl == "reference":
             return self._reference(tokens, routing, None)
-        if self.expert_parallel_size > 1:
-            return self._compute_experts_expert_parallel(tokens, routing)
         order, slot_of, tokens_per_expert = self._sort(routing)
         top_k = self.config.top_k
         rows = token_rows.gather_rows(tokens, order, slot_of, top_k)
         row_weights = routing.expert_weights.reshape(-1).index_select(0, order)
-        outputs = self._run_experts(rows, row_weights, tokens_per_expert)
+        if self.expert_parallel_size > 1:
+            outputs = self._run_experts_expert_parallel(rows, row_weights, tokens_per_expert)
+        else:
+            outputs = self._run_experts(rows, row_weights, tokens_per_expert)
         return token_rows.sum_rows(outputs, order, slot_of, top_k), tokens_per_expert
 
     def _run_experts(
@@ -304,24 +305,18 @@ class DroplessMoE(MoELayer):
     # The all-to-all split sizes need a host sync, which no traced graph can hold: under
     # torch.compile this method runs eagerly, between graphs (docs/moe.md).
     @torch.compiler.disable
-    def _compute_experts_expert_parallel(
-        self, tokens: torch.Tensor, routing: Routing
-    ) -> Tuple[torch.Tensor, torch.Tensor]:
-        """compute_experts with the experts sharded over the expert-parallel group: rows and
-        their router weights to the ranks of their experts, the local experts, rows back
-        (moe.expert_parallel), the all-to-alls overlapped with this rank's own rows
-        (moe.overlapped_exchange)."""
-        order, slot_of, tokens_per_expert = self._sort(routing)
-        top_k = self.config.top_k
-        # Sorted by global expert is sorted by destination rank: each rank's rows are one block.
-        rows = token_rows.gather_rows(tokens, order, slot_of, top_k)
-        row_weights = routing.expert_weights.reshape(-1).index_select(0, order)
+    def _run_experts_expert_parallel(
+        self, rows: torch.Tensor, row_weights: torch.Tensor, tokens_per_expert: torch.Tensor
+    ) -> torch.Tensor:
+        """`_run_experts` with the experts sharded over the expert-parallel group: rows sorted
+        by global expert (so by destination rank) and their router weights go to the ranks of
+        their experts, run there, and come back (moe.expert_parallel), the all-to-alls
+        overlapped with this rank's own rows (moe.overlapped_exchange)."""
         exchange = OverlappedExchange.plan(
             tokens_per_expert, parallel_state.get_expert_model_parallel_group()
         )
         with self.experts.weights_cast_once(rows.dtype):
-            returned = run_experts_overlapped(rows, row_weights, exchange, self._run_local_experts)
-        return token_rows.sum_rows(returned, order, slot_of, top_k), tokens_per_expert
+            return run_experts_overlapped(rows, row_weights, exchange, self._run_local_experts)
 
     def _run_local_experts(
         self,

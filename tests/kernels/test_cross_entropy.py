@@ -187,8 +187,8 @@ def test_shapes_are_checked():
 @interpreted
 @pytest.mark.xfail(
     not module.HAS_TRITON_OP,
-    reason="torch 2.4's dynamo cannot trace the os.environ.get in megatron.kernels.dispatch "
-    "(MOE_KERNELS) and breaks the graph there (2.5 not tried)",
+    reason="without triton_op (torch 2.4 and 2.5) the op is an opaque custom op, and torch "
+    "2.4's dynamo has broken the graph before it (2.5 not tried)",
     strict=False,
 )
 def test_compiles_without_graph_break():
