@@ -31,13 +31,18 @@ if TRITON_AVAILABLE:
     from moe.kernels.grouped_gemm_kernels import _grouped_mm_kernel, _grouped_weight_grad_kernel
 
 __all__ = [
+    "BACKENDS",
     "DEFAULT_TILE_SIZES",
     "HOPPER_ROW_TILE_SIZES",
     "HOPPER_WEIGHT_GRAD_TILE_SIZES",
+    "MOE",
+    "TORCH",
     "TileSizes",
+    "choose_backend",
     "default_tile_sizes",
     "grouped_mm",
     "grouped_mm_reference",
+    "grouped_product",
     "torch_grouped_mm_is_fast_on",
     "torch_has_grouped_mm",
 ]
@@ -198,12 +203,13 @@ def torch_grouped_mm_is_fast_on(device: torch.device) -> bool:
 def choose_backend(
     device: torch.device, dtype: torch.dtype, widths: Sequence[int], num_groups: int, mode: str
 ) -> str:
-    """The grouped product of a run on `device` with rows of `dtype`, chosen once at setup:
-    TORCH where torch._grouped_mm is fast (`torch_grouped_mm_is_fast_on`, bf16, every operand
-    width in `widths` a multiple of the 16 bytes its TMA loads need, fewer than 1024 groups,
-    kernel `mode` "auto");
-    else MOE, whose op runs the Triton kernels or the references as `mode` says. A compiled
-    dMoE is one graph only on TORCH: the Triton launches break it (moe.training_hooks)."""
+    """The grouped product of a run on `device` with rows of `dtype`, chosen once at setup.
+
+    TORCH where torch._grouped_mm is fast (`torch_grouped_mm_is_fast_on`), for bf16 rows, every
+    operand width in `widths` a multiple of the 16 bytes its TMA loads need, fewer than 1024
+    groups and kernel `mode` "auto"; else MOE, whose op runs the Triton kernels or the
+    references as `mode` says. A compiled dMoE is one graph only on TORCH: the Triton launches
+    break it (moe.training_hooks)."""
     aligned = all(width * 2 % _GROUPED_MM_ALIGNMENT_BYTES == 0 for width in widths)
     if (
         mode == "auto"
