@@ -276,11 +276,10 @@ def moe_config(args: argparse.Namespace, config: Config) -> Optional[MoEConfig]:
     if moe is None:
         return None
     training, model = config.training, config.model
-    rows_dtype = torch.bfloat16 if training.bf16 else torch.float16 if training.fp16 else None
     widths = (model.hidden_size, model.ffn_hidden_size // model.tensor_model_parallel_size)
     backend = grouped_gemm.choose_backend(
         compute_device(),
-        rows_dtype or torch.float32,
+        getattr(torch, training.params_dtype_name),  # the autocast dtype of the expert rows
         widths,
         moe.num_experts // moe.expert_model_parallel_size,
         training.kernels,

@@ -330,8 +330,7 @@ class DroplessMoE(MoELayer):
         if order is None:
             return self._run_experts(rows, row_weights, tokens_per_local_expert)
         order = order.long()
-        positions = torch.arange(order.numel(), device=order.device)
-        slot_of = torch.empty_like(order).scatter_(0, order, positions)
+        slot_of = token_rows.inverse_permutation(order)
         sorted_rows = token_rows.gather_rows(rows, order, slot_of, 1)
         outputs = self._run_experts(
             sorted_rows, row_weights.index_select(0, order), tokens_per_local_expert

@@ -212,6 +212,12 @@ class _Permute(torch.autograd.Function):
         return grad_out.index_select(0, inverse), None, None
 
 
+def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
+    """int64 `inverse` with inverse[order[i]] = i, for a permutation `order` (int64)."""
+    positions = torch.arange(order.numel(), device=order.device)
+    return torch.empty_like(order).scatter_(0, order, positions)
+
+
 def sort_assignments(
     expert_indices: torch.Tensor, num_experts: int
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -224,8 +230,7 @@ def sort_assignments(
     # 16-bit keys: the GPU's radix sort makes one pass per key byte, 8 for int64 indices.
     key_dtype = torch.int16 if num_experts <= torch.iinfo(torch.int16).max else flat.dtype
     sorted_experts, order = torch.sort(flat.to(key_dtype), stable=True)
-    positions = torch.arange(flat.numel(), device=flat.device)
-    slot_of = torch.empty_like(order).scatter_(0, order, positions)
+    slot_of = inverse_permutation(order)
     # Counts from where each expert's run starts in the sorted keys, rather than a scatter_add
     # (atomics on E counters) or bincount (whose output size depends on the data).
     experts = torch.arange(num_experts + 1, device=flat.device, dtype=key_dtype)
