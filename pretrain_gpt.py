@@ -16,7 +16,6 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from megatron import parallel_state
 from megatron.checkpointing.directories import (
     check_checkpoint_directories,
     estimate_checkpoint_bytes,
@@ -33,7 +32,6 @@ from megatron.data.dataset_splits import get_train_valid_test_num_samples
 from megatron.data.errors import check_datasets_serve_run
 from megatron.data.gpt_dataset import SPLIT_NAMES, build_train_valid_test_datasets
 from megatron.errors import UserError
-from megatron.expert_parameters import expert_parameters
 from megatron.initialize import (
     DistributedContext,
     barrier,
@@ -210,24 +208,6 @@ def _expert_parallel_size(moe: Optional[MoEConfig]) -> int:
     return moe.expert_model_parallel_size if moe is not None else 1
 
 
-def _parameter_count_lines(model: torch.nn.Module) -> List[str]:
-    """Megatron's parameter-count line, counting the whole model: under expert parallelism
-    each expert shard counts expert-parallel-size times, so every layout prints the number
-    of a single-process run; a second line then says what this rank holds."""
-    local_count = sum(parameter.numel() for parameter in model.parameters())
-    expert_count = sum(parameter.numel() for parameter in expert_parameters(model))
-    expert_parallel_size = parallel_state.get_expert_model_parallel_world_size()
-    total = local_count + (expert_parallel_size - 1) * expert_count
-    lines = [f" > number of parameters on (tensor, pipeline) model parallel rank (0, 0): {total}"]
-    if expert_parallel_size > 1:
-        lines.append(
-            f" > {expert_count * expert_parallel_size} of them in experts, sharded over "
-            f"{expert_parallel_size} expert-parallel ranks: each rank holds {local_count} "
-            "parameters"
-        )
-    return lines
-
-
 def _setup_and_train(
     config: Config,
     tokenizer: MegatronTokenizer,
@@ -253,9 +233,8 @@ def _setup_and_train(
 
     print_rank_0("building GPT model ...")
     mlp_spec: MlpSpec = MoEMlpSpec(moe) if moe is not None else DENSE_MLP
-    whole_model = GPTModel(config.model, mlp_spec)
-    for line in _parameter_count_lines(whole_model):
-        print_rank_0(line)
+    with torch.device("meta"):  # no memory yet: parallelize keeps this rank's shards only
+        whole_model = GPTModel(config.model, mlp_spec)
     hooks = TrainingHooks()
     if moe is not None:
         hooks = MoETrainingHooks(
@@ -265,7 +244,7 @@ def _setup_and_train(
             tensorboard=bool(config.logging.tensorboard_dir),
         )
     model = parallelize(whole_model, config, context, hooks.compile_veto)
-    del whole_model  # under a pipeline this rank's chunks hold copies of their part of it
+    del whole_model  # under a pipeline this rank's chunks hold their part of it
     check_checkpoint_directories(
         config.checkpoint,
         estimate_checkpoint_bytes(

@@ -1,41 +1,61 @@
-"""The one place parallelism is applied to a built model, in named steps, in this order.
+"""The one place parallelism is applied to a model, in named steps, in this order.
 
-The entry point builds the whole model (`GPTModel(config.model, mlp_spec)`) and hands it to
-`parallelize`, which returns what the trainer runs. Steps:
+The entry point builds the whole model as plain PyTorch at world size 1, on the meta device so
+that it holds no memory (`GPTModel(config.model, mlp_spec)` under ``torch.device("meta")``),
+and hands it to `parallelize`, which returns what the trainer runs. Steps:
 
-1. Tensor and sequence parallelism: layer choice at build time. `GPTModel` builds its linear
-   layers and embedding as megatron.model.parallel_layers picks them from config.model
-   (ColumnParallelLinear / RowParallelLinear / VocabParallelEmbedding, each drawing the full
-   weight and keeping its shard, so any TP size starts from the TP=1 weights).
-2. Expert placement: at build time too. An MoE layer keeps its expert-parallel block of experts
-   (moe.experts, from its MoEConfig) and marks them (megatron.expert_parameters).
-3. Pipeline split (`split_pipeline`): this rank's stage chunks, holding the whole model's weights.
-4. Activation recomputation (`apply_activation_recomputation`): full (whole layers, by
+1. Tensor and sequence parallelism (`apply_tensor_parallel`): each linear layer and the word
+   embedding becomes its Megatron parallel layer (ColumnParallelLinear, RowParallelLinear,
+   VocabParallelEmbedding) holding this rank's shard; attention keeps its share of the heads;
+   the norms, the embedding, the blocks and the output learn about sequence parallelism.
+2. Expert placement (`place_experts`): expert layers keep their expert-parallel block of
+   experts and mark them (megatron.expert_parameters).
+3. Weights (`materialize_weights`): a model built on the meta device gets storage and draws
+   its weights; every parallel layer draws its full weight and keeps its shard, so any layout
+   starts from the single-process weights.
+4. Pipeline split (`split_pipeline`): this rank's stage chunks, taking their modules from the
+   whole model.
+5. Activation recomputation (`apply_activation_recomputation`): full (whole layers, by
    TransformerBlock) or selective (the core attention, by SelfAttention), per config.model.
-5. Device placement.
-6. Data parallelism (`data_parallel`): torch DDP around the model; or nothing, when the
+6. Device placement.
+7. Data parallelism (`data_parallel`): torch DDP around the model; or nothing, when the
    distributed optimizer reduce-scatters the gradients in its step or, under a pipeline, the
    trainer all-reduces them after the schedule.
-7. Compile (`compile_model`): torch.compile of the whole model on GPUs, unless an extension's
+8. Compile (`compile_model`): torch.compile of the whole model on GPUs, unless an extension's
    training hooks veto it (megatron.training_hooks).
-Steps 1 and 2 still happen inside the model's constructors.
+
+Steps 1 and 2 also work on a model built with real weights (its shards are copied, so a
+world-size-1 model and its parallel form hold the same numbers). Modules of an extension
+(megatron.model.mlp.MlpSpec) take part through methods the steps call on any module defining
+them: `apply_tensor_parallel(size, rank, sequence_parallel)` and `place_experts(size, rank)`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Callable, List, Optional
 
 import torch
 from torch import nn
 
 from megatron import parallel_state
 from megatron.distributed import wrap_data_parallel
+from megatron.expert_parameters import expert_parameters
 from megatron.initialize import DistributedContext, print_rank_0
 from megatron.model import GPTModel
 from megatron.model.attention import SelfAttention
+from megatron.model.embeddings import LanguageModelEmbedding
+from megatron.model.mlp import MLP
+from megatron.model.norms import RMSNorm
 from megatron.model.transformer import TransformerBlock
-from megatron.pipeline.stages import build_stage_model_chunks, full_to_stage_state_dict
+from megatron.parameter_swaps import materialize
+from megatron.pipeline.stages import stage_layer_numbers
+from megatron.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    set_sequence_parallel_attribute,
+)
 
 if TYPE_CHECKING:
     from megatron.config import Config, ModelConfig
@@ -62,7 +82,11 @@ def parallelize(
     context: DistributedContext,
     compile_veto: Callable[[torch.device], Optional[str]] = lambda device: None,
 ) -> ParallelModel:
-    """Apply steps 3 to 7 of the module docstring to the whole `model`, in order."""
+    """Apply the steps of the module docstring to the whole `model`, in order; prints
+    Megatron's parameter-count line for this rank's share of the whole model."""
+    shard_model(model, config.model)
+    for line in parameter_count_lines(model):
+        print_rank_0(line)
     pipeline = parallel_state.get_pipeline_model_parallel_world_size() > 1
     unwrapped: nn.Module = split_pipeline(model) if pipeline else model
     apply_activation_recomputation(unwrapped, config.model)
@@ -73,20 +97,173 @@ def parallelize(
     return ParallelModel(unwrapped, module, pipeline, wrapped_in_ddp)
 
 
-def split_pipeline(whole: GPTModel) -> nn.ModuleList:
-    """This rank's stage chunks (one without interleaving), holding `whole`'s weights.
+def shard_model(model: GPTModel, model_config: ModelConfig) -> GPTModel:
+    """Steps 1 to 3: this rank's tensor- and expert-parallel shards of `model`, with weights."""
+    apply_tensor_parallel(model, model_config)
+    place_experts(model)
+    materialize_weights(model)
+    return model
 
-    The whole model is drawn first, exactly as one process draws it, and each chunk takes its
-    layers from it, so a pipeline run starts from the single-process weights (Megatron draws
-    per stage instead, which gives other weights). That costs one whole model of CPU memory
-    during set-up. The chunks are built under a forked RNG, so the generator state afterwards
-    is the single-process one too (dropout masks then match).
+
+def apply_tensor_parallel(model: nn.Module, model_config: ModelConfig) -> nn.Module:
+    """Megatron's tensor (and with `model_config.sequence_parallel`, sequence) parallelism over
+    the tensor-parallel group, applied to `model` (a GPT model, stage chunk or one layer) in
+    place; returns it. Nothing changes at tensor-parallel size 1.
+
+    Column-parallel (output split): attention's fused QKV, the MLP's fc1 (strided under SwiGLU,
+    so each rank holds its gate and its up rows), the untied output layer. Row-parallel (input
+    split, partial outputs summed or reduce-scattered): attention's output projection, fc2.
+    Vocabulary-parallel: the word embedding. Under sequence parallelism every norm sees one
+    sequence shard, so its parameters are marked for the gradient all-reduce over the TP group.
     """
-    whole_state = whole.state_dict()
-    with torch.random.fork_rng(devices=[]):
-        chunks = build_stage_model_chunks(whole.config, whole.mlp_spec)
-    for chunk in chunks:
-        chunk.load_state_dict(full_to_stage_state_dict(whole_state, chunk), strict=True)
+    size = model_config.tensor_model_parallel_size
+    if size == 1:
+        return model
+    _check_tensor_parallel_groups(size)
+    sequence_parallel = model_config.sequence_parallel
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    for module in list(model.modules()):  # a snapshot: the layers swapped in are not revisited
+        if isinstance(module, GPTModel):
+            module.vocab_parallel_output = True
+            module.sequence_parallel = sequence_parallel
+            if module.output_layer is not None:
+                shared = getattr(module.output_layer.weight, "shared_embedding", False)
+                module.output_layer = ColumnParallelLinear.from_linear(module.output_layer)
+                if shared:
+                    module.output_layer.weight.shared_embedding = True
+        elif isinstance(module, LanguageModelEmbedding):
+            module.word_embeddings = VocabParallelEmbedding.from_embedding(module.word_embeddings)
+            module.sequence_parallel = sequence_parallel
+        elif isinstance(module, TransformerBlock):
+            module.tensor_parallel = True
+            module.sequence_parallel_dropout = sequence_parallel and module.has_dropout
+        elif isinstance(module, SelfAttention):
+            _split_heads(module, size, sequence_parallel)
+        elif isinstance(module, MLP):
+            stride = 2 if module.swiglu else 1
+            module.linear_fc1 = ColumnParallelLinear.from_linear(
+                module.linear_fc1, sequence_parallel, stride
+            )
+            module.linear_fc2 = RowParallelLinear.from_linear(module.linear_fc2, sequence_parallel)
+        elif isinstance(module, (nn.LayerNorm, RMSNorm)):
+            if sequence_parallel:
+                for param in module.parameters():
+                    set_sequence_parallel_attribute(param)
+        elif callable(getattr(module, "apply_tensor_parallel", None)):
+            module.apply_tensor_parallel(size, rank, sequence_parallel)
+    return model
+
+
+def _check_tensor_parallel_groups(size: int) -> None:
+    """The process groups must exist for the TP size the config asks for."""
+    groups_size = parallel_state.get_tensor_model_parallel_world_size()
+    if groups_size != size:
+        raise ValueError(
+            f"the model config asks for tensor_model_parallel_size={size} but the "
+            f"tensor-parallel group has {groups_size} rank(s); call megatron.parallel_state."
+            f"initialize_model_parallel(tensor_model_parallel_size={size}) first"
+        )
+
+
+def _split_heads(attention: SelfAttention, size: int, sequence_parallel: bool) -> None:
+    """Give `attention` this rank's query groups (and their heads): QKV split by whole groups,
+    the output projection by their input channels."""
+    if attention.num_query_groups % size != 0:
+        raise ValueError(
+            f"{attention.num_query_groups} query groups do not split over a tensor-parallel "
+            f"size of {size}; choose --num-query-groups (or --num-attention-heads) divisible by it"
+        )
+    attention.linear_qkv = ColumnParallelLinear.from_linear(attention.linear_qkv, sequence_parallel)
+    attention.linear_proj = RowParallelLinear.from_linear(attention.linear_proj, sequence_parallel)
+    attention.num_heads //= size
+    attention.num_query_groups //= size
+    # The heads differ per rank, so their dropout masks must too; under sequence parallelism
+    # the whole block already draws from the per-rank stream (TransformerBlock).
+    attention.fork_dropout_rng = not sequence_parallel
+
+
+def place_experts(model: nn.Module) -> nn.Module:
+    """Every module of `model` defining `place_experts(size, rank)` keeps its share of the
+    experts of this rank's expert-parallel group (it checks its own config against the group's
+    size, so a layer built for another size fails here); returns `model`."""
+    size = parallel_state.get_expert_model_parallel_world_size()
+    rank = parallel_state.get_expert_model_parallel_rank()
+    for module in list(model.modules()):
+        if callable(getattr(module, "place_experts", None)):
+            module.place_experts(size, rank)
+    return model
+
+
+def materialize_weights(model: GPTModel) -> GPTModel:
+    """Give a model built on the meta device CPU storage and draw its weights
+    (`GPTModel.init_weights`, from the default generator); a model with weights is left as it
+    is. Returns `model`."""
+    if materialize(model, "cpu"):
+        model.init_weights()
+    return model
+
+
+def parameter_count_lines(model: nn.Module) -> List[str]:
+    """Megatron's parameter-count line for this rank's shard of the whole model, counting
+    expert-parallel shards expert-parallel-size times, so that every expert-parallel layout
+    prints the number of a single-process run; a second line then says what this rank holds."""
+    local_count = sum(parameter.numel() for parameter in model.parameters())
+    expert_count = sum(parameter.numel() for parameter in expert_parameters(model))
+    expert_parallel_size = parallel_state.get_expert_model_parallel_world_size()
+    total = local_count + (expert_parallel_size - 1) * expert_count
+    lines = [f" > number of parameters on (tensor, pipeline) model parallel rank (0, 0): {total}"]
+    if expert_parallel_size > 1:
+        lines.append(
+            f" > {expert_count * expert_parallel_size} of them in experts, sharded over "
+            f"{expert_parallel_size} expert-parallel ranks: each rank holds {local_count} "
+            "parameters"
+        )
+    return lines
+
+
+def split_pipeline(whole: GPTModel) -> nn.ModuleList:
+    """This rank's stage chunks (one without interleaving), which take their embedding, layers,
+    final norm and output layer from `whole` (moved, not copied: what this rank does not hold is
+    freed with `whole`).
+
+    The whole model's weights are drawn first, exactly as one process draws them, so a pipeline
+    run starts from the single-process weights (Megatron draws per stage instead, which gives
+    other weights); that costs this rank's tensor- and expert-parallel share of the whole model
+    in CPU memory while it starts. With tied embeddings a last stage without the embedding gets
+    its own copy of the word embedding table as its output layer (megatron.pipeline.stages).
+    """
+    config = whole.config
+    pipeline_size = parallel_state.get_pipeline_model_parallel_world_size()
+    pipeline_rank = parallel_state.get_pipeline_model_parallel_rank()
+    virtual_size = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    chunks = []
+    for virtual_rank in range(virtual_size or 1):
+        if virtual_size is not None:
+            parallel_state.set_virtual_pipeline_model_parallel_rank(virtual_rank)
+        first = parallel_state.is_pipeline_first_stage()
+        last = parallel_state.is_pipeline_last_stage()
+        with torch.device("meta"):
+            chunk = GPTModel(
+                config, whole.mlp_spec, pre_process=first, post_process=last, layer_numbers=()
+            )
+        apply_tensor_parallel(chunk, config)
+        numbers = stage_layer_numbers(
+            config.num_layers, pipeline_size, pipeline_rank, virtual_size, virtual_rank
+        )
+        chunk.decoder.layers = nn.ModuleList(whole.decoder.layers[number] for number in numbers)
+        if first:
+            chunk.embedding = whole.embedding
+        if last:
+            chunk.decoder.final_layernorm = whole.decoder.final_layernorm
+            if whole.output_layer is not None:
+                chunk.output_layer = whole.output_layer
+            elif chunk.output_layer is not None:  # the tied copy on a stage without the table
+                materialize(chunk.output_layer, "cpu")
+                with torch.no_grad():
+                    chunk.output_layer.weight.copy_(whole.embedding.word_embeddings.weight)
+        chunks.append(chunk)
+    if virtual_size is not None:
+        parallel_state.set_virtual_pipeline_model_parallel_rank(0)
     return nn.ModuleList(chunks)
 
 

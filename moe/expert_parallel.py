@@ -38,25 +38,19 @@ from typing import List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron import parallel_state
 from moe.config import MoEConfig
 
 
-def expert_parallel_rank_and_size(config: MoEConfig) -> Tuple[int, int]:
-    """(rank, size) of this process in its expert-parallel group, checked against `config`.
-
-    The groups belong to megatron.parallel_state; a layer built for a different size than the
-    groups would hold the wrong experts, so a mismatch is an error, not a guess.
-    """
-    size = parallel_state.get_expert_model_parallel_world_size()
+def check_expert_parallel_size(config: MoEConfig, size: int) -> None:
+    """Raise unless `config` was built for an expert-parallel group of `size` ranks: a layer
+    placed on a group of another size would hold the wrong experts."""
     if size != config.expert_model_parallel_size:
         raise RuntimeError(
             f"MoEConfig.expert_model_parallel_size is {config.expert_model_parallel_size} but "
             f"megatron.parallel_state's expert-parallel group has {size} rank(s); call "
             f"parallel_state.initialize_model_parallel(expert_model_parallel_size="
-            f"{config.expert_model_parallel_size}) before building the model"
+            f"{config.expert_model_parallel_size}) before placing the experts"
         )
-    return parallel_state.get_expert_model_parallel_rank(), size
 
 
 def _all_to_all(

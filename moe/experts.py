@@ -8,7 +8,9 @@ capacity-padded slots, a grouped GEMM for the dMoE's rows sorted by expert.
 Under tensor parallelism (Megatron-core's default, expert tensor parallel size = TP size) each
 TP rank holds f / tp of every expert's ffn channels: w1 and v1 split on their last dim like a
 column-parallel linear, w2 on its ffn dim like a row-parallel one. The experts then compute a
-partial output, which the layer (moe.layers) sums over the TP group.
+partial output, which the layer (moe.layers) sums over the TP group. Both that split and the
+expert-parallel one are applied to built experts by megatron.parallelize's steps, through
+`apply_tensor_parallel` and `place_experts`.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from megatron.expert_parameters import mark_expert_parallel
+from megatron.parameter_swaps import replace_parameter
 from megatron.tensor_parallel import set_tensor_model_parallel_attributes
 from moe.kernels.grouped_gemm import MOE, grouped_product
 from moe.kernels.scaled_activation import scaled_activation
@@ -42,13 +45,12 @@ class Experts(nn.Module):
     (SwiGLU with silu, GeGLU with gelu). With `memory_optimized`, the activation and the second
     projection are recomputed in backward, so only the first projection's output is kept.
 
-    With `expert_parallel_size` P > 1 the module holds only the E / P experts of
-    `expert_parallel_rank` r, experts [r * E/P, (r + 1) * E/P), as [E/P, ...] parameters marked
-    for moe.expert_parallel; local expert i is global expert r * E/P + i.
-
-    With `tensor_parallel_size` T > 1 it holds channels [t * f/T, (t + 1) * f/T) of each
-    expert's ffn, t = `tensor_parallel_rank` (module docstring), marked with Megatron's
-    tensor-parallel attributes so checkpoints and the grad norm treat them as shards.
+    As built it holds every expert whole. After `place_experts(P, r)` it holds only the E / P
+    experts of expert-parallel rank r, experts [r * E/P, (r + 1) * E/P), as [E/P, ...]
+    parameters marked for moe.expert_parallel; local expert i is global expert r * E/P + i.
+    After `apply_tensor_parallel(T, t, ...)` it holds channels [t * f/T, (t + 1) * f/T) of each
+    expert's ffn (module docstring), marked with Megatron's tensor-parallel attributes so
+    checkpoints and the grad norm treat them as shards.
 
     `grouped_gemm` names the grouped product of `forward_grouped`
     (moe.kernels.grouped_gemm.BACKENDS).
@@ -64,10 +66,6 @@ class Experts(nn.Module):
         memory_optimized: bool = False,
         init_std: float = 0.02,
         output_init_std: float = 0.02,
-        expert_parallel_size: int = 1,
-        expert_parallel_rank: int = 0,
-        tensor_parallel_size: int = 1,
-        tensor_parallel_rank: int = 0,
         grouped_gemm: str = MOE,
     ) -> None:
         super().__init__()
@@ -75,23 +73,12 @@ class Experts(nn.Module):
             raise ValueError(f"mlp_type must be 'mlp' or 'glu', got {mlp_type!r}")
         if activation not in ("gelu", "silu"):
             raise ValueError(f"activation must be 'gelu' or 'silu', got {activation!r}")
-        if num_experts % expert_parallel_size != 0:
-            raise ValueError(
-                f"{num_experts} experts do not split evenly over an expert parallel size of "
-                f"{expert_parallel_size}; use a number of experts that is a multiple of it"
-            )
-        if ffn_hidden_size % tensor_parallel_size != 0:
-            raise ValueError(
-                f"--ffn-hidden-size {ffn_hidden_size} is not divisible by "
-                f"--tensor-model-parallel-size {tensor_parallel_size}: each tensor-parallel rank "
-                "holds an equal share of every expert's ffn channels; choose a multiple of it"
-            )
         self.num_experts = num_experts
         self.ffn_hidden_size = ffn_hidden_size
-        self.local_ffn_hidden_size = ffn_hidden_size // tensor_parallel_size
-        self.first_local_channel = tensor_parallel_rank * self.local_ffn_hidden_size
-        self.num_local_experts = num_experts // expert_parallel_size
-        self.first_local_expert = expert_parallel_rank * self.num_local_experts
+        self.local_ffn_hidden_size = ffn_hidden_size
+        self.first_local_channel = 0
+        self.num_local_experts = num_experts
+        self.first_local_expert = 0
         self.mlp_type = mlp_type
         self.activation_name = activation
         self.activation = gelu_tanh if activation == "gelu" else F.silu
@@ -104,13 +91,7 @@ class Experts(nn.Module):
         else:
             self.register_parameter("v1", None)
         self.w2 = nn.Parameter(torch.empty(local, ffn, hidden_size))
-        if expert_parallel_size > 1:
-            for param in self.parameters():
-                mark_expert_parallel(param)
-        if tensor_parallel_size > 1:
-            for param in self.parameters():
-                set_tensor_model_parallel_attributes(param, partition_dim=_ffn_dim(param, self))
-        self.init_expert_weights(init_std, output_init_std)
+        self.init_own_weights(init_std, output_init_std)
         # Set by `weights_cast_once`: (w1, v1, w2) in the compute dtype, shared by every call.
         self._cast_weights: Optional[Tuple[torch.Tensor, ...]] = None
         # Set by `refresh_compute_weights`: copies in the compute dtype, kept between refreshes.
@@ -118,8 +99,49 @@ class Experts(nn.Module):
         self._accumulates_in_place = False
         self._accumulators: Tuple[GradientAccumulator, ...] = ()
 
+    def apply_tensor_parallel(self, size: int, rank: int, sequence_parallel: bool) -> None:
+        """Keep channels [rank * f/size, (rank + 1) * f/size) of every expert's ffn (a copy of
+        them, or meta ones on the meta device) and mark the weights as tensor-parallel shards."""
+        if self.ffn_hidden_size % size != 0:
+            raise ValueError(
+                f"--ffn-hidden-size {self.ffn_hidden_size} is not divisible by "
+                f"--tensor-model-parallel-size {size}: each tensor-parallel rank holds an equal "
+                "share of every expert's ffn channels; choose a multiple of it"
+            )
+        self.local_ffn_hidden_size = self.ffn_hidden_size // size
+        self.first_local_channel = rank * self.local_ffn_hidden_size
+        for name in ("w1", "v1", "w2"):
+            weight = getattr(self, name)
+            if weight is None:
+                continue
+            ffn_dim = _ffn_dim(weight, self)
+            shard = weight.detach().narrow(
+                ffn_dim, self.first_local_channel, self.local_ffn_hidden_size
+            )
+            shard = replace_parameter(self, name, shard.clone())
+            set_tensor_model_parallel_attributes(shard, partition_dim=ffn_dim)
+
+    def place_experts(self, size: int, rank: int) -> None:
+        """Keep the experts of expert-parallel rank `rank` of `size`, [rank * E/size,
+        (rank + 1) * E/size) (a copy of them, or meta ones), marked as expert-parallel."""
+        if self.num_experts % size != 0:
+            raise ValueError(
+                f"{self.num_experts} experts do not split evenly over an expert parallel size "
+                f"of {size}; use a number of experts that is a multiple of it"
+            )
+        if size == 1:
+            return
+        self.num_local_experts = self.num_experts // size
+        self.first_local_expert = rank * self.num_local_experts
+        for name in ("w1", "v1", "w2"):
+            weight = getattr(self, name)
+            if weight is None:
+                continue
+            block = weight.detach().narrow(0, self.first_local_expert, self.num_local_experts)
+            mark_expert_parallel(replace_parameter(self, name, block.clone()))
+
     @torch.no_grad()
-    def init_expert_weights(self, std: float, output_std: float) -> None:
+    def init_own_weights(self, std: float, output_std: float) -> None:
         """Megatron's init: normal(0, std) input projections, normal(0, output_std) for w2
         (the scaled init of layers that add to the residual stream).
 

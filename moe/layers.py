@@ -20,10 +20,12 @@ moe.experts), sum each token's rows back. What varies is the product: the run's 
 capacity sorts the same way and moves rows into capacity slots (moe.kernels.permute's binned
 layout), weighting them in the scatter back.
 
-With `expert_model_parallel_size` > 1 the dMoE holds only its rank's block of experts and moves
-assignments to the rank of their expert and back by all-to-all (moe.expert_parallel).
-With `tensor_model_parallel_size` > 1 each TP rank holds a slice of every expert's ffn channels
-and the layer routes, combines and reduces as moe.tensor_parallel describes; the two combine.
+A layer is built whole, as one process runs it; megatron.parallelize's steps then shard it.
+Under expert parallelism (`place_experts`) the dMoE holds only its rank's block of experts and
+moves assignments to the rank of their expert and back by all-to-all (moe.expert_parallel).
+Under tensor parallelism (`apply_tensor_parallel`) each TP rank holds a slice of every expert's
+ffn channels and the layer routes, combines and reduces as moe.tensor_parallel describes; the
+two combine.
 """
 
 from __future__ import annotations
@@ -38,9 +40,8 @@ from torch import nn
 from megatron import parallel_state
 from megatron.config import ModelConfig
 from megatron.model.mlp import MLP
-from megatron.model.parallel_layers import check_tensor_parallel_state
 from moe.config import MoEConfig
-from moe.expert_parallel import expert_parallel_rank_and_size
+from moe.expert_parallel import check_expert_parallel_size
 from moe.experts import Experts
 from moe.kernels import permute, token_rows
 from moe.overlapped_exchange import OverlappedExchange, run_experts_overlapped
@@ -93,13 +94,9 @@ class MoELayer(nn.Module):
         moe_config.validate_expert_parallelism()
         self.config = moe_config
         self.hidden_size = model_config.hidden_size
-        self.expert_parallel_rank, self.expert_parallel_size = expert_parallel_rank_and_size(
-            moe_config
-        )
-        self.tensor_parallel = model_config.tensor_model_parallel_size > 1
-        self.sequence_parallel = self.tensor_parallel and model_config.sequence_parallel
-        if self.tensor_parallel:
-            check_tensor_parallel_state(model_config)
+        # Set by `place_experts` and `apply_tensor_parallel` (megatron.parallelize).
+        self.expert_parallel_rank, self.expert_parallel_size = 0, 1
+        self.tensor_parallel = self.sequence_parallel = False
         std = model_config.init_method_std
         output_std = std / math.sqrt(2.0 * model_config.num_layers)
         self.router = Router(model_config.hidden_size, moe_config, init_std=std)
@@ -112,10 +109,6 @@ class MoELayer(nn.Module):
             memory_optimized=moe_config.memory_optimized_mlp,
             init_std=std,
             output_init_std=output_std,
-            expert_parallel_size=self.expert_parallel_size,
-            expert_parallel_rank=self.expert_parallel_rank,
-            tensor_parallel_size=model_config.tensor_model_parallel_size,
-            tensor_parallel_rank=parallel_state.get_tensor_model_parallel_rank(),
             grouped_gemm=moe_config.grouped_gemm,
         )
         # MegaBlocks' experts have no biases; the layer adds one output bias (--bias).
@@ -123,8 +116,6 @@ class MoELayer(nn.Module):
             self.bias = nn.Parameter(torch.zeros(model_config.hidden_size))
         else:
             self.register_parameter("bias", None)
-        if self.sequence_parallel:
-            mark_sequence_parallel_parameters(self.router, self.bias)
         # A dense MLP: under tensor parallelism its own parallel layers split and reduce it.
         self.shared_expert: Optional[MLP] = None
         if moe_config.shared_expert:
@@ -147,6 +138,29 @@ class MoELayer(nn.Module):
             self.register_buffer("pending_tokens_per_expert", torch.zeros(moe_config.num_experts))
         self.load_balancing_loss: Optional[torch.Tensor] = None
         self.router_z_loss: Optional[torch.Tensor] = None
+
+    @torch.no_grad()
+    def init_own_weights(self, std: float, output_std: float) -> None:
+        """The output bias and the counters start at zero (the router, the experts and the
+        shared expert initialize themselves as submodules)."""
+        if self.bias is not None:
+            self.bias.zero_()
+        for buffer in self.buffers(recurse=False):
+            buffer.zero_()
+
+    def apply_tensor_parallel(self, size: int, rank: int, sequence_parallel: bool) -> None:
+        """Route and reduce over the tensor-parallel group (moe.tensor_parallel); the experts
+        split their channels themselves, the shared expert is a dense MLP."""
+        self.tensor_parallel = True
+        self.sequence_parallel = sequence_parallel
+        if sequence_parallel:
+            mark_sequence_parallel_parameters(self.router, self.bias)
+
+    def place_experts(self, size: int, rank: int) -> None:
+        """Run the experts of expert-parallel rank `rank` of `size` (the experts keep their
+        block themselves); raises unless the config was built for that size."""
+        check_expert_parallel_size(self.config, size)
+        self.expert_parallel_rank, self.expert_parallel_size = rank, size
 
     def compute_experts(
         self, tokens: torch.Tensor, routing: Routing
@@ -267,15 +281,18 @@ class DroplessMoE(MoELayer):
 
     def __init__(self, model_config: ModelConfig, moe_config: MoEConfig) -> None:
         super().__init__(model_config, moe_config)
-        self.sparse_block_size = 0
         if moe_config.mlp_impl == "sparse":
             try:
                 from moe.kernels.block_sparse import sparse_mlp  # noqa: F401
             except ImportError as error:
                 raise RuntimeError(SPARSE_UNAVAILABLE) from error
-            ffn = self.experts.local_ffn_hidden_size
-            # MegaBlocks uses 128; smaller blocks let tiny models run the same kernels.
-            self.sparse_block_size = next((b for b in (128, 64, 32, 16) if ffn % b == 0), 0)
+
+    @property
+    def sparse_block_size(self) -> int:
+        """The block size of the block-sparse products: MegaBlocks uses 128; smaller blocks
+        let tiny models (and tensor-parallel shards) run the same kernels."""
+        ffn = self.experts.local_ffn_hidden_size
+        return next((b for b in (128, 64, 32, 16) if ffn % b == 0), 0)
 
     def compute_experts(
         self, tokens: torch.Tensor, routing: Routing

@@ -47,6 +47,12 @@ class Router(nn.Module):
         else:
             self.expert_bias = None
 
+    @torch.no_grad()
+    def init_own_weights(self, std: float, output_std: float) -> None:
+        """The expert bias starts at zero (the linear layer is initialized as a submodule)."""
+        if self.expert_bias is not None:
+            self.expert_bias.zero_()
+
     def jitter(self, x: torch.Tensor) -> torch.Tensor:
         """Multiplicative U(1 - eps, 1 + eps) noise shaped like `x`."""
         eps = self.config.jitter_eps

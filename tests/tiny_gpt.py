@@ -8,9 +8,12 @@ from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional
 
 import pytest
+import torch
 
 import pretrain_gpt
 from megatron.config import ModelConfig
+from megatron.model import DENSE_MLP, GPTModel, MlpSpec
+from megatron.parallelize import shard_model
 from tests.sample_data import MERGES, VOCAB
 
 # dMoE layers of 4 experts with top-2 routing, added to `tiny_gpt_args`.
@@ -32,6 +35,14 @@ def tiny_model_config(**overrides: Any) -> ModelConfig:
     )
     fields.update(overrides)
     return ModelConfig(**fields)
+
+
+def sharded_gpt_model(config: ModelConfig, mlp_spec: MlpSpec = DENSE_MLP) -> GPTModel:
+    """This rank's shards of the GPT model, built as pretrain_gpt.py builds it: on the meta
+    device, then megatron.parallelize's tensor- and expert-parallel steps and weights."""
+    with torch.device("meta"):
+        model = GPTModel(config, mlp_spec)
+    return shard_model(model, config)
 
 
 def moe_layer_model_config(

@@ -44,8 +44,8 @@ class ModelConfig:
     recompute_granularity: str | None = None  # None | "full" | "selective"
     recompute_method: str | None = None  # None | "uniform" | "block"
     recompute_num_layers: int | None = None
-    # Tensor parallelism changes which layers the model is built from (megatron.model.
-    # parallel_layers), so the model config carries it, as Megatron-core's TransformerConfig does.
+    # Read by megatron.parallelize's tensor-parallel step, not by the model (which is built
+    # plain); the model config carries them as Megatron-core's TransformerConfig does.
     tensor_model_parallel_size: int = 1
     sequence_parallel: bool = False  # only with tensor_model_parallel_size > 1
 

@@ -3,9 +3,10 @@
 The fused projection `linear_qkv` is laid out per query group, as Megatron lays it out: its
 output channels are num_query_groups blocks of
     [heads_per_group query heads | 1 key head | 1 value head] x kv_channels,
-so Megatron checkpoints load without reshuffling and tensor parallelism splits the projection
-along whole groups: each tensor-parallel rank attends with its num_query_groups / tp groups (and
-their heads), and `linear_proj` sums the ranks' partial outputs.
+so Megatron checkpoints load without reshuffling and tensor parallelism (applied by
+megatron.parallelize) splits the projection along whole groups: each tensor-parallel rank
+attends with its num_query_groups / tp groups (and their heads), and `linear_proj` sums the
+ranks' partial outputs.
 """
 
 from __future__ import annotations
@@ -17,12 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from megatron.model.parallel_layers import (
-    column_parallel_linear,
-    row_parallel_linear,
-    sharded_dropout_rng,
-)
 from megatron.model.rotary import apply_rotary_emb
+from megatron.tensor_parallel import sharded_dropout_rng
 
 if TYPE_CHECKING:
     from megatron.config import ModelConfig
@@ -42,34 +39,32 @@ def num_query_groups(config: ModelConfig) -> int:
 class SelfAttention(nn.Module):
     """Pre-normalized hidden states [b, s, h] -> attention output [b, s, h] (before dropout).
 
-    Under tensor parallelism the heads are this rank's share (`num_heads` and
-    `num_query_groups` count local ones); with sequence parallelism the input and output are
-    this rank's sequence shard [b, s / tp, h] and the core attention sees the whole sequence.
+    Under tensor parallelism (megatron.parallelize) the heads are this rank's share
+    (`num_heads` and `num_query_groups` count local ones); with sequence parallelism the input
+    and output are this rank's sequence shard [b, s / tp, h] and the core attention sees the
+    whole sequence.
     """
 
     def __init__(self, config: ModelConfig, layer_number: int) -> None:
         super().__init__()
-        tensor_parallel_size = config.tensor_model_parallel_size
         self.layer_number = layer_number
-        self.num_heads = config.num_attention_heads // tensor_parallel_size
-        self.num_query_groups = num_query_groups(config) // tensor_parallel_size
+        self.num_heads = config.num_attention_heads
+        self.num_query_groups = num_query_groups(config)
         self.heads_per_group = self.num_heads // self.num_query_groups
         self.head_dim = config.kv_channels
         self.attention_dropout = config.attention_dropout
         # Selective recompute, switched on by megatron.parallelize for
         # recompute_granularity="selective".
         self.recompute_core_attention = False
-        # Heads differ per TP rank, so their dropout masks must too. Under sequence parallelism
-        # the whole decoder block already draws from the per-rank stream (TransformerBlock).
-        self.fork_dropout_rng = tensor_parallel_size > 1 and not config.sequence_parallel
+        # Set by tensor parallelism: the heads then differ per TP rank, so their dropout masks
+        # must too (under sequence parallelism the whole block forks instead, TransformerBlock).
+        self.fork_dropout_rng = False
 
-        query_size = config.num_attention_heads * self.head_dim
-        kv_size = num_query_groups(config) * self.head_dim
+        query_size = self.num_heads * self.head_dim
+        kv_size = self.num_query_groups * self.head_dim
         bias = config.add_bias_linear
-        self.linear_qkv = column_parallel_linear(
-            config, config.hidden_size, query_size + 2 * kv_size, bias
-        )
-        self.linear_proj = row_parallel_linear(config, query_size, config.hidden_size, bias)
+        self.linear_qkv = nn.Linear(config.hidden_size, query_size + 2 * kv_size, bias=bias)
+        self.linear_proj = nn.Linear(query_size, config.hidden_size, bias=bias)
 
     def forward(
         self,

@@ -7,8 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from megatron.model.parallel_layers import sharded_dropout_rng, word_embedding
-from megatron.tensor_parallel import scatter_to_sequence_parallel_region
+from megatron.tensor_parallel import scatter_to_sequence_parallel_region, sharded_dropout_rng
 
 if TYPE_CHECKING:
     from megatron.config import ModelConfig
@@ -19,20 +18,21 @@ class LanguageModelEmbedding(nn.Module):
     [b, s / tp, h] with sequence parallelism.
 
     Position embeddings exist only for `position_embedding_type == "learned_absolute"`; with
-    RoPE, positions enter inside attention instead. Under tensor parallelism the word embedding
-    table is split by vocabulary rows; the position table stays whole on every rank.
+    RoPE, positions enter inside attention instead. Under tensor parallelism (megatron.parallelize)
+    the word embedding table is split by vocabulary rows; the position table stays whole on
+    every rank.
     """
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.word_embeddings = word_embedding(config)
+        self.word_embeddings = nn.Embedding(config.padded_vocab_size, config.hidden_size)
         self.position_embeddings = None
         if config.position_embedding_type == "learned_absolute":
             self.position_embeddings = nn.Embedding(
                 config.max_position_embeddings, config.hidden_size
             )
         self.embedding_dropout = nn.Dropout(config.hidden_dropout)
-        self.sequence_parallel = config.sequence_parallel
+        self.sequence_parallel = False  # set by sequence parallelism
 
     def forward(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None

@@ -4,9 +4,15 @@ Tensors are batch-first: token ids [batch, seq], hidden states [batch, seq, hidd
 logits [batch, seq, vocab]. (Megatron keeps [seq, batch, hidden] internally for its
 sequence-parallel layout; our sequence-parallel mappings split dim 1 instead.)
 
-Tensor parallelism (`config.tensor_model_parallel_size` > 1) enters through the layer builders
-of `megatron.model.parallel_layers`; here it changes only the output: the logits stay split by
-vocabulary over TP ranks and the loss is `vocab_parallel_cross_entropy`.
+The model is plain PyTorch as built: torch layers, the weights of one process. Parallelism is
+applied to it afterwards by megatron.parallelize, which swaps in tensor-parallel layers and sets
+the flags the forwards read; here tensor parallelism changes only the output: the logits stay
+split by vocabulary over TP ranks and the loss is `vocab_parallel_cross_entropy`.
+
+Built under ``torch.device("meta")`` the model holds no memory; `init_weights` draws its weights
+once they have storage. The constructors' own draws (torch's default inits) never reach the
+caller's generator, so the weights `init_weights` draws depend only on the seed, not on where or
+in what layout the model was built.
 """
 
 from __future__ import annotations
@@ -22,11 +28,6 @@ from megatron.kernels.cross_entropy import cross_entropy  # its reference withou
 from megatron.model.embeddings import LanguageModelEmbedding
 from megatron.model.mlp import DENSE_MLP, MlpSpec
 from megatron.model.norms import RMSNorm
-from megatron.model.parallel_layers import (
-    check_tensor_parallel_state,
-    is_tensor_parallel,
-    output_linear,
-)
 from megatron.model.rotary import RotaryEmbedding
 from megatron.model.transformer import TransformerBlock
 from megatron.tensor_parallel import (
@@ -89,37 +90,46 @@ class GPTModel(nn.Module):
                 f"position_embedding_type={config.position_embedding_type!r} is not supported; "
                 f"use one of {POSITION_EMBEDDING_TYPES} (--position-embedding-type)"
             )
-        if is_tensor_parallel(config):
-            check_tensor_parallel_state(config)
         self.config = config
         self.pre_process = pre_process
         self.post_process = post_process
         self.input_tensor: Optional[torch.Tensor] = None
-        self.embedding = LanguageModelEmbedding(config) if pre_process else None
+        # Set by tensor parallelism (megatron.parallelize).
+        self.vocab_parallel_output = False
+        self.sequence_parallel = False
+        self.mlp_spec = mlp_spec
+        with torch.random.fork_rng(devices=[]):  # see the module docstring
+            self._build_modules(config, layer_numbers)
+        self.init_weights()
+
+    def _build_modules(self, config: ModelConfig, layer_numbers: Optional[Sequence[int]]) -> None:
+        self.embedding = LanguageModelEmbedding(config) if self.pre_process else None
         self.rotary_pos_emb = None
         if config.position_embedding_type == "rope":
             self.rotary_pos_emb = RotaryEmbedding(
                 config.kv_channels, config.rotary_percent, config.rotary_base
             )
-        self.mlp_spec = mlp_spec
         self.decoder = TransformerBlock(
-            config, layer_numbers, final_norm=post_process, mlp_spec=mlp_spec
+            config, layer_numbers, final_norm=self.post_process, mlp_spec=self.mlp_spec
         )
         self.output_layer = None
-        if post_process and (config.untie_embeddings_and_output_weights or not pre_process):
-            # No bias, as in Megatron; the tied case reuses the word embedding table instead,
-            # or on a last stage without the embedding, its copy of it.
-            self.output_layer = output_linear(config)
+        if self.post_process and (
+            config.untie_embeddings_and_output_weights or not self.pre_process
+        ):
+            # [vocab, hidden], no bias, as in Megatron; the tied case reuses the word embedding
+            # table instead, or on a last stage without the embedding, its copy of it. Only its
+            # weight is used (the logits are `F.linear` with `output_weight()`).
+            self.output_layer = nn.Linear(config.hidden_size, config.padded_vocab_size, bias=False)
             if not config.untie_embeddings_and_output_weights:
                 self.output_layer.weight.shared_embedding = True
-        self.init_weights()
 
     @torch.no_grad()
     def init_weights(self) -> None:
         """Megatron's init: normal(0, std) weights, std / sqrt(2L) for output projections,
         zero biases, unit norm weights. Deterministic given torch.manual_seed; a tensor-parallel
         layer draws its full weight the same way and keeps its shard, so any TP size gets the
-        TP=1 weights."""
+        TP=1 weights. A module of an extension (MlpSpec) initializes what it owns itself, by its
+        `init_own_weights(std, output_std)`; on the meta device nothing is drawn."""
         std = self.config.init_method_std
         scaled_std = std / math.sqrt(2.0 * self.config.num_layers)
         for name, module in self.named_modules():
@@ -133,8 +143,8 @@ class GPTModel(nn.Module):
                 module.reset_parameters(_normal_init(layer_std))  # zeroes the bias too
             elif isinstance(module, VocabParallelEmbedding):
                 module.reset_parameters(_normal_init(std))
-            elif callable(getattr(module, "init_expert_weights", None)):
-                module.init_expert_weights(std, scaled_std)  # e.g. MoE experts (MlpSpec)
+            elif callable(getattr(module, "init_own_weights", None)):
+                module.init_own_weights(std, scaled_std)  # e.g. MoE experts (MlpSpec)
             elif isinstance(module, nn.Embedding):
                 nn.init.normal_(module.weight, mean=0.0, std=std)
             elif isinstance(module, (nn.LayerNorm, RMSNorm)):
@@ -186,7 +196,7 @@ class GPTModel(nn.Module):
         hidden_states = self.decoder(hidden_states, rotary_cos_sin)
         if not self.post_process:
             return hidden_states
-        if is_tensor_parallel(self.config):
+        if self.vocab_parallel_output:
             return self._tensor_parallel_output(hidden_states, labels)
         logits = F.linear(hidden_states, self.output_weight())
         if labels is None:
@@ -201,7 +211,7 @@ class GPTModel(nn.Module):
     ) -> torch.Tensor:
         """Vocabulary-split logits from replicated (or sequence-split) hidden states, or their
         per-token losses: the full [b, s, vocab] logits never exist on one rank."""
-        if self.config.sequence_parallel:
+        if self.sequence_parallel:
             # Backward reduce-scatters: each rank's vocab shard gives a partial input gradient.
             hidden_states = gather_from_sequence_parallel_region(hidden_states)
         else:

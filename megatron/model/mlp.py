@@ -8,8 +8,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron.model.parallel_layers import column_parallel_linear, row_parallel_linear
-
 if TYPE_CHECKING:
     from megatron.config import ModelConfig
 
@@ -19,9 +17,9 @@ class MLP(nn.Module):
 
     With SwiGLU, linear_fc1 produces 2 * ffn channels [a, b] and the activation is
     silu(a) * b, the layout of Megatron's fused fc1 (a checkpoint's fc1 rows load unchanged).
-    Under tensor parallelism each rank holds ffn / tp channels: fc1 is split by output rows
-    (with SwiGLU in strided blocks, so a rank's rows are [its a rows; its b rows], Megatron's
-    layout) and fc2 by input columns.
+    Under tensor parallelism (megatron.parallelize) each rank holds ffn / tp channels: fc1 is
+    split by output rows (with SwiGLU in strided blocks, so a rank's rows are [its a rows; its b
+    rows], Megatron's layout) and fc2 by input columns.
     """
 
     def __init__(self, config: ModelConfig) -> None:
@@ -29,12 +27,8 @@ class MLP(nn.Module):
         self.swiglu = config.swiglu
         fc1_size = 2 * config.ffn_hidden_size if config.swiglu else config.ffn_hidden_size
         bias = config.add_bias_linear
-        self.linear_fc1 = column_parallel_linear(
-            config, config.hidden_size, fc1_size, bias, stride=2 if config.swiglu else 1
-        )
-        self.linear_fc2 = row_parallel_linear(
-            config, config.ffn_hidden_size, config.hidden_size, bias
-        )
+        self.linear_fc1 = nn.Linear(config.hidden_size, fc1_size, bias=bias)
+        self.linear_fc2 = nn.Linear(config.ffn_hidden_size, config.hidden_size, bias=bias)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[b, s, h] -> [b, s, h]."""
@@ -54,9 +48,11 @@ class MlpSpec:
 
     An extension subclasses it to give some layers another module (moe.mlp_spec: MoE layers),
     and the entry point hands that spec to `GPTModel`; the model never imports the extension.
-    Such a module maps hidden states [b, s, h] -> [b, s, h]; weights it owns outside the
-    parallel layers get their Megatron init from `GPTModel.init_weights` through an
-    `init_expert_weights(std, output_std)` method.
+    Such a module maps hidden states [b, s, h] -> [b, s, h]. Its plain torch layers are
+    initialized and parallelized like the model's; what it owns beyond them it handles itself
+    through methods that the model and megatron.parallelize call on any submodule defining them:
+    `init_own_weights(std, output_std)` (its weights and buffers, Megatron's init),
+    `apply_tensor_parallel(size, rank, sequence_parallel)` and `place_experts(size, rank)`.
     """
 
     def build(self, config: ModelConfig, layer_number: int) -> nn.Module:

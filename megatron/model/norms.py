@@ -7,8 +7,6 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from megatron.tensor_parallel import set_sequence_parallel_attribute
-
 if TYPE_CHECKING:
     from megatron.config import ModelConfig
 
@@ -32,11 +30,7 @@ NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 
 
 def build_norm(config: ModelConfig) -> nn.Module:
-    """The norm named by `config.normalization` over `hidden_size`, with `layernorm_epsilon`.
-
-    Under sequence parallelism a norm sees only this rank's sequence shard, so its parameters
-    are marked for the gradient all-reduce over tensor-parallel ranks (as Megatron marks them).
-    """
+    """The norm named by `config.normalization` over `hidden_size`, with `layernorm_epsilon`."""
     if config.normalization == "LayerNorm":
         # Megatron's LayerNorm always has a bias, whatever --disable-bias-linear says.
         norm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
@@ -47,7 +41,4 @@ def build_norm(config: ModelConfig) -> nn.Module:
             f"normalization={config.normalization!r} is not supported; "
             f"use one of {NORMALIZATIONS} (--normalization)"
         )
-    if config.sequence_parallel:
-        for param in norm.parameters():
-            set_sequence_parallel_attribute(param)
     return norm

@@ -11,8 +11,7 @@ from torch.utils.checkpoint import checkpoint
 from megatron.model.attention import SelfAttention
 from megatron.model.mlp import DENSE_MLP, MlpSpec
 from megatron.model.norms import build_norm
-from megatron.model.parallel_layers import sharded_dropout_rng
-from megatron.tensor_parallel import checkpoint_rng_contexts
+from megatron.tensor_parallel import checkpoint_rng_contexts, sharded_dropout_rng
 
 if TYPE_CHECKING:
     from megatron.config import ModelConfig
@@ -59,10 +58,11 @@ class TransformerBlock(nn.Module):
       "block":   each of the first `recompute_num_layers` layers checkpointed, the rest not.
     Selective recompute lives in SelfAttention (only the core attention is re-run).
 
-    With sequence parallelism every dropout in the block acts on this rank's sequence shard, so
-    the whole block draws from the tensor-parallel tracker's per-rank stream (Megatron does the
-    same); otherwise the residual stream is replicated over TP ranks and its dropout uses the
-    default generator, identical on every rank.
+    With sequence parallelism (megatron.parallelize sets `sequence_parallel_dropout`) every
+    dropout in the block acts on this rank's sequence shard, so the whole block draws from the
+    tensor-parallel tracker's per-rank stream (Megatron does the same); otherwise the residual
+    stream is replicated over TP ranks and its dropout uses the default generator, identical on
+    every rank.
     """
 
     def __init__(
@@ -77,10 +77,10 @@ class TransformerBlock(nn.Module):
             layer_numbers = range(config.num_layers)
         self.layers = nn.ModuleList(TransformerLayer(config, i, mlp_spec) for i in layer_numbers)
         self.final_layernorm = build_norm(config) if final_norm else None
-        self.tensor_parallel = config.tensor_model_parallel_size > 1
-        self.sequence_parallel_dropout = config.sequence_parallel and (
-            config.hidden_dropout > 0.0 or config.attention_dropout > 0.0
-        )
+        self.has_dropout = config.hidden_dropout > 0.0 or config.attention_dropout > 0.0
+        # Set by tensor and sequence parallelism (megatron.parallelize).
+        self.tensor_parallel = False
+        self.sequence_parallel_dropout = False
 
         self.recompute_full = False
         self.recompute_method: Optional[str] = None

@@ -1,4 +1,5 @@
-"""Splitting the GPT model into pipeline stages, and the tied word embeddings across them.
+"""Pipeline stages of the GPT model: which layers each holds, their names, and the tied word
+embeddings across them (megatron.parallelize.split_pipeline cuts the model by these rules).
 
 Megatron's split: with P stages each holds ``num_layers / P`` consecutive layers, stage r the
 layers from ``r * num_layers / P``. With the interleaved schedule (V virtual stages per rank,
@@ -15,16 +16,12 @@ from.
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Dict, List, Optional
+from typing import Dict, List, Optional
 
 import torch
-import torch.distributed as dist
 
 from megatron import parallel_state
-from megatron.model import DENSE_MLP, GPTModel, MlpSpec
-
-if TYPE_CHECKING:
-    from megatron.config import ModelConfig
+from megatron.model import GPTModel
 
 _LAYER_KEY = re.compile(r"^decoder\.layers\.(\d+)\.")
 WORD_EMBEDDINGS_KEY = "embedding.word_embeddings.weight"
@@ -60,34 +57,6 @@ def stage_layer_numbers(
     per_chunk = num_layers // (pipeline_size * virtual_size)
     first = (virtual_rank or 0) * (num_layers // virtual_size) + pipeline_rank * per_chunk
     return range(first, first + per_chunk)
-
-
-def build_stage_model_chunks(config: ModelConfig, mlp_spec: MlpSpec = DENSE_MLP) -> List[GPTModel]:
-    """This rank's model chunks (one without interleaving), from the parallel state's pipeline
-    and virtual pipeline sizes; with tied embeddings call `initialize_tied_output_weights`
-    (or load a checkpoint) afterwards."""
-    pipeline_size = parallel_state.get_pipeline_model_parallel_world_size()
-    pipeline_rank = parallel_state.get_pipeline_model_parallel_rank()
-    virtual_size = parallel_state.get_virtual_pipeline_model_parallel_world_size()
-    chunks = []
-    for virtual_rank in range(virtual_size or 1):
-        if virtual_size is not None:
-            parallel_state.set_virtual_pipeline_model_parallel_rank(virtual_rank)
-        layers = stage_layer_numbers(
-            config.num_layers, pipeline_size, pipeline_rank, virtual_size, virtual_rank
-        )
-        chunks.append(
-            GPTModel(
-                config,
-                mlp_spec,
-                pre_process=parallel_state.is_pipeline_first_stage(),
-                post_process=parallel_state.is_pipeline_last_stage(),
-                layer_numbers=layers,
-            )
-        )
-    if virtual_size is not None:
-        parallel_state.set_virtual_pipeline_model_parallel_rank(0)
-    return chunks
 
 
 def full_name(chunk: GPTModel, name: str) -> Optional[str]:
@@ -154,17 +123,3 @@ def tied_embedding_weights(chunks: List[GPTModel]) -> List[torch.Tensor]:
         if _holds_embedding_copy(chunk):
             weights.append(chunk.output_layer.weight)
     return weights
-
-
-@torch.no_grad()
-def initialize_tied_output_weights(chunks: List[GPTModel]) -> None:
-    """Make the last stage's copy of the word embeddings equal to the first stage's table, as
-    Megatron does: zero the copy, then sum both over the embedding group."""
-    weights = tied_embedding_weights(chunks)
-    if not weights:
-        return
-    for chunk in chunks:
-        if _holds_embedding_copy(chunk):
-            chunk.output_layer.weight.zero_()
-    for weight in weights:
-        dist.all_reduce(weight.data, group=parallel_state.get_embedding_group())

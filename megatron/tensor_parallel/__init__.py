@@ -29,6 +29,7 @@ from megatron.tensor_parallel.random import (
     checkpoint_rng_contexts,
     model_parallel_manual_seed,
     model_parallel_rng_tracker,
+    sharded_dropout_rng,
 )
 
 __all__ = [
@@ -54,5 +55,6 @@ __all__ = [
     "set_sequence_parallel_attribute",
     "set_tensor_model_parallel_attributes",
     "shard_tensor_model_parallel_weight",
+    "sharded_dropout_rng",
     "vocab_parallel_cross_entropy",
 ]

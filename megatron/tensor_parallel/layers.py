@@ -10,7 +10,9 @@ with ``init_method`` from the default CPU generator and keeps its shard. The ful
 therefore exactly what one process would draw with the same seed, so any tensor-parallel size
 reproduces TP=1 numerics, and all TP ranks consume the generator identically (replicated
 parameters initialized afterwards stay identical across ranks). The cost is a full-size fp32
-CPU tensor per layer during initialization.
+CPU tensor per layer during initialization. `from_linear` / `from_embedding` turn a built plain
+layer into this rank's parallel one (megatron.parallelize): they copy its shard, or on the meta
+device leave one for `reset_parameters` to draw.
 
 Sequence parallelism (``sequence_parallel=True``) expects activations outside the tensor-
 parallel region to be split along the sequence dimension of ``[batch, seq, hidden]`` (dim 1):
@@ -33,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron import parallel_state
+from megatron.parameter_swaps import replace_parameter
 from megatron.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
@@ -163,6 +166,24 @@ def _initialize_shard(
         shard.copy_(shard_tensor_model_parallel_weight(master, partition_dim, stride=stride))
 
 
+def _take_shards(
+    parallel: nn.Module, plain: nn.Module, partition_dims: dict, stride: int = 1
+) -> nn.Module:
+    """Give `parallel` (built on the meta device) this rank's shard of each of `plain`'s
+    parameters: {name: partition dim, or None for a replicated one}; returns `parallel`. A
+    `plain` layer on the meta device leaves meta shards, whose weights are drawn later."""
+    for name, partition_dim in partition_dims.items():
+        full = getattr(plain, name)
+        if full is None:
+            continue
+        if partition_dim is None:
+            shard = full.detach().clone()
+        else:
+            shard = shard_tensor_model_parallel_weight(full, partition_dim, stride=stride)
+        replace_parameter(parallel, name, shard)
+    return parallel
+
+
 class ColumnParallelLinear(nn.Module):
     """``y = x A^T + b`` with A split by output features (rows of A) over TP ranks.
 
@@ -211,6 +232,24 @@ class ColumnParallelLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
         self.reset_parameters(init_method)
+
+    @classmethod
+    def from_linear(
+        cls, linear: nn.Linear, sequence_parallel: bool = False, stride: int = 1
+    ) -> ColumnParallelLinear:
+        """This rank's rows of `linear` (strided blocks with `stride`) as a column-parallel
+        layer whose output stays split (``gather_output=False``)."""
+        with torch.device("meta"):
+            layer = cls(
+                linear.in_features,
+                linear.out_features,
+                bias=linear.bias is not None,
+                gather_output=False,
+                sequence_parallel=sequence_parallel,
+                params_dtype=linear.weight.dtype,
+                stride=stride,
+            )
+        return _take_shards(layer, linear, {"weight": 0, "bias": 0}, stride)
 
     def reset_parameters(self, init_method: InitMethod = default_init_method) -> None:
         """Draw the full weight with ``init_method``, keep this rank's rows; zero the bias."""
@@ -282,6 +321,21 @@ class RowParallelLinear(nn.Module):
             self.register_parameter("bias", None)
         self.reset_parameters(init_method)
 
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, sequence_parallel: bool = False) -> RowParallelLinear:
+        """This rank's columns of `linear` (and its whole bias) as a row-parallel layer taking
+        a column-parallel layer's split output (``input_is_parallel=True``)."""
+        with torch.device("meta"):
+            layer = cls(
+                linear.in_features,
+                linear.out_features,
+                bias=linear.bias is not None,
+                input_is_parallel=True,
+                sequence_parallel=sequence_parallel,
+                params_dtype=linear.weight.dtype,
+            )
+        return _take_shards(layer, linear, {"weight": 1, "bias": None})
+
     def reset_parameters(self, init_method: InitMethod = default_init_method) -> None:
         """Draw the full weight with ``init_method``, keep this rank's columns; zero the bias."""
         _initialize_shard(self.weight, (self.output_size, self.input_size), 1, init_method)
@@ -346,6 +400,17 @@ class VocabParallelEmbedding(nn.Module):
         )
         set_tensor_model_parallel_attributes(self.weight, partition_dim=0)
         self.reset_parameters(init_method)
+
+    @classmethod
+    def from_embedding(cls, embedding: nn.Embedding) -> VocabParallelEmbedding:
+        """This rank's rows of `embedding` as a vocabulary-parallel table."""
+        with torch.device("meta"):
+            layer = cls(
+                embedding.num_embeddings,
+                embedding.embedding_dim,
+                params_dtype=embedding.weight.dtype,
+            )
+        return _take_shards(layer, embedding, {"weight": 0})
 
     def reset_parameters(self, init_method: InitMethod = default_init_method) -> None:
         """Draw the full table with ``init_method`` and keep this rank's rows."""

@@ -130,6 +130,12 @@ def model_parallel_manual_seed(seed: int, device_type: Optional[str] = None) -> 
     )
 
 
+def sharded_dropout_rng(enabled: bool) -> contextlib.AbstractContextManager:
+    """Draw from the tracker's per-TP-rank stream when ``enabled``: dropout on a tensor that
+    differs across TP ranks (a head or sequence shard) must not repeat one mask on every shard."""
+    return _TRACKER.fork() if enabled else contextlib.nullcontext()
+
+
 def checkpoint_rng_contexts() -> tuple[contextlib.AbstractContextManager, ...]:
     """``context_fn`` for ``torch.utils.checkpoint(use_reentrant=False)``: the recompute replays
     the tracker's streams from where the forward started them, then puts back the current ones.

@@ -26,12 +26,13 @@ from megatron.expert_parameters import (
 )
 from megatron.model import GPTModel
 from megatron.optimizer import build_optimizer
+from megatron.parallelize import place_experts
 from moe.arguments import add_moe_args
 from moe.config import MoEConfig
 from moe.layers import build_moe_layer
 from moe.mlp_spec import MoEMlpSpec
 from tests.distributed.launch import run_distributed
-from tests.tiny_gpt import moe_layer_model_config
+from tests.tiny_gpt import moe_layer_model_config, sharded_gpt_model
 
 HIDDEN, FFN, TOKENS, EXPERTS = 8, 32, 6, 4
 
@@ -53,7 +54,7 @@ def make_layer(impl: str, top_k: int, expert_parallel_size: int, targets: Option
         mlp_impl=impl,
         expert_model_parallel_size=expert_parallel_size,
     )
-    layer = build_moe_layer(model_config(), config)
+    layer = place_experts(build_moe_layer(model_config(), config))
     if targets is not None:
         with torch.no_grad():
             layer.router.layer.weight.copy_(torch.eye(EXPERTS, HIDDEN))
@@ -191,7 +192,7 @@ def _gpt_expert_weights(rank: int, world_size: int) -> list:
     try:
         moe = MoEConfig(num_experts=EXPERTS, expert_model_parallel_size=world_size)
         torch.manual_seed(0)
-        model = GPTModel(model_config(padded_vocab_size=32), MoEMlpSpec(moe))
+        model = sharded_gpt_model(model_config(padded_vocab_size=32), MoEMlpSpec(moe))
         return [param.detach() for param in expert_parameters(model)]
     finally:
         parallel_state.destroy_model_parallel()
@@ -319,9 +320,10 @@ def test_unsupported_expert_parallel_layers_say_so(overrides, message):
         build_moe_layer(model_config(), config)
 
 
-def test_layer_needs_the_expert_parallel_groups():
+def test_placing_experts_needs_the_expert_parallel_groups():
+    layer = build_moe_layer(model_config(), MoEConfig(num_experts=4, expert_model_parallel_size=2))
     with pytest.raises(RuntimeError, match="initialize_model_parallel"):
-        build_moe_layer(model_config(), MoEConfig(num_experts=4, expert_model_parallel_size=2))
+        place_experts(layer)
 
 
 def parse(*argv: str) -> argparse.Namespace:

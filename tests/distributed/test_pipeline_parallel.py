@@ -16,27 +16,22 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron import parallel_state as ps
-from megatron.checkpointing.full_state import full_model_state_dict, load_full_model_state_dict
+from megatron.checkpointing.full_state import full_model_state_dict
 from megatron.config import ModelConfig, OptimizerConfig, TrainingConfig
 from megatron.distributed import reduce_tied_embedding_gradients
 from megatron.model import GPTModel
 from megatron.optimizer import build_optimizer
+from megatron.parallelize import split_pipeline
 from megatron.pipeline import p2p
 from megatron.pipeline.p2p import ActivationSpec
 from megatron.pipeline.schedules import (
     forward_backward_pipelining_with_interleaving,
     forward_backward_pipelining_without_interleaving,
 )
-from megatron.pipeline.stages import (
-    build_stage_model_chunks,
-    full_to_stage_state_dict,
-    initialize_tied_output_weights,
-    stage_layer_numbers,
-    stage_to_full_names,
-)
+from megatron.pipeline.stages import stage_layer_numbers, stage_to_full_names
 from megatron.tensor_parallel import model_parallel_manual_seed
 from tests.distributed.launch import run_distributed
-from tests.tiny_gpt import tiny_model_config
+from tests.tiny_gpt import sharded_gpt_model, tiny_model_config
 
 STEPS = 5
 MICRO_BATCH = 2
@@ -112,10 +107,13 @@ def _pipeline_matches_single_process(
     )
     model_parallel_manual_seed(1234)
     config = replace(config, tensor_model_parallel_size=tensor)
-    chunks = build_stage_model_chunks(config)
+    chunks = list(split_pipeline(sharded_gpt_model(config)))
 
-    # Megatron's tied-embedding set-up: the last stage's copy starts equal to the first's table.
-    initialize_tied_output_weights(chunks)
+    # The stages start from the single-process weights, drawn once for the whole model.
+    for chunk in chunks:
+        for name, tensor in stage_to_full_names(full_model_state_dict(chunk), chunk).items():
+            assert torch.equal(tensor, initial[name]), name
+    # Megatron's tied embeddings: the last stage's copy starts equal to the first's table.
     if ps.is_rank_in_embedding_group() and not config.untie_embeddings_and_output_weights:
         holder = chunks[0] if ps.is_pipeline_first_stage(ignore_virtual=True) else chunks[-1]
         table = holder.output_weight()
@@ -124,8 +122,6 @@ def _pipeline_matches_single_process(
         dist.broadcast(reference, first_rank, group=ps.get_embedding_group())
         assert torch.equal(reference, table)
 
-    for chunk in chunks:
-        load_full_model_state_dict(chunk, full_to_stage_state_dict(initial, chunk))
     optimizer = optimizer_for(nn.ModuleList(chunks))
     sequence = config.seq_length
     spec = ActivationSpec((MICRO_BATCH, sequence, config.hidden_size))

@@ -23,7 +23,7 @@ from megatron.checkpointing.full_state import (
 from megatron.config import ModelConfig, OptimizerConfig, TrainingConfig
 from megatron.model import GPTModel
 from megatron.optimizer import build_optimizer
-from megatron.parallelize import apply_activation_recomputation
+from megatron.parallelize import apply_activation_recomputation, apply_tensor_parallel
 from megatron.tensor_parallel import (
     all_reduce_sequence_parallel_grads,
     gather_from_tensor_model_parallel_region,
@@ -31,7 +31,7 @@ from megatron.tensor_parallel import (
     model_parallel_manual_seed,
 )
 from tests.distributed.launch import run_distributed
-from tests.tiny_gpt import tiny_model_config
+from tests.tiny_gpt import sharded_gpt_model, tiny_model_config
 
 TOLERANCE = dict(atol=1e-5, rtol=1e-5)
 
@@ -81,7 +81,12 @@ def _compare_with_single_process(rank: int, world_size: int, overrides: dict, sp
     ps.initialize_model_parallel(tensor_model_parallel_size=world_size)
     model_parallel_manual_seed(0)
     config = replace(single_config, tensor_model_parallel_size=world_size, sequence_parallel=sp)
-    parallel = GPTModel(config)
+    parallel = sharded_gpt_model(config)
+    # The tensor-parallel step on a model built with weights copies the same shards.
+    torch.manual_seed(0)
+    copied = apply_tensor_parallel(GPTModel(config), config).state_dict()
+    for name, tensor in parallel.state_dict().items():
+        assert torch.equal(copied[name], tensor), name
 
     # Same weights, same checkpoint keys: the gathered TP=2 model is the TP=1 model.
     expected_state = single.state_dict()
@@ -172,7 +177,7 @@ def _dropout_is_consistent(rank: int, world_size: int, sp: bool) -> None:
         model_parallel_manual_seed(0)
         recompute_config = replace(config, **recompute)
         models[name] = apply_activation_recomputation(
-            GPTModel(recompute_config), recompute_config
+            sharded_gpt_model(recompute_config), recompute_config
         ).train()
     loss, grads = _loss_and_grads(models["plain"], 5, sp)
     # Recomputation replays the dropout masks of the forward, the per-TP-rank ones included.

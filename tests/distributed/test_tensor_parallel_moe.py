@@ -23,6 +23,7 @@ import torch.distributed as dist
 import pretrain_gpt
 from megatron import parallel_state as ps
 from megatron.expert_parameters import is_expert_parameter, reduce_expert_gradients
+from megatron.parallelize import apply_tensor_parallel, place_experts
 from megatron.tensor_parallel import (
     all_reduce_sequence_parallel_grads,
     gather_tensor_model_parallel_weight,
@@ -79,18 +80,9 @@ def make_layer(name: str, tensor_parallel: int = 1, sequence_parallel: bool = Fa
         **moe_overrides,
     )
     torch.manual_seed(0)
-    layer = build_moe_layer(config, moe)
-    if layer.shared_expert is not None:
-        # GPTModel.init_weights' draw: the full weight of a parallel layer, this rank's shard
-        # kept (torch's default init of nn.Linear and of the parallel layers differ).
-        with torch.no_grad():
-            for module in (layer.shared_expert.linear_fc1, layer.shared_expert.linear_fc2):
-                if tensor_parallel > 1:
-                    module.reset_parameters()
-                else:
-                    torch.nn.init.normal_(module.weight, std=0.02)
-                    torch.nn.init.zeros_(module.bias)
-    return layer
+    # Built whole, then cut to this rank's shards by megatron.parallelize's steps, which copy
+    # them: every layout holds slices of the single-process weights.
+    return place_experts(apply_tensor_parallel(build_moe_layer(config, moe), config))
 
 
 def batches(data_parallel_size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,119 @@
+"""megatron.parallelize on one process: the model is plain PyTorch as built, whatever the
+parallel config says, and building it on the meta device then drawing its weights gives the
+weights of a model built with them. The parallel layouts themselves are compared with one
+process in tests/distributed/."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from torch import nn
+
+from megatron.expert_parameters import is_expert_parameter
+from megatron.model import DENSE_MLP, GPTModel
+from megatron.model.attention import SelfAttention
+from megatron.parallelize import materialize_weights, shard_model
+from megatron.parameter_swaps import materialize, replace_parameter
+from megatron.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    set_tensor_model_parallel_attributes,
+)
+from moe.config import MoEConfig
+from moe.mlp_spec import MoEMlpSpec
+from tests.tiny_gpt import tiny_model_config
+
+MOE = MoEConfig(num_experts=4, top_k=2, shared_expert=True, router_bias_update_rate=0.01)
+MODELS = {
+    "dense": (tiny_model_config(), None),
+    "untied_rope_swiglu": (
+        tiny_model_config(
+            untie_embeddings_and_output_weights=True,
+            position_embedding_type="rope",
+            swiglu=True,
+            normalization="RMSNorm",
+        ),
+        None,
+    ),
+    "dmoe_bias_shared": (tiny_model_config(), MOE),
+}
+
+
+def build(config, moe, device: str = "cpu") -> GPTModel:
+    spec = MoEMlpSpec(moe) if moe is not None else DENSE_MLP
+    with torch.device(device):
+        return GPTModel(config, spec)
+
+
+def test_the_model_is_plain_pytorch_whatever_the_parallel_config():
+    """The config asks for TP=2 with sequence parallelism and EP=2, and no process groups
+    exist: the model still builds, from torch layers only, with nothing marked as a shard."""
+    config = tiny_model_config(tensor_model_parallel_size=2, sequence_parallel=True)
+    moe = replace(MOE, expert_model_parallel_size=2)
+    model = build(config, moe)
+    parallel_layers = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
+    assert not any(isinstance(module, parallel_layers) for module in model.modules())
+    marks = ("tensor_model_parallel", "sequence_parallel", "expert_model_parallel")
+    for name, param in model.named_parameters():
+        assert not any(hasattr(param, mark) for mark in marks), name
+    attention = next(m for m in model.modules() if isinstance(m, SelfAttention))
+    assert attention.num_heads == config.num_attention_heads
+    assert not model.vocab_parallel_output and not model.sequence_parallel
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_meta_build_then_weights_equals_a_build_with_weights(name):
+    """pretrain_gpt.py's way (meta device, then shard_model) and a plain build draw the same
+    weights and buffers from one seed, and leave the generator in the same state (so dropout
+    masks after it agree too): the constructors' own default inits never reach the generator."""
+    config, moe = MODELS[name]
+    torch.manual_seed(7)
+    built = build(config, moe)
+    after_built = torch.get_rng_state()
+
+    torch.manual_seed(7)
+    meta = build(config, moe, "meta")
+    assert all(param.is_meta for param in meta.parameters())
+    sharded = shard_model(meta, config)
+    assert torch.equal(torch.get_rng_state(), after_built)
+
+    expected = built.state_dict()
+    state = sharded.state_dict()
+    assert state.keys() == expected.keys()
+    for key, tensor in expected.items():
+        assert tensor.device.type == "cpu"
+        assert torch.equal(state[key], tensor), key
+    if moe is not None:  # the buffers a meta build leaves empty start at zero
+        assert any(key.endswith("expert_bias") for key in state)
+
+
+def test_materialize_weights_leaves_a_model_with_weights_alone():
+    torch.manual_seed(0)
+    model = build(*MODELS["dense"])
+    before = {key: tensor.clone() for key, tensor in model.state_dict().items()}
+    generator_state = torch.get_rng_state()
+    materialize_weights(model)
+    assert torch.equal(torch.get_rng_state(), generator_state)
+    for key, tensor in model.state_dict().items():
+        assert torch.equal(tensor, before[key]), key
+
+
+def test_swapped_parameters_keep_their_marks_and_sharing():
+    with torch.device("meta"):
+        first, second = nn.Linear(4, 3), nn.Linear(4, 3, bias=False)
+    second.weight = first.weight  # shared between two modules
+    set_tensor_model_parallel_attributes(first.weight, partition_dim=0)
+    first.bias.requires_grad_(False)
+    holder = nn.Sequential(first, second)
+    assert materialize(holder, "cpu")
+    assert not materialize(holder, "cpu")  # nothing left on meta
+    assert first.weight is second.weight and first.weight.device.type == "cpu"
+    assert first.weight.tensor_model_parallel and first.weight.partition_dim == 0
+    assert not first.bias.requires_grad
+
+    swapped = replace_parameter(first, "weight", torch.zeros(2, 4))
+    assert first.weight is swapped and swapped.partition_dim == 0
+    assert not is_expert_parameter(swapped)
