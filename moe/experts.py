@@ -16,7 +16,7 @@ expert-parallel one are applied to built experts by megatron.parallelize's steps
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator, Optional, Tuple
+from typing import Callable, Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -75,22 +75,20 @@ class Experts(nn.Module):
             raise ValueError(f"activation must be 'gelu' or 'silu', got {activation!r}")
         self.num_experts = num_experts
         self.ffn_hidden_size = ffn_hidden_size
-        self.local_ffn_hidden_size = ffn_hidden_size
-        self.first_local_channel = 0
-        self.num_local_experts = num_experts
-        self.first_local_expert = 0
+        # This rank's share, narrowed by `place_experts` and `apply_tensor_parallel`.
+        self.num_local_experts, self.first_local_expert = num_experts, 0
+        self.local_ffn_hidden_size, self.first_local_channel = ffn_hidden_size, 0
         self.mlp_type = mlp_type
         self.activation_name = activation
         self.activation = gelu_tanh if activation == "gelu" else F.silu
         self.memory_optimized = memory_optimized
         self.grouped_gemm = grouped_gemm
-        local, ffn = self.num_local_experts, self.local_ffn_hidden_size
-        self.w1 = nn.Parameter(torch.empty(local, hidden_size, ffn))
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_hidden_size))
         if mlp_type == "glu":
-            self.v1 = nn.Parameter(torch.empty(local, hidden_size, ffn))
+            self.v1 = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_hidden_size))
         else:
             self.register_parameter("v1", None)
-        self.w2 = nn.Parameter(torch.empty(local, ffn, hidden_size))
+        self.w2 = nn.Parameter(torch.empty(num_experts, ffn_hidden_size, hidden_size))
         self.init_own_weights(init_std, output_init_std)
         # Set by `weights_cast_once`: (w1, v1, w2) in the compute dtype, shared by every call.
         self._cast_weights: Optional[Tuple[torch.Tensor, ...]] = None
@@ -110,16 +108,12 @@ class Experts(nn.Module):
             )
         self.local_ffn_hidden_size = self.ffn_hidden_size // size
         self.first_local_channel = rank * self.local_ffn_hidden_size
-        for name in ("w1", "v1", "w2"):
-            weight = getattr(self, name)
-            if weight is None:
-                continue
-            ffn_dim = _ffn_dim(weight, self)
-            shard = weight.detach().narrow(
-                ffn_dim, self.first_local_channel, self.local_ffn_hidden_size
-            )
-            shard = replace_parameter(self, name, shard.clone())
-            set_tensor_model_parallel_attributes(shard, partition_dim=ffn_dim)
+        for shard in self._keep_slices(
+            lambda weight: _ffn_dim(weight, self),
+            self.first_local_channel,
+            self.local_ffn_hidden_size,
+        ):
+            set_tensor_model_parallel_attributes(shard, partition_dim=_ffn_dim(shard, self))
 
     def place_experts(self, size: int, rank: int) -> None:
         """Keep the experts of expert-parallel rank `rank` of `size`, [rank * E/size,
@@ -133,12 +127,23 @@ class Experts(nn.Module):
             return
         self.num_local_experts = self.num_experts // size
         self.first_local_expert = rank * self.num_local_experts
+        for block in self._keep_slices(
+            lambda weight: 0, self.first_local_expert, self.num_local_experts
+        ):
+            mark_expert_parallel(block)
+
+    def _keep_slices(
+        self, dim_of: Callable[[torch.Tensor], int], start: int, length: int
+    ) -> List[nn.Parameter]:
+        """Replace each weight by its slice [start, start + length) along `dim_of(weight)`: a
+        copy, or a meta slice on the meta device. Returns the new parameters."""
+        kept = []
         for name in ("w1", "v1", "w2"):
             weight = getattr(self, name)
-            if weight is None:
-                continue
-            block = weight.detach().narrow(0, self.first_local_expert, self.num_local_experts)
-            mark_expert_parallel(replace_parameter(self, name, block.clone()))
+            if weight is not None:
+                piece = weight.detach().narrow(dim_of(weight), start, length).clone()
+                kept.append(replace_parameter(self, name, piece))
+        return kept
 
     @torch.no_grad()
     def init_own_weights(self, std: float, output_std: float) -> None:
