@@ -1,5 +1,6 @@
 """The single owner of process groups: tensor (TP), pipeline (PP), data (DP) and expert (EP)
-parallelism, plus the groups derived from them (model-parallel, embedding, expert-data-parallel).
+parallelism, plus the groups derived from them (model-parallel, embedding, expert-data-parallel)
+and a gloo group of every rank for checkpoints.
 
 Rank layout follows Megatron-Core's default order ``tp-cp-ep-dp-pp`` (context parallel size 1):
 a global rank is ``tp_rank + tp * (dp_rank + dp * pp_rank)``, so tensor-parallel peers are
@@ -129,7 +130,7 @@ def initialize_model_parallel(
     expert_model_parallel_size: int = 1,
     virtual_pipeline_model_parallel_size: Optional[int] = None,
 ) -> None:
-    """Create the TP, PP, DP, EP, expert-DP, model-parallel and embedding groups.
+    """Create the TP, PP, DP, EP, expert-DP, model-parallel, embedding and checkpoint groups.
 
     Every rank must call this (``new_group`` is collective). Without ``torch.distributed``
     the world is one process and only sizes of 1 are accepted.
@@ -163,12 +164,25 @@ def initialize_model_parallel(
             group = dist.new_group(ranks) if distributed else None
             if global_rank in ranks:
                 groups[kind] = _Group(group, ranks)
+    every_rank = list(range(world_size))
+    # Checkpoints coordinate on CPU objects over gloo, whatever the training backend, and an
+    # asynchronous save does so from a background thread: a group of its own keeps those
+    # collectives apart from the training ones.
+    groups["checkpoint"] = _Group(
+        dist.new_group(every_rank, backend="gloo") if distributed else None, every_rank
+    )
     _STATE = _ParallelState(
         global_rank,
         groups,
         virtual_pipeline_model_parallel_size,
         0 if virtual_pipeline_model_parallel_size is not None else None,
     )
+
+
+def get_checkpoint_group() -> Optional[dist.ProcessGroup]:
+    """Every rank, on gloo, for checkpoint saving and loading (the default group before
+    `initialize_model_parallel`)."""
+    return _STATE.groups["checkpoint"].group if _STATE is not None else None
 
 
 def destroy_model_parallel() -> None:

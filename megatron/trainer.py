@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from megatron import parallel_state
 from megatron.checkpointing import load_checkpoint, save_checkpoint
+from megatron.checkpointing.async_save import AsyncCheckpointWriter
 from megatron.checkpointing.model_arguments import MODEL_ARGUMENTS
 from megatron.config import Config
 from megatron.distributed import (
@@ -118,6 +119,7 @@ class Trainer:
         self.consumed_train_samples = 0
         self.consumed_valid_samples = 0
         self.last_saved_iteration: Optional[int] = None
+        self.async_writer = AsyncCheckpointWriter() if config.checkpoint.async_save else None
 
     # ------------------------------------------------------------------ steps
     def train_step(
@@ -143,6 +145,11 @@ class Trainer:
         update_successful, grad_norm, _ = self.optimizer.step()
         if update_successful:
             self.scheduler.step(increment=self.config.training.global_batch_size)
+            if self.async_writer is not None:  # the optimizer has its state now
+                saves_optimizer = not self.config.checkpoint.no_save_optim
+                self.async_writer.prepare(
+                    self.unwrapped_model, self.optimizer if saves_optimizer else None
+                )
         averaged = _average_across_data_parallel(means)
         got_nan = any(
             value != value or value in (float("inf"), float("-inf")) for value in averaged.values()
@@ -257,9 +264,17 @@ class Trainer:
             consumed_train_samples=self.consumed_train_samples,
             consumed_valid_samples=self.consumed_valid_samples,
             print_fn=print_rank_0,
+            async_writer=self.async_writer,
         )
+        # With --async-save this is the time training was blocked: the write goes on.
         self._log_time("save-checkpoint", start)
         self.last_saved_iteration = self.iteration
+
+    def finish_saves(self) -> None:
+        """Wait for a checkpoint still being written in the background (--async-save); raises
+        CheckpointError when its write failed."""
+        if self.async_writer is not None:
+            self.async_writer.wait(print_rank_0)
 
     def _timer_start(self) -> float:
         # As Megatron's timers: every rank starts and stops together, so the times compare.

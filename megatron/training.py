@@ -295,6 +295,7 @@ def pretrain(
 def _close(trainer: Trainer) -> None:
     if trainer.tensorboard is not None:
         trainer.tensorboard.close()
+    trainer.finish_saves()
 
 
 __all__ = ["Trainer", "TrainingResult", "build_data_iterator", "pretrain", "train"]

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 import pretrain_gpt
+from megatron.checkpointing import torch_dist
 from tests.sample_data import REPO
-from tests.tiny_gpt import tiny_gpt_args
+from tests.tiny_gpt import saved_state, tiny_gpt_args
 
 LOSS_PATTERN = re.compile(r" iteration +(\d+)/ +\d+ \|.* lm loss: ([0-9.E+-]+) \|")
 
@@ -34,8 +35,7 @@ def test_loss_falls_on_the_sample_corpus(data_prefix):
 
 def _final_parameters(save_dir):
     latest = (Path(save_dir) / "latest_checkpointed_iteration.txt").read_text().strip()
-    path = Path(save_dir) / f"iter_{int(latest):07d}" / "mp_rank_00" / "model_optim_rng.pt"
-    return int(latest), torch.load(path, map_location="cpu", weights_only=False)
+    return int(latest), saved_state(save_dir)
 
 
 def test_resume_is_bit_exact(data_prefix, tmp_path):
@@ -142,8 +142,9 @@ def test_bad_flags_are_rejected_before_work(data_prefix, capsys, extra, message)
 def test_checkpoint_cut_mid_save_is_ignored(data_prefix, tmp_path, monkeypatch):
     save_dir = tmp_path / "ckpt"
     args = tiny_gpt_args(
-        data_prefix, "--save", str(save_dir), "--save-interval", "5", train_iters=10
-    )
+        data_prefix, "--save", str(save_dir), "--save-interval", "5", "--ckpt-format", "torch",
+        train_iters=10,
+    )  # fmt: skip
     original_save = torch.save
     calls = {"count": 0}
 
@@ -163,6 +164,36 @@ def test_checkpoint_cut_mid_save_is_ignored(data_prefix, tmp_path, monkeypatch):
     assert (save_dir / "latest_checkpointed_iteration.txt").read_text().strip() == "5"
     resumed = pretrain_gpt.main(args + ["--load", str(save_dir)])
     assert len(resumed.losses) == 5 and resumed.iteration == 10
+
+
+def test_sharded_checkpoint_cut_mid_save_is_ignored(data_prefix, tmp_path, monkeypatch):
+    """A torch_dist save killed after the ranks wrote their chunks, before it was complete."""
+    save_dir = tmp_path / "ckpt"
+    args = tiny_gpt_args(
+        data_prefix, "--save", str(save_dir), "--save-interval", "5", train_iters=10
+    )
+    original = torch_dist._write_common
+    calls = {"count": 0}
+
+    def write_common_that_dies_on_the_second_checkpoint(directory, common):
+        calls["count"] += 1
+        if calls["count"] == 2:
+            raise KeyboardInterrupt("simulated kill during save")
+        return original(directory, common)
+
+    monkeypatch.setattr(
+        torch_dist, "_write_common", write_common_that_dies_on_the_second_checkpoint
+    )
+    with pytest.raises(KeyboardInterrupt):
+        pretrain_gpt.main(args)
+    monkeypatch.setattr(torch_dist, "_write_common", original)
+    assert (save_dir / "latest_checkpointed_iteration.txt").read_text().strip() == "5"
+    assert any(".tmp-" in name for name in os.listdir(save_dir))  # the cut-off save's files
+    resumed = pretrain_gpt.main(args + ["--load", str(save_dir)])
+    assert len(resumed.losses) == 5 and resumed.iteration == 10
+    assert sorted(os.listdir(save_dir)) == [
+        "iter_0000005", "iter_0000010", "latest_checkpointed_iteration.txt"
+    ]  # fmt: skip
 
 
 def _free_port():

@@ -123,3 +123,22 @@ def run_expecting_error(argv, capsys) -> str:
     error = capsys.readouterr().err.strip()
     assert error.startswith("error: ") and "\n" not in error, error
     return error
+
+
+def saved_state(root: Path, iteration: Optional[int] = None) -> Dict[str, Any]:
+    """A checkpoint pretrain_gpt.py saved under `root` (the tracker's iteration by default), in
+    the torch format's form whatever its format: single-process tensors, the optimizer
+    numbered as one process numbers it."""
+    from megatron.checkpointing.convert import read_sharded_as_torch_state
+    from megatron.checkpointing.torch_dist import is_sharded_checkpoint, read_common
+    from tools.convert_checkpoint_format import model_order
+
+    root = Path(root)
+    if iteration is None:
+        iteration = int((root / "latest_checkpointed_iteration.txt").read_text())
+    directory = root / f"iter_{iteration:07d}"
+    if not is_sharded_checkpoint(str(directory)):
+        path = directory / "mp_rank_00" / "model_optim_rng.pt"
+        return torch.load(path, map_location="cpu", weights_only=False)
+    model_keys, parameter_groups = model_order(read_common(str(directory))["args"])
+    return read_sharded_as_torch_state(str(directory), model_keys, parameter_groups)

@@ -239,6 +239,28 @@ def add_checkpointing_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="Load only the model weights and start at iteration 0 (no optimizer or RNG state).",
     )
+    group.add_argument(
+        "--ckpt-format",
+        choices=["torch_dist", "torch"],
+        default="torch_dist",
+        help="Format of saved checkpoints: torch_dist (every rank writes its own shards through "
+        "torch.distributed.checkpoint, in parallel) or torch (one Megatron model_optim_rng.pt "
+        "written by rank 0). Loading reads either, whatever this flag says.",
+    )
+    group.add_argument(
+        "--async-save",
+        action="store_true",
+        help="Write torch_dist checkpoints in the background: training waits only while the "
+        "state is copied to host memory.",
+    )
+    group.add_argument(
+        "--keep-latest-checkpoints",
+        type=int,
+        default=None,
+        metavar="N",
+        help="Keep only the newest N checkpoints under --save, deleting older ones once a newer "
+        "one is complete (default: keep all).",
+    )
 
 
 def add_distributed_args(parser: argparse.ArgumentParser) -> None:

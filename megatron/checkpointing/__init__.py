@@ -4,9 +4,11 @@
                     consumed_train_samples=..., consumed_valid_samples=...)
     loaded = load_checkpoint(config.checkpoint, model, optimizer, scheduler)
 
-See `layout` for the files on disk; `full_state` for why they hold the tensors of a
-single-process run whatever the tensor-parallel size, and `pipeline_state` for how pipeline
-stages are gathered into (and taken from) that form.
+`config.ckpt_format` picks the files: "torch_dist" (every rank writes its own chunks through
+torch.distributed.checkpoint: `chunks`, `sharded_state`, `sharded_save`, `sharded_load`,
+`async_save`) or "torch" (one file holding the tensors of a single-process run whatever the
+layout: `full_state`, `pipeline_state`). Loading reads either. See `layout` for the files on
+disk and `convert` for the mapping between the two formats.
 """
 
 from megatron.checkpointing.full_state import (

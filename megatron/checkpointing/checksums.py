@@ -198,21 +198,33 @@ def find_damage(path: str, expected: FileChecksum, block_size: int) -> Optional[
         return (
             f"its checksum record lists {len(expected.blocks)} blocks, {expected_blocks} expected"
         )
-    with open(path, "rb") as file, ThreadPoolExecutor(hashing_threads()) as pool:
-        fd = file.fileno()
-        futures = [
-            pool.submit(_hash_range, fd, start, min(block_size, expected.size - start))
-            for start in range(0, expected.size, block_size)
-        ]
-        damaged = [
-            index
-            for index, (future, digest) in enumerate(zip(futures, expected.blocks))
-            if future.result() != digest
-        ]
+    actual = _block_digests(path, expected.size, block_size)
+    damaged = [
+        index
+        for index, (digest, recorded) in enumerate(zip(actual, expected.blocks))
+        if digest != recorded
+    ]
     if not damaged:
         return None
     first_start = damaged[0] * block_size
     first_end = min(first_start + block_size, expected.size)
     return f"bytes {first_start}-{first_end - 1} differ from what was written" + (
-        f" ({len(damaged)} of {len(futures)} blocks differ)" if len(damaged) > 1 else ""
+        f" ({len(damaged)} of {len(actual)} blocks differ)" if len(damaged) > 1 else ""
     )
+
+
+def file_checksum(path: str, block_size: int = BLOCK_SIZE) -> FileChecksum:
+    """The checksum of a file already written (by a writer that could not hash as it wrote)."""
+    size = os.path.getsize(path)
+    return FileChecksum(size, _block_digests(path, size, block_size))
+
+
+def _block_digests(path: str, size: int, block_size: int) -> List[str]:
+    """SHA-256 of each block of the first `size` bytes of `path`, hashed on a thread pool."""
+    with open(path, "rb") as file, ThreadPoolExecutor(hashing_threads()) as pool:
+        fd = file.fileno()
+        futures = [
+            pool.submit(_hash_range, fd, start, min(block_size, size - start))
+            for start in range(0, size, block_size)
+        ]
+        return [future.result() for future in futures]

@@ -3,13 +3,17 @@
 {root}/latest_checkpointed_iteration.txt       "<iteration>" or "release"; written last
 {root}/iter_{iteration:07d}/mp_rank_{tp:02d}[_{pp:03d}]/model_optim_rng.pt
 {root}/iter_{iteration:07d}/checksums.json     digests of the files above (checksums)
+{root}/iter_{iteration:07d}/metadata.json, common.pt, .metadata, __<rank>_<n>.distcp
+                                               instead, in the torch_dist format (torch_dist)
 {root}/iter_{iteration:07d}.tmp-{pid}/...      a save in progress (or cut off): never loaded
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import re
+import shutil
 from typing import List, Optional, Union
 
 from megatron.checkpointing.checksums import CHECKSUMS_FILENAME
@@ -19,6 +23,9 @@ TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 CHECKPOINT_FILENAME = "model_optim_rng.pt"
 RELEASE = "release"
 TEMPORARY_MARKER = ".tmp-"
+# A torch_dist checkpoint's marker (Megatron-Core's) and DCP's index of its tensors.
+SHARDED_MARKER_FILENAME = "metadata.json"
+DCP_INDEX_FILENAME = ".metadata"
 
 Iteration = Union[int, str]  # an iteration number, or RELEASE
 
@@ -136,13 +143,16 @@ def leftover_temporaries(root: str, iteration: Iteration | None = None) -> list[
 def is_complete(iteration_directory: str) -> bool:
     """Whether an iteration's directory holds a whole checkpoint: one this project saved (its
     checksums are written last, before the directory is renamed into place), or, for
-    checkpoints without checksums (older saves, Megatron-LM's), a model_optim_rng.pt file."""
+    checkpoints without checksums (older saves, Megatron-LM's), a model_optim_rng.pt file or
+    a torch_dist checkpoint's marker and index."""
     if os.path.isfile(os.path.join(iteration_directory, CHECKSUMS_FILENAME)):
         return True
     try:
         names = os.listdir(iteration_directory)
     except OSError:
         return False
+    if {SHARDED_MARKER_FILENAME, DCP_INDEX_FILENAME} <= set(names):
+        return True  # a torch_dist checkpoint saved without checksums: DCP's index is last
     return any(
         _SHARD_DIRECTORY.fullmatch(name)
         and os.path.isfile(os.path.join(iteration_directory, name, CHECKPOINT_FILENAME))
@@ -182,3 +192,128 @@ def refuse_untracked_checkpoints(root: str) -> None:
             f"tracker file {tracker}; to resume from the newest: echo {newest} > {tracker}; "
             "to start from scratch, use a directory without checkpoints for --save and --load"
         )
+
+
+def prepare_temporary_directory(root: str, iteration: int) -> str:
+    """The empty temporary directory (named for this process) a save of `iteration` fills;
+    left over ones of earlier failed saves of it are removed."""
+    os.makedirs(root, exist_ok=True)
+    temporary_root = os.path.join(root, temporary_directory_name(iteration))
+    replaced = os.path.join(root, temporary_directory_name(iteration, ".replaced"))
+    for stale in (temporary_root, replaced):
+        if os.path.exists(stale):
+            shutil.rmtree(stale)
+    os.makedirs(temporary_root)
+    return temporary_root
+
+
+def move_into_place(
+    root: str, iteration: int, temporary_root: str, keep_latest: Optional[int] = None
+) -> None:
+    """Rename the complete `temporary_root` to iter_XXXXXXX, point the tracker at it, and
+    clean up (keeping only the newest `keep_latest` checkpoints when given).
+
+    The tracker names another iteration meanwhile; a failure removes the temporary directory
+    and puts back a directory it was replacing.
+    """
+    final_directory = os.path.join(root, iteration_directory_name(iteration))
+    replaced = os.path.join(root, temporary_directory_name(iteration, ".replaced"))
+    moved_aside = False
+    try:
+        if os.path.exists(final_directory):
+            if read_tracker(root) == iteration:
+                # Moving it aside would leave the tracker naming a missing directory.
+                raise CheckpointError(
+                    f"refusing to replace {final_directory}: the tracker names it"
+                )
+            # A directory cannot be renamed over a non-empty one: move the old one aside under
+            # a temporary name (never loaded, cleaned up below), then move the new one in.
+            os.replace(final_directory, replaced)
+            moved_aside = True
+        os.replace(temporary_root, final_directory)
+        moved_aside = False
+        fsync_directory(root)
+    except BaseException:
+        shutil.rmtree(temporary_root, ignore_errors=True)
+        if moved_aside and not os.path.exists(final_directory):
+            os.replace(replaced, final_directory)
+        raise
+    write_tracker(root, iteration)
+    if keep_latest:
+        remove_older_checkpoints(root, keep_latest)
+    remove_leftovers(root)
+
+
+def remove_older_checkpoints(root: str, keep_latest: int) -> List[int]:
+    """Delete all but the newest `keep_latest` complete checkpoints under `root` (the tracker
+    names the newest); returns the iterations deleted. Each is first renamed to a temporary
+    name, so one cut off while being deleted is never taken for a complete checkpoint."""
+    deleted = []
+    tracked = read_tracker(root)
+    if not isinstance(tracked, int):
+        return []
+    # Iterations above the tracker's (a run resumed from an older checkpoint) are left alone.
+    older = [iteration for iteration in complete_iterations(root) if iteration <= tracked]
+    for iteration in older[:-keep_latest]:
+        directory = os.path.join(root, iteration_directory_name(iteration))
+        doomed = os.path.join(root, temporary_directory_name(iteration, ".deleted"))
+        os.replace(directory, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+        deleted.append(iteration)
+    if deleted:
+        fsync_directory(root)
+    return deleted
+
+
+def remove_leftovers(root: str) -> None:
+    """Delete temporaries of saves that were cut off (or replaced) now that one succeeded."""
+    for path in leftover_temporaries(root):
+        if os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            try:
+                os.remove(path)
+            except OSError:
+                pass
+
+
+def save_failure_message(root: str, iteration: int, exc: BaseException) -> str:
+    """One line: what failed (the errno's meaning and the file), and what is still on disk."""
+    if isinstance(exc, OSError) and exc.errno is not None:
+        symbol = errno.errorcode.get(exc.errno, f"errno {exc.errno}")
+        what = f"{os.strerror(exc.errno)} ({symbol})"
+        if exc.filename:
+            what += f" writing {exc.filename}"
+    else:
+        what = repr(exc)
+    try:
+        latest = read_tracker(root)
+    except CheckpointError:
+        latest = None
+    kept = (
+        f"the latest checkpoint is still iteration {latest}"
+        if latest is not None
+        else "no earlier checkpoint is there"
+    )
+    return (
+        f"saving iteration {iteration} under {root} failed: {what}; its partial files were "
+        f"removed and {kept}; free space under {root} (or fix the I/O error) and resume with "
+        f"--load {root}"
+    )
+
+
+def earlier_checkpoint_advice(root: str, iteration: Iteration) -> str:
+    """What to do about a checkpoint that cannot be loaded: resume from the one before it."""
+    tracker = tracker_file(root)
+    previous = (
+        newest_complete_iteration(root, below=iteration) if isinstance(iteration, int) else None
+    )
+    if previous is None:
+        return (
+            f"there is no earlier checkpoint under {root}: remove {tracker} (and the "
+            "checkpoint it names) to start from scratch"
+        )
+    return (
+        f"point {tracker} at the previous checkpoint, iteration {previous}: "
+        f"echo {previous} > {tracker}"
+    )

@@ -12,13 +12,16 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 
+from megatron import parallel_state
 from megatron.checkpointing.checksums import (
     CHECKSUMS_FILENAME,
     ManifestError,
     find_damage,
     read_manifest,
 )
+from megatron.checkpointing.chunks import ChunkedTensor
 from megatron.checkpointing.full_state import (
     load_full_model_state_dict,
     load_full_optimizer_state_dict,
@@ -28,9 +31,9 @@ from megatron.checkpointing.layout import (
     CheckpointError,
     Iteration,
     checkpoint_file,
+    earlier_checkpoint_advice,
     iteration_directory_name,
     leftover_temporaries,
-    newest_complete_iteration,
     read_tracker,
     refuse_untracked_checkpoints,
     tracker_file,
@@ -46,6 +49,22 @@ from megatron.checkpointing.rng import (
     saved_rng_state_index,
 )
 from megatron.checkpointing.save import is_pipeline_parallel, unwrap_model
+from megatron.checkpointing.sharded_load import (
+    load_inner_optimizer_state,
+    verify_sharded_checkpoint,
+)
+from megatron.checkpointing.sharded_save import first_failure
+from megatron.checkpointing.sharded_state import (
+    MODEL_PREFIX,
+    model_tensors_to_load,
+    optimizer_state_to_load,
+)
+from megatron.checkpointing.torch_dist import (
+    is_sharded_checkpoint,
+    read_common,
+    read_sharded_tensors,
+    read_tensor_metadata,
+)
 from megatron.initialize import broadcast_from, is_global_rank_zero, print_rank_0
 from megatron.pipeline.stages import stage_to_full_names
 from megatron.tensor_parallel import MODEL_PARALLEL_RNG
@@ -95,8 +114,12 @@ def load_checkpoint(
             "training from scratch (iteration 0)"
         )
         return LoadedState(0, 0, 0, None)
-    path = checkpoint_file(config.load, iteration)
-    state = _read_verified(config.load, iteration, path, print_fn)
+    directory = os.path.join(config.load, iteration_directory_name(iteration))
+    if is_sharded_checkpoint(directory):
+        checkpoint: _Checkpoint = _ShardedCheckpoint(config.load, iteration, directory, print_fn)
+    else:
+        checkpoint = _TorchCheckpoint(config.load, iteration, print_fn)
+    path, state = checkpoint.path, checkpoint.state
     differences = (
         model_argument_differences(state.get("args"), args, model_arguments)
         if args is not None
@@ -104,7 +127,7 @@ def load_checkpoint(
     )
 
     model_only = bool(config.finetune) or iteration == RELEASE
-    _load_model_state(unwrap_model(model), state["model"], path, differences)
+    checkpoint.load_model(unwrap_model(model), differences)
     if differences:
         print_fn(
             f"WARNING: {path} was saved with other model flags than this run's (its weights "
@@ -112,19 +135,7 @@ def load_checkpoint(
         )
     if not model_only and not config.no_load_optim:
         if optimizer is not None:
-            optimizer_state = _required(state, "optimizer", path, "--no-load-optim")
-            # Checkpoints hold the unsharded state: a rank takes its stage's, tensor-parallel
-            # and expert shards' part, and the distributed optimizer its data-parallel shard
-            # of that.
-            unsharded_view = getattr(optimizer, "unsharded_view", None)
-            if unsharded_view is not None:
-                optimizer = unsharded_view(gather=False)
-            if is_pipeline_parallel():
-                load_pipeline_optimizer_state_dict(
-                    optimizer, unwrap_model(model), optimizer_state, state["model"]
-                )
-            else:
-                load_full_optimizer_state_dict(optimizer, optimizer_state)
+            checkpoint.load_optimizer(optimizer, unwrap_model(model))
         if scheduler is not None:
             scheduler_state = _required(state, "opt_param_scheduler", path, "--no-load-optim")
             try:
@@ -160,6 +171,102 @@ def load_checkpoint(
         )
     print_fn(f"loaded checkpoint {path} at iteration {iteration}")
     return loaded
+
+
+class _Checkpoint:
+    """A checkpoint being loaded: `state` holds everything but the tensors' values (all of it
+    for the torch format), `path` names it in messages."""
+
+    path: str
+    state: Dict[str, Any]
+
+    def load_model(self, model: nn.Module, differences: List[str]) -> None:
+        raise NotImplementedError
+
+    def load_optimizer(self, optimizer: Any, model: nn.Module) -> None:
+        raise NotImplementedError
+
+
+class _TorchCheckpoint(_Checkpoint):
+    """`--ckpt-format torch`: one model_optim_rng.pt with the single-process tensors."""
+
+    def __init__(self, root: str, iteration: Iteration, print_fn: Callable[[str], None]):
+        self.path = checkpoint_file(root, iteration)
+        self.state = _read_verified(root, iteration, self.path, print_fn)
+
+    def load_model(self, model: nn.Module, differences: List[str]) -> None:
+        _load_model_state(model, self.state["model"], self.path, differences)
+
+    def load_optimizer(self, optimizer: Any, model: nn.Module) -> None:
+        optimizer_state = _required(self.state, "optimizer", self.path, "--no-load-optim")
+        # Checkpoints hold the unsharded state: a rank takes its stage's, tensor-parallel and
+        # expert shards' part, and the distributed optimizer its data-parallel shard of that.
+        unsharded_view = getattr(optimizer, "unsharded_view", None)
+        if unsharded_view is not None:
+            optimizer = unsharded_view(gather=False)
+        if is_pipeline_parallel():
+            load_pipeline_optimizer_state_dict(
+                optimizer, model, optimizer_state, self.state["model"]
+            )
+        else:
+            load_full_optimizer_state_dict(optimizer, optimizer_state)
+
+
+class _ShardedCheckpoint(_Checkpoint):
+    """`--ckpt-format torch_dist`: each rank reads the chunks it holds (sharded_state)."""
+
+    def __init__(
+        self, root: str, iteration: Iteration, directory: str, print_fn: Callable[[str], None]
+    ):
+        self.path = directory
+        self.advice = earlier_checkpoint_advice(root, iteration)
+        self.group = parallel_state.get_checkpoint_group()
+        verify_sharded_checkpoint(root, iteration, directory, self.group, print_fn)
+        try:
+            self.state = read_common(directory)
+            self.stored = read_tensor_metadata(directory).state_dict_metadata
+        except Exception as exc:
+            raise CheckpointError(
+                f"could not read checkpoint {directory} ({exc!r}); "
+                f"{earlier_checkpoint_advice(root, iteration)}"
+            ) from exc
+
+    def load_model(self, model: nn.Module, differences: List[str]) -> None:
+        targets = model_tensors_to_load(model)
+        stored = {name for name in self.stored if name.startswith(MODEL_PREFIX)}
+        missing = sorted(name[len(MODEL_PREFIX) :] for name in targets.keys() - stored)
+        unexpected = (
+            []
+            if is_pipeline_parallel()
+            else sorted(name[len(MODEL_PREFIX) :] for name in stored - targets.keys())
+        )
+        if missing or unexpected:
+            raise CheckpointError(
+                _misfit_message(self.path, differences, _key_summary(missing, unexpected))
+            )
+        for name, chunked in targets.items():
+            saved_shape = tuple(self.stored[name].size)
+            if saved_shape != tuple(chunked.global_shape):
+                detail = (
+                    f"size mismatch for {name[len(MODEL_PREFIX) :]}: the checkpoint holds shape "
+                    f"{saved_shape}, this model's is {tuple(chunked.global_shape)}"
+                )
+                raise CheckpointError(_misfit_message(self.path, differences, detail))
+        self._read(targets)
+
+    def load_optimizer(self, optimizer: Any, model: nn.Module) -> None:
+        common = _required(self.state, "optimizer_common", self.path, "--no-load-optim")
+        state, targets = optimizer_state_to_load(optimizer, model, self.stored)
+        self._read(targets)
+        load_inner_optimizer_state(optimizer, state, common)
+
+    def _read(self, targets: Dict[str, ChunkedTensor]) -> None:
+        try:
+            read_sharded_tensors(self.path, targets, self.group)
+        except (Exception, CheckpointException) as exc:
+            raise CheckpointError(
+                f"could not read checkpoint {self.path} ({first_failure(exc)!r}); {self.advice}"
+            ) from None
 
 
 def _read_verified(
@@ -204,7 +311,7 @@ def _checksum_outcome(root: str, iteration: Iteration, path: str) -> Optional[Tu
         manifest = read_manifest(directory)
     except ManifestError as error:
         return True, (
-            f"{error}, so {path} cannot be verified; {_earlier_checkpoint_advice(root, iteration)}"
+            f"{error}, so {path} cannot be verified; {earlier_checkpoint_advice(root, iteration)}"
             f" (or delete {CHECKSUMS_FILENAME} to load the file unverified)"
         )
     if manifest is None:
@@ -217,7 +324,7 @@ def _checksum_outcome(root: str, iteration: Iteration, path: str) -> Optional[Tu
     if expected is None:
         return True, (
             f"{manifest.path} records no checksum of {name}, so it cannot be verified; "
-            f"{_earlier_checkpoint_advice(root, iteration)}"
+            f"{earlier_checkpoint_advice(root, iteration)}"
         )
     start = time.perf_counter()
     damage = find_damage(path, expected, manifest.block_size)
@@ -225,28 +332,18 @@ def _checksum_outcome(root: str, iteration: Iteration, path: str) -> Optional[Tu
     if damage is not None:
         return True, (
             f"checkpoint file {path} is damaged: {damage} (checksums in {manifest.path}); "
-            f"{_earlier_checkpoint_advice(root, iteration)}"
+            f"{earlier_checkpoint_advice(root, iteration)}"
         )
     return False, (
         f"verified the checksums of {path} ({expected.size / 1e9:.2f} GB) in {seconds:.1f} s"
     )
 
 
-def _earlier_checkpoint_advice(root: str, iteration: Iteration) -> str:
-    """What to do about a checkpoint that cannot be loaded: resume from the one before it."""
-    tracker = tracker_file(root)
-    previous = (
-        newest_complete_iteration(root, below=iteration) if isinstance(iteration, int) else None
-    )
-    if previous is None:
-        return (
-            f"there is no earlier checkpoint under {root}: remove {tracker} (and the "
-            "checkpoint it names) to start from scratch"
-        )
-    return (
-        f"point {tracker} at the previous checkpoint, iteration {previous}: "
-        f"echo {previous} > {tracker}"
-    )
+def read_torch_checkpoint(
+    root: str, iteration: Iteration, print_fn: Callable[[str], None] = print_rank_0
+) -> Dict[str, Any]:
+    """The whole state of a --ckpt-format torch checkpoint, its checksums verified."""
+    return _TorchCheckpoint(root, iteration, print_fn).state
 
 
 def read_checkpoint_args(load_dir: str) -> argparse.Namespace | None:
@@ -254,12 +351,15 @@ def read_checkpoint_args(load_dir: str) -> argparse.Namespace | None:
     iteration = read_tracker(load_dir)
     if iteration is None:
         return None
+    directory = os.path.join(load_dir, iteration_directory_name(iteration))
+    if is_sharded_checkpoint(directory):
+        return read_common(directory).get("args")
     path = checkpoint_file(load_dir, iteration)
     return _read_checkpoint_file(load_dir, iteration, path).get("args")
 
 
 def _read_checkpoint_file(root: str, iteration: Iteration, path: str) -> Dict[str, Any]:
-    advice = _earlier_checkpoint_advice(root, iteration)
+    advice = earlier_checkpoint_advice(root, iteration)
     if not os.path.isfile(path):
         interrupted = [p for p in leftover_temporaries(root, iteration) if os.path.isdir(p)]
         hint = (

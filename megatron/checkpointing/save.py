@@ -8,7 +8,6 @@ aside only after the new one is complete.
 from __future__ import annotations
 
 import argparse
-import errno
 import os
 import shutil
 from concurrent.futures import ThreadPoolExecutor
@@ -19,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron import parallel_state
+from megatron.checkpointing.async_save import AsyncCheckpointWriter
 from megatron.checkpointing.checksums import (
     BLOCK_SIZE,
     ChecksumWriter,
@@ -26,6 +26,7 @@ from megatron.checkpointing.checksums import (
     hashing_threads,
     write_manifest,
 )
+from megatron.checkpointing.chunks import ChunkedTensor
 from megatron.checkpointing.full_state import full_model_state_dict, full_optimizer_state_dict
 from megatron.checkpointing.layout import (
     CheckpointError,
@@ -33,17 +34,24 @@ from megatron.checkpointing.layout import (
     fsync_directory,
     is_complete,
     iteration_directory_name,
-    leftover_temporaries,
+    move_into_place,
+    prepare_temporary_directory,
     read_tracker,
+    save_failure_message,
     shard_file,
-    temporary_directory_name,
-    write_tracker,
 )
 from megatron.checkpointing.pipeline_state import (
     pipeline_full_model_state_dict,
     pipeline_full_optimizer_state_dict,
 )
 from megatron.checkpointing.rng import data_parallel_rank, gather_rng_states
+from megatron.checkpointing.sharded_save import (
+    common_state,
+    optimizer_common_state,
+    sharded_tensors,
+    write_sharded_checkpoint,
+)
+from megatron.checkpointing.torch_dist import FORMAT
 from megatron.initialize import broadcast_from, print_rank_0
 
 CHECKPOINT_VERSION = 3.0
@@ -81,6 +89,7 @@ def save_checkpoint(
     data_parallel_group: dist.ProcessGroup | None = None,
     print_fn: Callable[[str], None] = print_rank_0,
     checksums: bool = True,
+    async_writer: AsyncCheckpointWriter | None = None,
 ) -> str | None:
     """Save `iteration` under `config.save` (a CheckpointConfig); called on every rank.
 
@@ -91,6 +100,11 @@ def save_checkpoint(
     the RNG states. Returns the file written on the writing rank, None elsewhere and when the
     tracker already names `iteration` (its state is on disk; it is not written again). Raises
     CheckpointError on every rank when the write failed.
+
+    `config.ckpt_format` "torch_dist" instead has every rank write its own chunks
+    (megatron.checkpointing.sharded_save) and returns None; with `async_writer` the write goes
+    on in the background once the state is copied to host memory (its failure is raised by
+    the next save or `async_writer.wait()`).
     """
     if not config.save:
         raise CheckpointError("save_checkpoint called without --save; pass --save DIR")
@@ -102,6 +116,27 @@ def save_checkpoint(
         )
         return None
     rng_states = None if config.no_save_rng else gather_rng_states(data_parallel_group)
+    if config.ckpt_format == FORMAT:
+        _save_sharded(
+            config,
+            iteration,
+            unwrap_model(model),
+            None if config.no_save_optim else optimizer,
+            _checkpoint_state(
+                iteration,
+                None,
+                None,
+                None if config.no_save_optim else scheduler,
+                rng_states,
+                args,
+                consumed_train_samples,
+                consumed_valid_samples,
+            ),
+            print_fn,
+            checksums,
+            async_writer,
+        )
+        return None
     optimizer_state = None
     # The writer's tensor- and expert-parallel peers gather their shards with it, so the file
     # holds the full tensors of a single-process run (full_state). They are the ranks of
@@ -141,15 +176,57 @@ def save_checkpoint(
                 consumed_train_samples,
                 consumed_valid_samples,
             )
-            path = _write_atomically(config.save, iteration, state, checksums)
+            path = write_torch_checkpoint(
+                config.save, iteration, state, checksums, config.keep_latest_checkpoints
+            )
         except Exception as exc:  # reported on every rank below, so none waits forever
-            error, cause = _failure_message(config.save, iteration, exc), exc
+            error, cause = save_failure_message(config.save, iteration, exc), exc
     # The final barrier: every rank leaves once the writer has finished, knowing its outcome.
     error = _from_writer(error, data_parallel_group)
     if error is not None:
         raise CheckpointError(error) from cause
     print_fn(f"saved checkpoint at iteration {iteration:7d} to {config.save}")
     return path
+
+
+def _save_sharded(
+    config: Any,
+    iteration: int,
+    model: nn.Module,
+    optimizer: Any,
+    state: Dict[str, Any],
+    print_fn: Callable[[str], None],
+    checksums: bool,
+    async_writer: AsyncCheckpointWriter | None,
+) -> None:
+    """The torch_dist save of `state` (a torch-format state without the tensors) and the
+    chunks of `model` and `optimizer` (None: not saved)."""
+    if optimizer is not None:
+        state["optimizer_common"] = optimizer_common_state(optimizer)
+    common = common_state(state)
+    tensors = sharded_tensors(model, optimizer)
+    group = parallel_state.get_checkpoint_group()
+    keep_latest = config.keep_latest_checkpoints
+
+    def write(tensors: Dict[str, ChunkedTensor]) -> Optional[str]:
+        return write_sharded_checkpoint(
+            config.save, iteration, tensors, common, group, checksums, keep_latest
+        )
+
+    done = f"saved checkpoint at iteration {iteration:7d} to {config.save}"
+    if async_writer is None:
+        error = write(tensors)
+        if error is not None:
+            raise CheckpointError(error)
+        print_fn(done)
+        return
+    async_writer.wait(print_fn)  # the host buffers are reused: the last write must be done
+    staged = async_writer.stage(tensors)
+    async_writer.start(lambda: write(staged), done)
+    print_fn(
+        f"checkpoint at iteration {iteration:7d} copied to host memory; writing it to "
+        f"{config.save} in the background"
+    )
 
 
 def _from_writer(value: Any, data_parallel_group: dist.ProcessGroup | None) -> Any:
@@ -170,31 +247,6 @@ def _already_saved(root: str, iteration: int) -> bool:
         return False
     return named == iteration and is_complete(
         os.path.join(root, iteration_directory_name(iteration))
-    )
-
-
-def _failure_message(root: str, iteration: int, exc: BaseException) -> str:
-    """One line: what failed (the errno's meaning and the file), and what is still on disk."""
-    if isinstance(exc, OSError) and exc.errno is not None:
-        symbol = errno.errorcode.get(exc.errno, f"errno {exc.errno}")
-        what = f"{os.strerror(exc.errno)} ({symbol})"
-        if exc.filename:
-            what += f" writing {exc.filename}"
-    else:
-        what = repr(exc)
-    try:
-        latest = read_tracker(root)
-    except CheckpointError:
-        latest = None
-    kept = (
-        f"the latest checkpoint is still iteration {latest}"
-        if latest is not None
-        else "no earlier checkpoint is there"
-    )
-    return (
-        f"saving iteration {iteration} under {root} failed: {what}; its partial files were "
-        f"removed and {kept}; free space under {root} (or fix the I/O error) and resume with "
-        f"--load {root}"
     )
 
 
@@ -230,50 +282,33 @@ def _checkpoint_state(
     return state
 
 
-def _write_atomically(root: str, iteration: int, state: Dict[str, Any], checksums: bool) -> str:
-    """Write into a temporary directory, rename it to iter_XXXXXXX, then move the tracker.
+def write_torch_checkpoint(
+    root: str,
+    iteration: int,
+    state: Dict[str, Any],
+    checksums: bool = True,
+    keep_latest: Optional[int] = None,
+) -> str:
+    """Write a torch-format `state` (one model_optim_rng.pt) into a temporary directory, rename
+    it to iter_XXXXXXX, then move the tracker; returns the file's path.
 
     A crash before the tracker is replaced leaves it naming the previous complete checkpoint;
     a failure removes the temporary directory and puts back a directory it was replacing.
     """
-    os.makedirs(root, exist_ok=True)
-    final_directory = os.path.join(root, iteration_directory_name(iteration))
-    temporary_root = os.path.join(root, temporary_directory_name(iteration))
-    replaced = os.path.join(root, temporary_directory_name(iteration, ".replaced"))
-    moved_aside = False
+    temporary_root = prepare_temporary_directory(root, iteration)
     try:
-        for stale in (temporary_root, replaced):  # left by an earlier failed save
-            if os.path.exists(stale):
-                shutil.rmtree(stale)
         _write_directory(temporary_root, state, checksums)
-        if os.path.exists(final_directory):
-            if read_tracker(root) == iteration:
-                # Moving it aside would leave the tracker naming a missing directory.
-                raise CheckpointError(
-                    f"refusing to replace {final_directory}: the tracker names it"
-                )
-            # A directory cannot be renamed over a non-empty one: move the old one aside under
-            # a temporary name (never loaded, cleaned up below), then move the new one in. The
-            # tracker names another iteration meanwhile.
-            os.replace(final_directory, replaced)
-            moved_aside = True
-        os.replace(temporary_root, final_directory)
-        moved_aside = False
-        fsync_directory(root)
     except BaseException:
         shutil.rmtree(temporary_root, ignore_errors=True)
-        if moved_aside and not os.path.exists(final_directory):
-            os.replace(replaced, final_directory)
         raise
-    write_tracker(root, iteration)
-    _remove_leftovers(root)
+    move_into_place(root, iteration, temporary_root, keep_latest)
     return checkpoint_file(root, iteration)
 
 
 def _write_directory(directory: str, state: Dict[str, Any], checksums: bool) -> None:
     """The checkpoint file and its checksums in `directory`, synced to disk."""
     path = shard_file(directory)
-    os.makedirs(os.path.dirname(path))
+    os.makedirs(os.path.dirname(path), exist_ok=True)
     record: Optional[FileChecksum] = None
     try:
         with open(path, "wb") as file:
@@ -300,15 +335,3 @@ def _write_directory(directory: str, state: Dict[str, Any], checksums: bool) -> 
         write_manifest(directory, {os.path.relpath(path, directory): record}, BLOCK_SIZE)
     fsync_directory(os.path.dirname(path))
     fsync_directory(directory)
-
-
-def _remove_leftovers(root: str) -> None:
-    """Delete temporaries of saves that were cut off (or replaced) now that one succeeded."""
-    for path in leftover_temporaries(root):
-        if os.path.isdir(path):
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            try:
-                os.remove(path)
-            except OSError:
-                pass

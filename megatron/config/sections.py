@@ -173,6 +173,9 @@ class CheckpointConfig:
     no_load_optim: bool = False
     no_load_rng: bool = False
     finetune: bool = False
+    ckpt_format: str = "torch_dist"
+    async_save: bool = False
+    keep_latest_checkpoints: int | None = None
 
 
 @dataclass(frozen=True)
@@ -286,6 +289,9 @@ class Config:
                 no_load_optim=bool(args.no_load_optim),
                 no_load_rng=bool(args.no_load_rng),
                 finetune=args.finetune,
+                ckpt_format=args.ckpt_format,
+                async_save=args.async_save,
+                keep_latest_checkpoints=args.keep_latest_checkpoints,
             ),
             logging=LoggingConfig(
                 **_pick(args, LoggingConfig, skip=("profile_ranks",)),

@@ -95,6 +95,7 @@ def _check_required_and_ranges(args: argparse.Namespace, world_size: int) -> Non
     optional_positive = ["ffn_hidden_size", "max_position_embeddings", "global_batch_size"]
     optional_positive += ["train_iters", "train_samples", "lr_decay_iters", "lr_decay_samples"]
     optional_positive += ["save_interval", "exit_interval", "exit_duration_in_mins", "loss_scale"]
+    optional_positive += ["keep_latest_checkpoints"]
     if args.group_query_attention:
         positive.append("num_query_groups")
     for name in positive + [n for n in optional_positive if getattr(args, n) is not None]:
@@ -423,6 +424,11 @@ def _check_checkpointing(args: argparse.Namespace, notes: List[str]) -> None:
         notes.append(f"--load {args.load} does not exist; training starts from scratch")
     if args.finetune and args.load is None:
         notes.append("--finetune without --load: there is no checkpoint to start from")
+    if args.async_save and args.ckpt_format != "torch_dist":
+        raise ConfigError(
+            f"--async-save writes torch_dist checkpoints, not --ckpt-format {args.ckpt_format}; "
+            "drop --async-save or use --ckpt-format torch_dist"
+        )
 
 
 def _check_profiling(args: argparse.Namespace) -> None:

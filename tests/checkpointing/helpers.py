@@ -66,6 +66,9 @@ def train(model, optimizer, scheduler, steps: int) -> None:
 
 
 def checkpoint_config(directory, **flags) -> CheckpointConfig:
+    """Save to and load from `directory`; the torch format (one file these tests inspect)
+    unless `ckpt_format` says otherwise."""
+    flags.setdefault("ckpt_format", "torch")
     return replace(CheckpointConfig(save=str(directory), load=str(directory)), **flags)
 
 

@@ -1,7 +1,8 @@
 """--use-distributed-optimizer with tensor, pipeline and expert parallelism: pretrain_gpt.py's
 trainer in 4 gloo processes (tiny GPT, fp32, 5 steps) gives the single-process lm loss, grad
-norm and final parameters; a checkpoint saved at TP=2 x DP=2 with it resumes in one process
-without it, and a single-process one at TP=2 x DP=2 with it.
+norm and final parameters; a checkpoint saved at TP=2 x DP=2 with it (sharded, written in the
+background with --async-save) resumes in one process without it, and a single-process one at
+TP=2 x DP=2 with it.
 
 The trainer runs inside `run_distributed`'s forked ranks (pretrain_gpt.main joins the existing
 gloo group) rather than under torchrun, which would import torch again in every rank.
@@ -22,7 +23,7 @@ import pretrain_gpt
 from tests.distributed.launch import run_distributed
 from tests.distributed.test_expert_parallel_gpt import moe_gpt_args
 from tests.distributed.test_tensor_parallel_gpt import gpt_args
-from tests.tiny_gpt import tensorboard_scalars
+from tests.tiny_gpt import saved_state, tensorboard_scalars
 
 ITERATIONS = 5
 MEMORY_LINE = re.compile(
@@ -56,8 +57,7 @@ def train(
 
 
 def checkpoint(directory: Path, iteration: int) -> Dict:
-    path = directory / "ckpt" / f"iter_{iteration:07d}" / "mp_rank_00" / "model_optim_rng.pt"
-    return torch.load(path, weights_only=False)
+    return saved_state(directory / "ckpt", iteration)
 
 
 def assert_same_run(expected: Dict, actual: Dict, iterations=range(1, ITERATIONS + 1)) -> None:
@@ -107,7 +107,9 @@ def single_dense(data_prefix, tmp_path_factory):
 def tp2_dp2(data_prefix, tmp_path_factory):
     directory = tmp_path_factory.mktemp("tp2_dp2")
     args = gpt_args(data_prefix, *DENSE, "--sequence-parallel", tensor_parallel=2)
-    return directory, train(4, [*args, "--use-distributed-optimizer"], directory, save_interval=3)
+    # Saved in the background: the resumes below read what --async-save wrote.
+    args += ["--use-distributed-optimizer", "--async-save"]
+    return directory, train(4, args, directory, save_interval=3)
 
 
 def test_tensor_parallel_distributed_optimizer_matches_one_process(single_dense, tp2_dp2):
@@ -133,7 +135,7 @@ def test_expert_parallel_distributed_optimizer_matches_one_process(data_prefix, 
     """EP=2 x DP=4: expert groups [0, 1] and [2, 3]; the expert weights are sharded over the
     expert-data-parallel groups [0, 2] and [1, 3], the rest over all four ranks."""
     single = train(1, moe_gpt_args(data_prefix), tmp_path / "single")
-    args = moe_gpt_args(data_prefix, "--expert-model-parallel-size", "2")
+    args = moe_gpt_args(data_prefix, "--expert-model-parallel-size", "2", "--async-save")
     parallel = train(4, [*args, "--use-distributed-optimizer"], tmp_path / "ep2")
     assert_layout(tmp_path / "ep2", expert_model_parallel_size=2, data_parallel_size=4)
     assert_same_run(single, parallel)
@@ -174,3 +176,19 @@ def test_checkpoint_resumes_in_the_other_layout(
     args += ["--no-load-rng"] if world_size == 4 else []
     resumed = train(world_size, [*args, *extra], tmp_path / "resumed")
     assert_same_run(single_dense[1], resumed, iterations=range(4, ITERATIONS + 1))
+
+
+def test_checkpoint_resumes_bit_exactly_in_the_same_layout(tp2_dp2, data_prefix, tmp_path):
+    """TP=2 x DP=2 with the distributed optimizer, resumed from its own (asynchronously
+    written, sharded) iteration 3 in the same layout: the same losses and grad norms, bit for
+    bit."""
+    source, saved_run = tp2_dp2
+    load = tmp_path / "load"
+    load.mkdir()
+    shutil.copytree(source / "ckpt" / "iter_0000003", load / "iter_0000003")
+    (load / "latest_checkpointed_iteration.txt").write_text("3")
+    args = gpt_args(data_prefix, *DENSE, "--sequence-parallel", "--load", str(load),
+                    tensor_parallel=2)  # fmt: skip
+    resumed = train(4, [*args, "--use-distributed-optimizer"], tmp_path / "resumed")
+    for name in ("lm loss", "grad-norm"):
+        assert resumed[name] == {step: saved_run[name][step] for step in (4, 5)}, name

@@ -19,7 +19,7 @@ import torch
 
 import pretrain_gpt
 from tests.distributed.launch import torchrun
-from tests.tiny_gpt import MOE_ARGS, tiny_gpt_args
+from tests.tiny_gpt import MOE_ARGS, saved_state, tiny_gpt_args
 
 ITERATIONS = 5
 SCALARS = ("lm loss", "load balancing loss", "grad-norm")
@@ -80,11 +80,7 @@ def test_expert_parallel_matches_single_process(single_and_expert_parallel):
     assert "sharded over 2 expert-parallel ranks" in parallel["stdout"]
     assert_same_run(single, parallel)
     # The checkpoint holds the unsharded experts, under the keys of a single-process run.
-    files = [
-        run["checkpoints"] / "iter_0000005" / "mp_rank_00" / "model_optim_rng.pt"
-        for run in (single, parallel)
-    ]
-    expected, saved = (torch.load(path, weights_only=False) for path in files)
+    expected, saved = (saved_state(run["checkpoints"], 5) for run in (single, parallel))
     assert saved["model"].keys() == expected["model"].keys()
     assert saved["model"]["decoder.layers.0.mlp.experts.w1"].shape[0] == 4
     for name, tensor in expected["model"].items():

@@ -16,6 +16,7 @@ import torch
 import pretrain_gpt
 from tests.distributed.launch import torchrun
 from tests.distributed.test_tensor_parallel_gpt import assert_same_run, gpt_args
+from tests.tiny_gpt import saved_state
 
 # 4 layers, 4 micro-batches of 2 per step (global batch 8); evaluation (forwards only
 # through the pipeline) at iteration 5 and at the end.
@@ -92,11 +93,7 @@ def test_pipeline_checkpoint_holds_the_single_process_tensors(single_process, pi
     assert_same_run(single_process, pipeline_run)
     assert_same_grad_norms(single_process, pipeline_run)
     assert_same_validation(single_process, pipeline_run)
-    files = [
-        run["checkpoints"] / "iter_0000005" / "mp_rank_00" / "model_optim_rng.pt"
-        for run in (single_process, pipeline_run)
-    ]
-    expected, saved = (torch.load(path, weights_only=False) for path in files)
+    expected, saved = (saved_state(run["checkpoints"], 5) for run in (single_process, pipeline_run))
     assert list(saved["model"]) == list(expected["model"])
     for name, tensor in expected["model"].items():
         torch.testing.assert_close(saved["model"][name], tensor, atol=1e-5, rtol=1e-4)

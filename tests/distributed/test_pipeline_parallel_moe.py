@@ -25,7 +25,7 @@ import torch
 import pretrain_gpt
 from megatron.pipeline.schedules import attach_loss
 from tests.distributed.launch import run_distributed
-from tests.tiny_gpt import MOE_ARGS, tensorboard_scalars, tiny_gpt_args
+from tests.tiny_gpt import MOE_ARGS, saved_state, tensorboard_scalars, tiny_gpt_args
 
 ITERATIONS = 5
 TOLERANCE = 1e-5  # relative
@@ -171,23 +171,19 @@ def test_every_other_layer_with_z_loss_and_expert_bias(data_prefix, tmp_path):
     pipelined = train(2, args, tmp_path / "pp2", save=True)
     assert single["losses"][0]["router z loss"] > 0
     assert_same_run(single, pipelined)
-    expected, saved = (
-        torch.load(
-            tmp_path / run / "ckpt" / "iter_0000005" / "mp_rank_00" / "model_optim_rng.pt",
-            weights_only=False,
-        )
-        for run in ("single", "pp2")
-    )
+    expected, saved = (saved_state(tmp_path / run / "ckpt", 5) for run in ("single", "pp2"))
     assert list(saved["model"]) == list(expected["model"])
     assert expected["model"]["decoder.layers.2.mlp.router.expert_bias"].abs().sum() > 0
     for name, tensor in expected["model"].items():
         torch.testing.assert_close(saved["model"][name], tensor, atol=1e-5, rtol=0.0)
     expected_state = expected["optimizer"]["optimizer"]["state"]
-    saved_state = saved["optimizer"]["optimizer"]["state"]
-    assert saved_state.keys() == expected_state.keys()
+    saved_optimizer_state = saved["optimizer"]["optimizer"]["state"]
+    assert saved_optimizer_state.keys() == expected_state.keys()
     for index, state in expected_state.items():
         for key, value in state.items():
-            torch.testing.assert_close(saved_state[index][key], value, atol=1e-5, rtol=0.0)
+            torch.testing.assert_close(
+                saved_optimizer_state[index][key], value, atol=1e-5, rtol=0.0
+            )
     # The single process's iteration 3, with its expert biases, continues in the pipeline.
     load = tmp_path / "load"
     load.mkdir()

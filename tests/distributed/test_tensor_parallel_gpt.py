@@ -19,7 +19,7 @@ import torch
 
 import pretrain_gpt
 from tests.distributed.launch import torchrun
-from tests.tiny_gpt import tiny_gpt_args
+from tests.tiny_gpt import saved_state, tiny_gpt_args
 
 ITERATIONS = 5
 
@@ -72,11 +72,7 @@ def test_tensor_parallel_matches_single_process(single_and_tensor_parallel):
     assert "(new size: 50304)" in parallel["stdout"]  # Megatron's vocabulary padding line
     assert_same_run(single, parallel)
     # The checkpoint holds the full tensors, under the keys of a single-process run.
-    files = [
-        run["checkpoints"] / "iter_0000005" / "mp_rank_00" / "model_optim_rng.pt"
-        for run in (single, parallel)
-    ]
-    expected, saved = (torch.load(path, weights_only=False) for path in files)
+    expected, saved = (saved_state(run["checkpoints"], 5) for run in (single, parallel))
     assert saved["model"].keys() == expected["model"].keys()
     for name, tensor in expected["model"].items():
         torch.testing.assert_close(saved["model"][name], tensor, atol=1e-5, rtol=1e-4)

@@ -32,7 +32,7 @@ from moe.config import MoEConfig
 from moe.kernels import grouped_gemm
 from moe.layers import build_moe_layer
 from tests.distributed.launch import run_distributed
-from tests.tiny_gpt import MOE_ARGS, moe_layer_model_config, tiny_gpt_args
+from tests.tiny_gpt import MOE_ARGS, moe_layer_model_config, saved_state, tiny_gpt_args
 
 HIDDEN, FFN, SEQUENCE, EXPERTS = 16, 32, 8, 4
 CLOSE = dict(atol=1e-5, rtol=1e-5)
@@ -319,13 +319,7 @@ def test_tensor_parallel_dmoe_gpt_matches_one_process(single_and_tensor_parallel
     assert_same_run(single, parallel)
     # The checkpoint holds whole experts (all ffn channels) and their Adam moments, under the
     # keys and shapes of a single-process run.
-    expected, saved = (
-        torch.load(
-            run["checkpoints"] / "iter_0000005" / "mp_rank_00" / "model_optim_rng.pt",
-            weights_only=False,
-        )
-        for run in (single, parallel)
-    )
+    expected, saved = (saved_state(run["checkpoints"], 5) for run in (single, parallel))
     assert saved["model"]["decoder.layers.0.mlp.experts.w1"].shape == (4, 32, 128)
     assert saved["model"].keys() == expected["model"].keys()
     for name, tensor in expected["model"].items():

@@ -1,0 +1,14 @@
+"""A few SIGKILLs during asynchronous saves (the script runs 20 on request): every relaunch
+loads the complete checkpoint the tracker names."""
+
+from __future__ import annotations
+
+from tests.checkpointing import kill_during_async_save
+
+
+def test_kills_during_async_saves_leave_a_loadable_checkpoint(data_prefix, tmp_path, capsys):
+    assert (
+        kill_during_async_save.run(data_prefix, str(tmp_path), kills=3, seed=1, window_s=2.0) == 0
+    )
+    summary = capsys.readouterr().out.strip().splitlines()[-1]
+    assert summary.startswith("3 kills, ") and summary.endswith("resumed and finished; 0 failures")
