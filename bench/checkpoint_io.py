@@ -103,7 +103,11 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     config, run_arguments, model, optimizer, scheduler = build(flags, device)
     shutil.rmtree(args.save_dir, ignore_errors=True)
-    checkpoint = replace(config.checkpoint, save=args.save_dir, load=args.save_dir)
+    # The single-file format, whose checksums this measures (bench/checkpoint_formats.py
+    # compares the formats).
+    checkpoint = replace(
+        config.checkpoint, save=args.save_dir, load=args.save_dir, ckpt_format="torch"
+    )
 
     def save(checksums: bool) -> float:
         return timed(
