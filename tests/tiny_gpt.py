@@ -11,10 +11,13 @@ import pytest
 import torch
 
 import pretrain_gpt
+from megatron.checkpointing.convert import read_sharded_as_torch_state
+from megatron.checkpointing.torch_dist import is_sharded_checkpoint, read_common
 from megatron.config import ModelConfig
 from megatron.model import DENSE_MLP, GPTModel, MlpSpec
 from megatron.parallelize import shard_model
 from tests.sample_data import MERGES, VOCAB
+from tools.convert_checkpoint_format import model_order
 
 # dMoE layers of 4 experts with top-2 routing, added to `tiny_gpt_args`.
 MOE_ARGS = ("--moe-num-experts", "4", "--moe-top-k", "2")
@@ -129,10 +132,6 @@ def saved_state(root: Path, iteration: Optional[int] = None) -> Dict[str, Any]:
     """A checkpoint pretrain_gpt.py saved under `root` (the tracker's iteration by default), in
     the torch format's form whatever its format: single-process tensors, the optimizer
     numbered as one process numbers it."""
-    from megatron.checkpointing.convert import read_sharded_as_torch_state
-    from megatron.checkpointing.torch_dist import is_sharded_checkpoint, read_common
-    from tools.convert_checkpoint_format import model_order
-
     root = Path(root)
     if iteration is None:
         iteration = int((root / "latest_checkpointed_iteration.txt").read_text())

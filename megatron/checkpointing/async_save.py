@@ -36,8 +36,9 @@ class AsyncCheckpointWriter:
 
     def prepare(self, model: nn.Module, optimizer: Any) -> None:
         """Allocate the host buffers for the chunks of `model` and `optimizer` (None: not saved)
-        in the background, once: pinning tens of GB takes seconds, which the first save would
-        otherwise block training for. Call it once the optimizer has its state."""
+        in the background, once, so that the first save does not block training while tens of
+        GB are page-locked (the iterations the locking overlaps still slow down: the driver
+        serves their calls between its pieces). Call it once the optimizer has its state."""
         if self._allocating is not None or self._buffers:
             return
         shapes = {

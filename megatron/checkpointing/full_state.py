@@ -1,4 +1,5 @@
-"""Checkpoints hold the full, unsharded model: the tensors of a single-process run.
+"""`--ckpt-format torch` checkpoints hold the full, unsharded model: the tensors of a
+single-process run.
 
 Saving gathers every tensor-parallel shard over its TP group, and every expert shard over its
 expert-parallel group, before rank 0 writes, so a file written in any layout has the same keys

@@ -23,6 +23,7 @@ from megatron.checkpointing.checksums import (
 )
 from megatron.checkpointing.layout import CheckpointError, Iteration, earlier_checkpoint_advice
 from megatron.checkpointing.sharded_state import inner_optimizer
+from megatron.checkpointing.torch_dist import rank_and_size
 from megatron.optimizer.optimizer import load_keeping_kernel_flags
 
 
@@ -49,9 +50,7 @@ def verify_sharded_checkpoint(
             "loaded unverified"
         )
         return
-    rank, size = (
-        (dist.get_rank(group), dist.get_world_size(group)) if dist.is_initialized() else (0, 1)
-    )
+    rank, size = rank_and_size(group)
     names = sorted(manifest.files)
     start = time.perf_counter()
     damage = None

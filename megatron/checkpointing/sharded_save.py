@@ -35,7 +35,7 @@ from megatron.checkpointing.sharded_state import (
     model_tensors_to_save,
     optimizer_tensors_to_save,
 )
-from megatron.checkpointing.torch_dist import FORMAT, write_sharded_files
+from megatron.checkpointing.torch_dist import FORMAT, rank_and_size, write_sharded_files
 from megatron.initialize import broadcast_from
 
 
@@ -79,7 +79,7 @@ def write_sharded_checkpoint(
     """Write iteration `iteration` under `root` (steps in the module docstring); `common` is
     needed on global rank 0 only. Returns None, or on every rank the one-line message of a
     failure (the previous checkpoint stays the latest)."""
-    rank = dist.get_rank(group) if dist.is_initialized() else 0
+    rank, _ = rank_and_size(group)
     temporary, error = None, None
     if rank == 0:
         try:

@@ -47,7 +47,8 @@ def is_sharded_checkpoint(iteration_directory: str) -> bool:
     return os.path.isfile(os.path.join(iteration_directory, METADATA_FILENAME))
 
 
-def _rank_and_size(group: Optional[dist.ProcessGroup]) -> tuple:
+def rank_and_size(group: Optional[dist.ProcessGroup]) -> tuple:
+    """(rank, size) in `group`; (0, 1) without torch.distributed (one process)."""
     if not dist.is_initialized():
         return 0, 1
     return dist.get_rank(group), dist.get_world_size(group)
@@ -63,7 +64,7 @@ def write_sharded_files(
     """Write this rank's chunks (and on rank 0 `common` and the markers) into `directory`;
     collective over `group`. Returns the checksums of the files this rank wrote, by name
     relative to `directory` (empty with `checksums=False`)."""
-    rank, size = _rank_and_size(group)
+    rank, size = rank_and_size(group)
     # DCP first: it reports a failure on any rank to every rank, so all leave it together.
     with _single_process_quietly():
         dcp.save(

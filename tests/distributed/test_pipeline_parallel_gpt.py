@@ -53,9 +53,9 @@ def single_process(data_prefix, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def pipeline_run(data_prefix, tmp_path_factory):
-    """PP=2 with the interleaved schedule, saving at iterations 3 and 5."""
+    """PP=2 with the interleaved schedule, saving at iterations 3 and 5 in the background."""
     root = tmp_path_factory.mktemp("pp2")
-    args = gpt_args(data_prefix, *PIPELINE_MODEL, *saving(root / "ckpt"))
+    args = gpt_args(data_prefix, *PIPELINE_MODEL, *saving(root / "ckpt"), "--async-save")
     args += ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]
     run = torchrun(2, args, root / "tb")
     return {**run, "checkpoints": root / "ckpt"}
