@@ -4,11 +4,11 @@ Runs pretrain_gpt.py with the given flags once per format, saving once at --save
 training to --train-iters, and reads its log: the time training was blocked by the save (its
 `save-checkpoint` timer), the time until the checkpoint was complete (the same for a blocking
 save; the blocked time plus the background write for --async-save), and the iteration times
-before and after the save. The run is stopped (SIGKILL) once its last iteration is logged and
-its checkpoint complete, so no second checkpoint is written (the iteration after the save
-includes the time it blocked, as Megatron's timing window spans the save); a second run then loads the saved
-one (`load-checkpoint` timer, from the page cache when it fits in memory). One checkpoint is on
-disk at a time. The mode "torch_dist --async-save, no checksums" saves without checksums (its
+before and after the save (the iteration after the save includes the time it blocked, as
+Megatron's timing window spans the save). The run is stopped (SIGKILL) once its last iteration
+is logged and its checkpoint complete, so no second checkpoint is written; a second run then
+loads the saved one (`load-checkpoint` timer, from the page cache when it fits in memory). One
+checkpoint is on disk at a time. The mode "torch_dist --async-save, no checksums" saves without checksums (its
 files are not read back to be hashed), and "most dirty GB" is the most page cache the kernel
 held dirty or under writeback during the training run: what a background write competes with.
 
