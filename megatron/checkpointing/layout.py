@@ -257,7 +257,10 @@ def remove_older_checkpoints(root: str, keep_latest: int) -> List[int]:
     for iteration in older[:-keep_latest]:
         directory = os.path.join(root, iteration_directory_name(iteration))
         doomed = os.path.join(root, temporary_directory_name(iteration, ".deleted"))
-        os.replace(directory, doomed)
+        try:
+            os.replace(directory, doomed)
+        except OSError:  # the new checkpoint is complete whatever happens to an old one
+            continue
         shutil.rmtree(doomed, ignore_errors=True)
         deleted.append(iteration)
     if deleted:

@@ -176,3 +176,21 @@ def test_flat_ranges_are_contiguous_rectangles_that_tile_them():
             assert values == list(range(values[0], values[0] + len(values)))  # contiguous
             covered += values
         assert covered == list(range(start, end)), (shape, start, end, rectangles)
+
+
+def test_an_old_checkpoint_that_cannot_be_deleted_does_not_fail_the_save(tmp_path, monkeypatch):
+    model, optimizer, scheduler = build(seed=1)
+    config = sharded_config(tmp_path, keep_latest_checkpoints=1)
+    save_checkpoint(config, 1, model, optimizer, scheduler)
+    replace_directory = os.replace
+
+    def refuse_to_move_iteration_1(source, destination):
+        if str(source).endswith("iter_0000001"):
+            raise PermissionError(errno.EACCES, "Permission denied", str(source))
+        return replace_directory(source, destination)
+
+    monkeypatch.setattr(os, "replace", refuse_to_move_iteration_1)
+    save_checkpoint(config, 2, model, optimizer, scheduler)
+    assert sorted(os.listdir(tmp_path)) == [
+        "iter_0000001", "iter_0000002", "latest_checkpointed_iteration.txt"
+    ]  # fmt: skip
