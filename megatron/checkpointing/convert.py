@@ -15,7 +15,13 @@ from typing import Any, Dict, List, Sequence
 import torch
 
 from megatron.checkpointing.chunks import ChunkedTensor
-from megatron.checkpointing.sharded_state import MODEL_PREFIX, SCALAR_PREFIX, STATE_PREFIX
+from megatron.checkpointing.sharded_state import (
+    MODEL_PREFIX,
+    SCALAR_PREFIX,
+    STATE_PREFIX,
+    state_prefix,
+    stored_optimizer_keys,
+)
 from megatron.checkpointing.torch_dist import (
     FORMAT,
     read_common,
@@ -53,14 +59,13 @@ def read_sharded_as_torch_state(
     optimizer = None
     if optimizer_common is not None:
         numbered = [name for group in parameter_groups for name in group]
+        keys_by_name = stored_optimizer_keys(tensors)
         per_parameter: Dict[int, Dict[str, torch.Tensor]] = {}
         for index, name in enumerate(numbered):
             entry = {}
-            for stored_name, tensor in tensors.items():
-                for prefix in (STATE_PREFIX, SCALAR_PREFIX):
-                    if stored_name.startswith(prefix + name + "."):
-                        key = stored_name[len(prefix) + len(name) + 1 :]
-                        entry[key] = tensor if prefix == STATE_PREFIX else tensor.reshape(())
+            for prefix, key in keys_by_name.get(name, []):
+                tensor = tensors[f"{prefix}{name}.{key}"]
+                entry[key] = tensor if prefix == STATE_PREFIX else tensor.reshape(())
             if entry:
                 per_parameter[index] = dict(sorted(entry.items(), key=_state_key_order))
         param_groups, start = [], 0
@@ -106,12 +111,11 @@ def torch_state_as_sharded(
         for position, index in enumerate(indices):
             name = numbered[position]
             for key, value in inner["state"].get(index, {}).items():
-                if not torch.is_tensor(value):
-                    continue
-                if value.dim() > 0 and value.shape == state["model"][name].shape:
-                    tensors[f"{STATE_PREFIX}{name}.{key}"] = _whole(value)
-                elif value.numel() == 1:
-                    tensors[f"{SCALAR_PREFIX}{name}.{key}"] = _whole(value.reshape(1))
+                prefix = state_prefix(value, state["model"][name].shape)
+                if prefix == STATE_PREFIX:
+                    tensors[f"{prefix}{name}.{key}"] = _whole(value)
+                elif prefix == SCALAR_PREFIX:
+                    tensors[f"{prefix}{name}.{key}"] = _whole(value.reshape(1))
         optimizer_common: Dict[str, Any] = {
             "param_groups": [
                 {key: value for key, value in group.items() if key != "params"}

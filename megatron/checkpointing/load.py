@@ -116,7 +116,9 @@ def load_checkpoint(
         return LoadedState(0, 0, 0, None)
     directory = os.path.join(config.load, iteration_directory_name(iteration))
     if is_sharded_checkpoint(directory):
-        checkpoint: _Checkpoint = _ShardedCheckpoint(config.load, iteration, directory, print_fn)
+        checkpoint: _TorchCheckpoint | _ShardedCheckpoint = _ShardedCheckpoint(
+            config.load, iteration, directory, print_fn
+        )
     else:
         checkpoint = _TorchCheckpoint(config.load, iteration, print_fn)
     path, state = checkpoint.path, checkpoint.state
@@ -173,22 +175,10 @@ def load_checkpoint(
     return loaded
 
 
-class _Checkpoint:
-    """A checkpoint being loaded: `state` holds everything but the tensors' values (all of it
-    for the torch format), `path` names it in messages."""
-
-    path: str
-    state: Dict[str, Any]
-
-    def load_model(self, model: nn.Module, differences: List[str]) -> None:
-        raise NotImplementedError
-
-    def load_optimizer(self, optimizer: Any, model: nn.Module) -> None:
-        raise NotImplementedError
-
-
-class _TorchCheckpoint(_Checkpoint):
-    """`--ckpt-format torch`: one model_optim_rng.pt with the single-process tensors."""
+class _TorchCheckpoint:
+    """`--ckpt-format torch`: one model_optim_rng.pt with the single-process tensors. It and
+    `_ShardedCheckpoint` offer `path` (the name in messages), `state` (everything but the
+    tensors' values; all of it here), `load_model` and `load_optimizer`."""
 
     def __init__(self, root: str, iteration: Iteration, print_fn: Callable[[str], None]):
         self.path = checkpoint_file(root, iteration)
@@ -212,7 +202,7 @@ class _TorchCheckpoint(_Checkpoint):
             load_full_optimizer_state_dict(optimizer, optimizer_state)
 
 
-class _ShardedCheckpoint(_Checkpoint):
+class _ShardedCheckpoint:
     """`--ckpt-format torch_dist`: each rank reads the chunks it holds (sharded_state)."""
 
     def __init__(

@@ -136,15 +136,36 @@ def optimizer_tensors_to_save(optimizer: Any, model: nn.Module) -> Dict[str, Chu
         if not writes_replicated and is_replicated_over_tensor_parallel(holder.param):
             continue
         for key, value in state.items():
-            if not torch.is_tensor(value):
-                continue
-            if value.dim() > 0 and value.shape == holder.key.shape:
-                tensors[f"{STATE_PREFIX}{holder.name}.{key}"] = holder.chunks(value)
-            elif value.numel() == 1:
-                tensors[f"{SCALAR_PREFIX}{holder.name}.{key}"] = ChunkedTensor(
+            prefix = state_prefix(value, holder.key.shape)
+            if prefix == STATE_PREFIX:
+                tensors[f"{prefix}{holder.name}.{key}"] = holder.chunks(value)
+            elif prefix == SCALAR_PREFIX:
+                tensors[f"{prefix}{holder.name}.{key}"] = ChunkedTensor(
                     torch.Size([1]), [((0,), value.detach().reshape(1))]
                 )
     return tensors
+
+
+def state_prefix(value: Any, shape: torch.Size) -> Optional[str]:
+    """How an optimizer state `value` of a parameter shaped `shape` is stored: per element
+    (STATE_PREFIX), as a scalar (SCALAR_PREFIX), or not at all (None: not a tensor)."""
+    if not torch.is_tensor(value):
+        return None
+    if value.dim() > 0 and value.shape == shape:
+        return STATE_PREFIX
+    return SCALAR_PREFIX if value.numel() == 1 else None
+
+
+def stored_optimizer_keys(names: Iterable[str]) -> Dict[str, List[Tuple[str, str]]]:
+    """The stored optimizer state per parameter: {parameter name: [(prefix, key), ...]} from
+    the checkpoint's tensor names."""
+    keys_by_name: Dict[str, List[Tuple[str, str]]] = {}
+    for fqn in names:
+        for prefix in (STATE_PREFIX, SCALAR_PREFIX):
+            if fqn.startswith(prefix):
+                name, key = fqn[len(prefix) :].rsplit(".", 1)
+                keys_by_name.setdefault(name, []).append((prefix, key))
+    return keys_by_name
 
 
 def optimizer_state_to_load(
@@ -153,12 +174,7 @@ def optimizer_state_to_load(
     """Empty state tensors for the inner optimizer, in its numbering, and where each stored
     tensor's chunks go in them. `stored` maps the checkpoint's tensor names to their DCP
     metadata (the stored dtype is kept: the torch optimizer casts on load)."""
-    keys_by_name: Dict[str, List[Tuple[str, str]]] = {}
-    for fqn in stored:
-        for prefix in (STATE_PREFIX, SCALAR_PREFIX):
-            if fqn.startswith(prefix):
-                name, key = fqn[len(prefix) :].rsplit(".", 1)
-                keys_by_name.setdefault(name, []).append((prefix, key))
+    keys_by_name = stored_optimizer_keys(stored)
     state: Dict[int, Dict[str, torch.Tensor]] = {}
     targets: Dict[str, ChunkedTensor] = {}
     for index, holder in enumerate(state_holders(optimizer, model)):
