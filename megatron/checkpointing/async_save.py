@@ -1,7 +1,8 @@
 """`--async-save`: training waits only while the state is copied to host memory.
 
-`AsyncCheckpointWriter.start` copies this rank's chunks (megatron.checkpointing.sharded_state)
-into host buffers, pinned when a GPU is present and kept for the next save, and hands the
+`AsyncCheckpointWriter.stage` copies this rank's chunks (megatron.checkpointing.sharded_state)
+into host buffers (megatron.checkpointing.host_memory: page-locked when a GPU is present,
+allocated in the background before the first save and kept for the next), and `start` hands the
 write (megatron.checkpointing.sharded_save) to a background thread, whose collectives run on
 the checkpoint group (gloo), apart from training's. The tracker moves only when every rank's
 files are complete; a crash or a full disk meanwhile leaves the previous checkpoint the
@@ -14,12 +15,13 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 from torch import nn
 
 from megatron.checkpointing.chunks import ChunkedTensor, Offsets
+from megatron.checkpointing.host_memory import allocate_host_buffers
 from megatron.checkpointing.layout import CheckpointError
 from megatron.checkpointing.sharded_save import sharded_tensors
 
@@ -30,15 +32,15 @@ class AsyncCheckpointWriter:
     def __init__(self) -> None:
         self._buffers: Dict[Tuple[str, Offsets], torch.Tensor] = {}
         self._allocating: Optional[threading.Thread] = None
+        self._allocated: Optional[str] = None
         self._thread: Optional[threading.Thread] = None
         self._outcome: Optional[str] = None
         self._done_message: Optional[str] = None
 
     def prepare(self, model: nn.Module, optimizer: Any) -> None:
         """Allocate the host buffers for the chunks of `model` and `optimizer` (None: not saved)
-        in the background, once, so that the first save does not block training while tens of
-        GB are page-locked (the iterations the locking overlaps still slow down: the driver
-        serves their calls between its pieces). Call it once the optimizer has its state."""
+        in the background, once, so that no save blocks training while tens of GB are
+        allocated and page-locked. Call it once the optimizer has its state."""
         if self._allocating is not None or self._buffers:
             return
         shapes = {
@@ -46,19 +48,33 @@ class AsyncCheckpointWriter:
             for name, chunked in sharded_tensors(model, optimizer).items()
             for offsets, tensor in chunked.chunks
         }
+        started = time.perf_counter()
 
         def allocate() -> None:
-            self._buffers.update(_host_buffers(shapes, pin=torch.cuda.is_available()))
+            buffers = allocate_host_buffers(shapes, pin=torch.cuda.is_available())
+            self._buffers.update(buffers.tensors)
+            seconds = time.perf_counter() - started
+            self._allocated = f"{buffers.describe()} for --async-save ready in {seconds:.1f} s"
 
         self._allocating = threading.Thread(target=allocate, name="checkpoint-buffers", daemon=True)
         self._allocating.start()
 
-    def stage(self, tensors: Dict[str, ChunkedTensor]) -> Dict[str, ChunkedTensor]:
+    def stage(
+        self, tensors: Dict[str, ChunkedTensor], print_fn: Callable[[str], None] = print
+    ) -> Dict[str, ChunkedTensor]:
         """Host copies of `tensors`, in buffers kept from the previous save (or `prepare`d)
-        when they fit."""
+        when they fit. The first call waits for `prepare`'s buffers and says how they were
+        made ready (and how long it waited for them)."""
         if self._allocating is not None:
+            waited = time.perf_counter()
             self._allocating.join()
             self._allocating = None
+            waited = time.perf_counter() - waited
+            if self._allocated is not None:
+                print_fn(
+                    self._allocated
+                    + (f"; the save waited {waited:.1f} s for them" if waited >= 0.1 else "")
+                )
         staged = {}
         pin = torch.cuda.is_available()
         for name, chunked in tensors.items():
@@ -67,8 +83,8 @@ class AsyncCheckpointWriter:
                 buffer = self._buffers.get((name, offsets))
                 if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
                     key = (name, offsets)
-                    buffer = _host_buffers({key: (tensor.shape, tensor.dtype)}, pin)[key]
-                    self._buffers[key] = buffer
+                    buffer = allocate_host_buffers({key: (tensor.shape, tensor.dtype)}, pin)
+                    buffer = self._buffers[key] = buffer.tensors[key]
                 buffer.copy_(tensor, non_blocking=pin)
                 copies.append((offsets, buffer))
             staged[name] = ChunkedTensor(chunked.global_shape, copies)
@@ -121,49 +137,3 @@ def _yield_to_training() -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
     except (AttributeError, OSError):
         pass
-
-
-# Bytes pinned per registration at most: between pieces the driver serves the training
-# thread's calls. A piece holds whole tensors, so a copy never spans two registrations.
-_PIN_PIECE = 1 << 30
-_PAGE = 4096
-_ALIGNMENT = 64
-
-
-def _host_buffers(
-    shapes: Dict[Tuple[str, Offsets], Tuple[torch.Size, torch.dtype]], pin: bool
-) -> Dict[Tuple[str, Offsets], torch.Tensor]:
-    """Host tensors of `shapes`, views of one allocation, page-locked when `pin` (and the
-    runtime can register host memory): exactly the bytes needed, where torch's pinned
-    allocator rounds each tensor up to a power of two."""
-    sizes = {
-        key: torch.Size(shape).numel() * dtype.itemsize for key, (shape, dtype) in shapes.items()
-    }
-    offsets, pieces, total = {}, [], 0
-    for key, size in sizes.items():
-        total = -(-total // _ALIGNMENT) * _ALIGNMENT
-        if not pieces or total - pieces[-1][0] + size > _PIN_PIECE:
-            total = -(-total // _PAGE) * _PAGE
-            pieces.append([total, 0])
-        offsets[key] = total
-        total += size
-        pieces[-1][1] = total - pieces[-1][0]
-    storage = torch.empty(max(total, 1), dtype=torch.uint8)
-    if pin:
-        _pin(storage, pieces)
-    return {
-        key: storage[offsets[key] : offsets[key] + sizes[key]].view(dtype).view(shape)
-        for key, (shape, dtype) in shapes.items()
-    }
-
-
-def _pin(storage: torch.Tensor, pieces: List[List[int]]) -> None:
-    """Page-lock the byte ranges `pieces` ([start, length]) of `storage` (cudaHostRegister);
-    what cannot be registered stays pageable (copies into it are then synchronous)."""
-    try:
-        cudart = torch.cuda.cudart()
-        for start, length in pieces:
-            if length:
-                cudart.cudaHostRegister(storage.data_ptr() + start, length, 0)
-    except (AttributeError, RuntimeError):
-        return

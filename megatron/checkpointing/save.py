@@ -221,7 +221,7 @@ def _save_sharded(
         print_fn(done)
         return
     async_writer.wait(print_fn)  # the host buffers are reused: the last write must be done
-    staged = async_writer.stage(tensors)
+    staged = async_writer.stage(tensors, print_fn)
     async_writer.start(lambda: write(staged), done)
     print_fn(
         f"checkpoint at iteration {iteration:7d} copied to host memory; writing it to "

@@ -94,7 +94,9 @@ def run(data_prefix: str, directory: str, kills: int, seed: int, window_s: float
             + (f"; FAILED: {failure}" if failure else ""),
             flush=True,
         )
-    args[args.index("--train-iters") + 1] = str((tracked or 0) + 2)
+    # Two iterations past the tracker's checkpoint, and past the 2 warm-up iterations when no
+    # kill left one (the learning-rate schedule needs more iterations than it warms up over).
+    args[args.index("--train-iters") + 1] = str((tracked or 1) + 2)
     process, lines, reader = launch([*args, "--use-checkpoint-opt_param-scheduler"])
     process.wait()
     reader.join()
