@@ -1,25 +1,31 @@
 """What a checkpoint costs training in each format: torch, torch_dist, torch_dist --async-save.
 
-Runs pretrain_gpt.py with the given flags once per format, saving once at --save-iteration and
-training to --train-iters, and reads its log: the time training was blocked by the save (its
-`save-checkpoint` timer), the time until the checkpoint was complete (the same for a blocking
-save; the blocked time plus the background write for --async-save), and the iteration times
-before and after the save (the iteration after the save includes the time it blocked, as
-Megatron's timing window spans the save). The run is stopped (SIGKILL) once its last iteration
-is logged and its checkpoint complete, so no second checkpoint is written; a second run then
-loads the saved one (`load-checkpoint` timer, from the page cache when it fits in memory). One
-checkpoint is on disk at a time. The mode "torch_dist --async-save, no checksums" saves without checksums (its
-files are not read back to be hashed), and "most dirty GB" is the most page cache the kernel
-held dirty or under writeback during the training run: what a background write competes with.
+Runs pretrain_gpt.py with the given flags once per format, saving once, at --save-iteration (the
+saves that --save-interval and the end of training would add are left out), training to
+--train-iters, and reads its log as it comes, each line timed on arrival:
 
-    python bench/checkpoint_formats.py --save-dir /tmp/ckpt -- \\
+- blocked: the time training was blocked by the save (its `save-checkpoint` timer);
+- complete: from the save until the checkpoint is complete (the blocked time plus the
+  background write's own duration);
+- load: a second run's `load-checkpoint` timer (from the page cache when the checkpoint fits in
+  memory);
+- iteration 2: the step after which --async-save page-locks its host buffers;
+- iterations before the save, during the background write (those logged after the save's and
+  before the checkpoint was complete) and after it; "slower" compares the median during the
+  write with the median of those before and after (none of which has a save beside it).
+
+The run is stopped (SIGKILL) once its last iteration is logged and its checkpoint complete. One
+checkpoint is on disk at a time. The mode "torch_dist --async-save, no checksums" saves without
+checksums (its files are not read back to be hashed), and "most dirty GB" is the most page cache
+the kernel held dirty or under writeback during the training run.
+
+    python bench/checkpoint_formats.py --save-dir /tmp/ckpt --train-iters 40 -- \\
         --num-layers 12 --hidden-size 768 ... --data-path ... --vocab-file ... --merge-file ...
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import re
 import shutil
@@ -29,8 +35,9 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 REPO = Path(__file__).resolve().parents[1]
 MODES = {
@@ -41,10 +48,11 @@ MODES = {
     # hashing costs the iterations beside a background write.
     "torch_dist --async-save, no checksums": ["--ckpt-format", "torch_dist", "--async-save"],
 }
-WITHOUT_CHECKSUMS = "--run-without-checksums"
+PRETRAIN_SAVING_ONCE = "--pretrain-saving-once"
 ITERATION = re.compile(r" iteration +(\d+)/ +\d+ \| .*elapsed time per iteration \(ms\): ([0-9.]+)")
 TIMER = re.compile(r"    (save|load)-checkpoint \.+: \(([0-9.]+), ([0-9.]+)\)")
 BACKGROUND = re.compile(r"written in the background in ([0-9.]+) s")
+TRACKER = "latest_checkpointed_iteration.txt"
 
 
 def dirty_bytes() -> int:
@@ -57,44 +65,86 @@ def dirty_bytes() -> int:
     return fields.get("Dirty", 0) + fields.get("Writeback", 0)
 
 
+def tracked_iteration(save_dir: str) -> Optional[str]:
+    """What the tracker under `save_dir` names, if it exists."""
+    try:
+        with open(os.path.join(save_dir, TRACKER)) as file:
+            return file.read().strip()
+    except OSError:
+        return None
+
+
+@dataclass
+class Run:
+    """One pretrain_gpt.py run: its output, when each line arrived, and what was sampled."""
+
+    output: str = ""
+    iterations: Dict[int, float] = field(default_factory=dict)  # ms, from the log
+    logged_at: Dict[int, float] = field(default_factory=dict)  # perf_counter seconds
+    saved_at: Optional[float] = None  # when the save's timer line arrived (training resumed)
+    complete_at: Optional[float] = None  # when the tracker first named the saved iteration
+    most_dirty: int = 0
+
+
 def run(
-    flags: List[str], stop_at: Optional[int], log_path: Path, async_save: bool, checksums: bool
-) -> tuple:
-    """pretrain_gpt.py's output, stopped by SIGKILL once iteration `stop_at` is logged (and an
-    asynchronous checkpoint is complete), and the most page cache that was dirty meanwhile."""
-    entry = [str(REPO / "pretrain_gpt.py")] if checksums else [__file__, WITHOUT_CHECKSUMS]
-    most_dirty = [0]
+    flags: List[str],
+    save_dir: str,
+    save_iteration: int,
+    stop_at: Optional[int],
+    log_path: Path,
+    checksums: bool,
+) -> Run:
+    """pretrain_gpt.py saving once, at `save_iteration`; stopped by SIGKILL once iteration
+    `stop_at` is logged and the checkpoint is complete."""
+    result = Run()
     sampling = [True]
 
     def sample() -> None:
         while sampling[0]:
-            most_dirty[0] = max(most_dirty[0], dirty_bytes())
-            time.sleep(0.5)
+            result.most_dirty = max(result.most_dirty, dirty_bytes())
+            if result.complete_at is None and tracked_iteration(save_dir) == str(save_iteration):
+                result.complete_at = time.perf_counter()
+            time.sleep(0.2)
 
+    already = tracked_iteration(save_dir) == str(save_iteration)  # a load run
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
+    entry = [__file__, PRETRAIN_SAVING_ONCE, str(save_iteration), str(int(checksums))]
     process = subprocess.Popen(
         [sys.executable, *entry, *flags],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     lines = []
     for line in process.stdout:
+        now = time.perf_counter()
         lines.append(line)
         print(line, end="", flush=True)
-        done = [int(m.group(1)) for m in map(ITERATION.search, lines) if m]
-        finished = not async_save or any(BACKGROUND.search(text) for text in lines)
-        if stop_at is not None and done and done[-1] >= stop_at and finished:
+        timer = TIMER.search(line)
+        if result.saved_at is None and timer is not None and timer.group(1) == "save":
+            result.saved_at = now
+        match = ITERATION.search(line)
+        if match:
+            result.iterations[int(match.group(1))] = float(match.group(2))
+            result.logged_at[int(match.group(1))] = now
+        done = max(result.iterations, default=0)
+        complete = already or tracked_iteration(save_dir) == str(save_iteration)
+        if stop_at is not None and done >= stop_at and complete:
             os.killpg(process.pid, signal.SIGKILL)
             break
     process.wait()
     sampling[0] = False
     sampler.join()
-    output = "".join(lines)
-    log_path.write_text(output)
-    return output, most_dirty[0]
+    result.output = "".join(lines)
+    log_path.write_text(result.output)
+    return result
+
+
+def median(values: List[float]) -> float:
+    return statistics.median(values) if values else float("nan")
 
 
 def main() -> None:
@@ -114,18 +164,16 @@ def main() -> None:
         common = [*flags, *MODES[mode], "--save", args.save_dir, "--log-interval", "1"]
         common += ["--save-interval", str(args.save_iteration)]
         checksums = "no checksums" not in mode
-        output, dirty = run(
+        trained = run(
             [*common, "--train-iters", str(args.train_iters)],
+            args.save_dir,
+            args.save_iteration,
             args.train_iters,
             Path(args.log_dir) / f"{name}_train.log",
-            "--async-save" in mode,
             checksums,
         )
-        saves = [float(slowest) for kind, _, slowest in TIMER.findall(output) if kind == "save"]
-        background = [float(seconds) for seconds in BACKGROUND.findall(output)]
-        times = {int(i): float(ms) for i, ms in ITERATION.findall(output)}
         size = sum(f.stat().st_size for f in Path(args.save_dir).rglob("*") if f.is_file())
-        load_output, _ = run(
+        loaded = run(
             [
                 *common,
                 "--train-iters",
@@ -134,60 +182,88 @@ def main() -> None:
                 args.save_dir,
                 "--use-checkpoint-opt_param-scheduler",
             ],  # fmt: skip
+            args.save_dir,
+            args.save_iteration,
             None,
             Path(args.log_dir) / f"{name}_load.log",
-            False,
             checksums,
         )
-        loads = [
-            float(slowest) for kind, _, slowest in TIMER.findall(load_output) if kind == "load"
-        ]
-        blocked = saves[0] / 1e3 if saves else float("nan")
-        before = [times[i] for i in range(2, args.save_iteration) if i in times]
-        # The iteration after the save includes the time it blocked training (Megatron's
-        # timing window spans it); the ones after that run beside a background write.
-        after = [
-            times[i] for i in range(args.save_iteration + 2, args.train_iters + 1) if i in times
-        ]
         rows.append(
             (
                 mode,
                 size / 1e9,
-                blocked,
-                blocked + (background[0] if background else 0.0),
-                loads[0] / 1e3 if loads else float("nan"),
-                statistics.median(before) if before else float("nan"),
-                statistics.median(after) if after else float("nan"),
-                times.get(args.save_iteration + 1, float("nan")),
-                dirty / 1e9,
+                *summarize(trained, loaded, args.save_iteration, "--async-save" in mode),
             )
         )
     shutil.rmtree(args.save_dir, ignore_errors=True)
     print(
-        f"\n{'format':<38} {'GB':>6} {'blocked s':>10} {'complete s':>11} {'load s':>7} "
-        f"{'iter ms before':>15} {'iter ms with save':>18} {'iter ms after':>14} "
-        f"{'most dirty GB':>14}"
+        f"\n{'format':<38} {'GB':>5} {'blocked s':>9} {'complete s':>10} {'load s':>7} "
+        f"{'iter 2 s':>8} {'before s':>8} {'during s (n)':>13} {'after s (n)':>12} "
+        f"{'slower':>7} {'dirty GB':>8}"
     )
-    for mode, gigabytes, blocked, complete, load, before, after, with_save, dirty in rows:
+    for mode, gigabytes, blocked, complete, load, second, before, during, after, dirty in rows:
+        slower = during[0] / median(before + after[2]) - 1 if during[1] else float("nan")
         print(
-            f"{mode:<38} {gigabytes:6.1f} {blocked:10.2f} {complete:11.2f} {load:7.2f} "
-            f"{before:15.1f} {with_save:18.1f} {after:14.1f} {dirty:14.1f}"
+            f"{mode:<38} {gigabytes:5.1f} {blocked:9.2f} {complete:10.2f} {load:7.2f} "
+            f"{second:8.2f} {median(before):8.2f} {during[0]:8.2f} ({during[1]:2d}) "
+            f"{after[0]:7.2f} ({after[1]:2d}) {slower:+7.1%} {dirty:8.1f}"
         )
 
 
-def run_without_checksums(flags: List[str]) -> None:
-    """pretrain_gpt.py whose saves record no checksums (`save_checkpoint(checksums=False)`)."""
+def summarize(trained: Run, loaded: Run, save_iteration: int, asynchronous: bool) -> tuple:
+    """The table's numbers for one format (times in seconds); `asynchronous`: --async-save."""
+    saves = [float(slowest) for kind, _, slowest in TIMER.findall(trained.output) if kind == "save"]
+    loads = [float(slowest) for kind, _, slowest in TIMER.findall(loaded.output) if kind == "load"]
+    blocked = saves[0] / 1e3 if saves else float("nan")
+    # A blocking save is complete when training resumes; a background write, when the tracker
+    # names it (sampled every 0.2 s), or as its own completion line says.
+    background = [float(seconds) for seconds in BACKGROUND.findall(trained.output)]
+    complete = blocked
+    if background:
+        complete += background[0]
+    elif asynchronous and trained.saved_at is not None and trained.complete_at is not None:
+        complete += max(0.0, trained.complete_at - trained.saved_at)
+    seconds = {i: ms / 1e3 for i, ms in trained.iterations.items()}
+    before = [seconds[i] for i in range(3, save_iteration + 1) if i in seconds]
+    during, after = [], []
+    # The iteration after the save holds the time it blocked training (Megatron's timing
+    # window spans the save); the ones after it ran beside the background write or after it.
+    for i in sorted(seconds):
+        if i <= save_iteration + 1:
+            continue
+        written = trained.complete_at is not None and trained.logged_at[i] > trained.complete_at
+        (after if written or trained.complete_at is None else during).append(seconds[i])
+    return (
+        blocked,
+        complete,
+        loads[0] / 1e3 if loads else float("nan"),
+        seconds.get(2, float("nan")),
+        before,
+        (median(during), len(during)),
+        (median(after), len(after), after),
+        trained.most_dirty / 1e9,
+    )
+
+
+def pretrain_saving_once(save_iteration: int, checksums: bool, flags: List[str]) -> None:
+    """pretrain_gpt.py whose only save is at `save_iteration` (without checksums when
+    `checksums` is false)."""
     sys.path.insert(0, str(REPO))
     import pretrain_gpt
     from megatron import trainer
     from megatron.checkpointing import save_checkpoint
 
-    trainer.save_checkpoint = functools.partial(save_checkpoint, checksums=False)
+    def save_once(config, iteration, *args, **kwargs):
+        if iteration != save_iteration:
+            return None
+        return save_checkpoint(config, iteration, *args, checksums=checksums, **kwargs)
+
+    trainer.save_checkpoint = save_once
     pretrain_gpt.main(flags)
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == [WITHOUT_CHECKSUMS]:
-        run_without_checksums(sys.argv[2:])
+    if sys.argv[1:2] == [PRETRAIN_SAVING_ONCE]:
+        pretrain_saving_once(int(sys.argv[2]), sys.argv[3] == "1", sys.argv[4:])
     else:
         main()
