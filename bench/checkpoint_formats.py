@@ -40,6 +40,10 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from megatron.checkpointing.layout import read_tracker  # noqa: E402
+
 MODES = {
     "torch": ["--ckpt-format", "torch"],
     "torch_dist": ["--ckpt-format", "torch_dist"],
@@ -52,7 +56,6 @@ PRETRAIN_SAVING_ONCE = "--pretrain-saving-once"
 ITERATION = re.compile(r" iteration +(\d+)/ +\d+ \| .*elapsed time per iteration \(ms\): ([0-9.]+)")
 TIMER = re.compile(r"    (save|load)-checkpoint \.+: \(([0-9.]+), ([0-9.]+)\)")
 BACKGROUND = re.compile(r"written in the background in ([0-9.]+) s")
-TRACKER = "latest_checkpointed_iteration.txt"
 
 
 def dirty_bytes() -> int:
@@ -63,15 +66,6 @@ def dirty_bytes() -> int:
             name, value = line.split(":", 1)
             fields[name] = int(value.split()[0]) * 1024
     return fields.get("Dirty", 0) + fields.get("Writeback", 0)
-
-
-def tracked_iteration(save_dir: str) -> Optional[str]:
-    """What the tracker under `save_dir` names, if it exists."""
-    try:
-        with open(os.path.join(save_dir, TRACKER)) as file:
-            return file.read().strip()
-    except OSError:
-        return None
 
 
 @dataclass
@@ -102,11 +96,11 @@ def run(
     def sample() -> None:
         while sampling[0]:
             result.most_dirty = max(result.most_dirty, dirty_bytes())
-            if result.complete_at is None and tracked_iteration(save_dir) == str(save_iteration):
+            if result.complete_at is None and read_tracker(save_dir) == save_iteration:
                 result.complete_at = time.perf_counter()
             time.sleep(0.2)
 
-    already = tracked_iteration(save_dir) == str(save_iteration)  # a load run
+    already = read_tracker(save_dir) == save_iteration  # a load run
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     entry = [__file__, PRETRAIN_SAVING_ONCE, str(save_iteration), str(int(checksums))]
@@ -131,7 +125,7 @@ def run(
             result.iterations[int(match.group(1))] = float(match.group(2))
             result.logged_at[int(match.group(1))] = now
         done = max(result.iterations, default=0)
-        complete = already or tracked_iteration(save_dir) == str(save_iteration)
+        complete = already or read_tracker(save_dir) == save_iteration
         if stop_at is not None and done >= stop_at and complete:
             os.killpg(process.pid, signal.SIGKILL)
             break
@@ -248,7 +242,6 @@ def summarize(trained: Run, loaded: Run, save_iteration: int, asynchronous: bool
 def pretrain_saving_once(save_iteration: int, checksums: bool, flags: List[str]) -> None:
     """pretrain_gpt.py whose only save is at `save_iteration` (without checksums when
     `checksums` is false)."""
-    sys.path.insert(0, str(REPO))
     import pretrain_gpt
     from megatron import trainer
     from megatron.checkpointing import save_checkpoint

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import sys
 
 import pytest
 import torch
@@ -15,8 +14,6 @@ from megatron.checkpointing.async_save import AsyncCheckpointWriter
 from megatron.checkpointing.host_memory import allocate_host_buffers
 from megatron.checkpointing.sharded_save import sharded_tensors
 from tests.checkpointing.helpers import build, train
-
-linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads mincore(2)")
 
 # Above glibc's largest mmap threshold, so each allocation is fresh, untouched memory.
 SHAPES = {
@@ -58,7 +55,6 @@ def runtime(monkeypatch):
     return recording
 
 
-@linux_only
 def test_pages_are_resident_before_they_are_page_locked(runtime):
     """Registering pages not yet faulted in stalls every CUDA call of the training thread."""
     buffers = allocate_host_buffers(SHAPES, pin=True)
