@@ -1,6 +1,7 @@
 """Session set-up and fixtures shared by every test."""
 
 import os
+import sys
 
 import pytest
 import torch
@@ -54,3 +55,26 @@ def force_kernel_mode(monkeypatch, mode: str) -> None:
 def reference_kernels(monkeypatch):
     """The plain-PyTorch references of every kernel, here and in started processes."""
     force_kernel_mode(monkeypatch, "reference")
+
+
+@pytest.fixture(scope="module")
+def auto_model(tmp_path_factory):
+    """transformers' AutoModelForCausalLM, its remote-code module cache (HF_HOME,
+    HF_MODULES_CACHE) in a directory of this module's instead of ~/.cache."""
+    home = tmp_path_factory.mktemp("hf_home")
+    modules = str(home / "modules")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HF_HOME", str(home))
+        patch.setenv("HF_MODULES_CACHE", modules)
+        patch.setenv("HF_HUB_OFFLINE", "1")
+        from transformers import AutoModelForCausalLM, dynamic_module_utils
+
+        # Read when transformers is first imported, which may have been before this fixture.
+        patch.setattr(dynamic_module_utils, "HF_MODULES_CACHE", modules)
+        patch.setattr(sys, "path", list(sys.path))  # init_hf_modules appends the cache to it
+        # Remote-code modules another test imported from another cache: set aside meanwhile.
+        for name in [name for name in sys.modules if name.startswith("transformers_modules")]:
+            patch.delitem(sys.modules, name)
+        yield AutoModelForCausalLM
+        for name in [name for name in sys.modules if name.startswith("transformers_modules")]:
+            del sys.modules[name]

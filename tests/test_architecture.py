@@ -108,3 +108,20 @@ def test_no_source_file_is_over_500_lines():
         if (lines := len(path.read_text().splitlines())) > 500
     ]
     assert not long_files, "\n".join(long_files)
+
+
+HUGGING_FACE_PACKAGES = ("transformers", "safetensors", "lm_eval", "accelerate")
+
+
+def test_the_trainer_does_not_import_hugging_face():
+    """`transformers` and `safetensors` are an optional extra (`.[hf]`) of the conversion tools;
+    training, the framework and the MoE layers never import them."""
+    paths = [path for package in PACKAGES for _, path in _modules(package)]
+    paths.append(REPO_ROOT / "pretrain_gpt.py")
+    offending = [
+        f"{path.relative_to(REPO_ROOT)}:{line}: {name}"
+        for path in paths
+        for line, name in _imported_names(path)
+        if name.split(".")[0] in HUGGING_FACE_PACKAGES
+    ]
+    assert not offending, "\n".join(offending)

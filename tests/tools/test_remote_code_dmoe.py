@@ -1,0 +1,298 @@
+"""tools/checkpoint/remote_code: a tiny dMoE GPT of this project, written as a Hugging Face
+directory (config.json with auto_map, the two remote-code files, model.safetensors under the
+project's own keys without the padded vocabulary rows), loads with
+`AutoModelForCausalLM.from_pretrained(..., trust_remote_code=True)` and computes what the
+project's model computes: logits, loss, greedy generation with and without the KV cache, left
+padding; and the config mapping refuses what the modeling file does not implement.
+
+CPU, fp32. transformers' module cache lives in a directory of this module's (`auto_model`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+from megatron.model import GPTModel  # noqa: E402
+from moe.config import MoEConfig  # noqa: E402
+from moe.mlp_spec import MoEMlpSpec  # noqa: E402
+from tests.tiny_gpt import tiny_model_config  # noqa: E402
+from tools.checkpoint.remote_code.writer import (  # noqa: E402
+    AUTO_MAP,
+    REMOTE_CODE_DIR,
+    REMOTE_CODE_FILES,
+    megatron_dmoe_config_from,
+    remote_code_config,
+    write_remote_code,
+)
+
+VOCAB = 50  # the tokenizer's; the model pads it to tiny_model_config's 64
+EOS = VOCAB - 1
+MAX_POSITIONS = 32
+NEW_TOKENS = 16
+
+# name -> (ModelConfig overrides, MoEConfig overrides)
+VARIANTS: Dict[str, tuple] = {
+    "gelu_top1": ({}, {}),
+    "glu": ({}, {"mlp_type": "glu"}),
+    "top2_normalized": ({}, {"top_k": 2, "normalize_expert_weights": 1.0}),
+    "layer_freq2": ({"num_layers": 4}, {"layer_freq": 2}),
+    "swiglu_dense_glu_experts": ({"num_layers": 3, "swiglu": True}, {"mlp_type": "glu", "layer_freq": 2}),
+    "silu_experts_ungated": ({"swiglu": True}, {}),
+    "untied_no_bias_gqa": (
+        {"untie_embeddings_and_output_weights": True, "add_bias_linear": False, "num_query_groups": 2},
+        {"top_k": 2, "normalize_expert_weights": 2.0},
+    ),
+}  # fmt: skip
+
+
+def build_project_model(model_overrides: Dict[str, Any], moe_overrides: Dict[str, Any], seed=0):
+    """The project's dMoE GPT (4 experts), eval mode, every parameter perturbed so that biases,
+    norms and the router are far from their init (routing then decisive)."""
+    model_config = tiny_model_config(
+        seq_length=MAX_POSITIONS, max_position_embeddings=MAX_POSITIONS, **model_overrides
+    )
+    moe_config = MoEConfig(**{"num_experts": 4, "top_k": 1, **moe_overrides})
+    torch.manual_seed(seed)
+    model = GPTModel(model_config, MoEMlpSpec(moe_config)).eval()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(0.2 * torch.randn_like(parameter))
+    return model, model_config, moe_config
+
+
+def export(
+    model: GPTModel, model_config, moe_config, directory: Path, eos: Optional[int] = EOS
+) -> Path:
+    """What the exporter writes: config.json (auto_map), the remote code, and the state dict
+    under the project's keys without the padded vocabulary rows, a tied table stored once."""
+    fields = megatron_dmoe_config_from(model_config, moe_config, VOCAB, eos_token_id=eos)
+    remote_code_config(**fields).save_pretrained(str(directory))
+    write_remote_code(str(directory))
+    state = {}
+    for key, tensor in model.state_dict().items():
+        if key in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            tensor = tensor[:VOCAB]
+        state[key] = tensor.detach().clone().contiguous()
+    safetensors_torch.save_file(state, str(directory / "model.safetensors"), {"format": "pt"})
+    return directory
+
+
+def load(auto_model, directory: Path):
+    """The exported model through transformers, checking that every tensor was used."""
+    model, info = auto_model.from_pretrained(
+        str(directory), trust_remote_code=True, dtype=torch.float32, output_loading_info=True
+    )
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    return model.eval()
+
+
+def exported_pair(auto_model, tmp_path: Path, variant: str, eos: Optional[int] = EOS):
+    """(project model, Hugging Face model) of `variant`, in a directory named after it."""
+    model_overrides, moe_overrides = VARIANTS[variant]
+    project, model_config, moe_config = build_project_model(model_overrides, moe_overrides)
+    directory = export(project, model_config, moe_config, tmp_path / f"dmoe_{variant}", eos)
+    return project, load(auto_model, directory)
+
+
+def assert_relative(actual: torch.Tensor, expected: torch.Tensor, tolerance: float) -> None:
+    """max |actual - expected| <= tolerance * max |expected|."""
+    error = (actual - expected).abs().max().item()
+    assert error <= tolerance * expected.abs().max().item(), (error, expected.abs().max().item())
+
+
+def project_greedy(project: GPTModel, prompt: List[int], steps: int) -> List[int]:
+    """Greedy decoding by re-running the whole sequence through the project's model, over the
+    real vocabulary."""
+    tokens = list(prompt)
+    with torch.no_grad():
+        for _ in range(steps):
+            logits = project(torch.tensor([tokens]))[0, -1, :VOCAB]
+            tokens.append(int(logits.argmax()))
+    return tokens[len(prompt) :]
+
+
+def hf_greedy(model, input_ids: torch.Tensor, attention_mask=None, **kwargs) -> torch.Tensor:
+    """model.generate's NEW_TOKENS new tokens [b, NEW_TOKENS], greedy (the models of the
+    generation tests have no EOS to stop at: random weights emit any token often)."""
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    with torch.no_grad():
+        output = model.generate(
+            input_ids,
+            attention_mask=attention_mask,
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            pad_token_id=0,
+            **kwargs,
+        )
+    assert output.shape[1] == input_ids.shape[1] + NEW_TOKENS
+    return output[:, input_ids.shape[1] :]
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_logits_and_loss_match_the_project_model(auto_model, tmp_path, variant):
+    project, model = exported_pair(auto_model, tmp_path, variant)
+    tokens = torch.randint(0, VOCAB, (3, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = project(tokens)[..., :VOCAB]
+        output = model(tokens, labels=tokens)
+    assert_relative(output.logits, expected, 1e-5)
+    expected_loss = F.cross_entropy(expected[:, :-1].reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+    assert abs(output.loss.item() - expected_loss.item()) <= 1e-6 * expected_loss.item()
+
+
+def test_loss_is_the_project_models_mean_cross_entropy(auto_model, tmp_path):
+    """Without padded rows the project's own per-token losses apply; -100 labels are skipped."""
+    project, model_config, moe_config = build_project_model({"padded_vocab_size": VOCAB}, {})
+    model = load(auto_model, export(project, model_config, moe_config, tmp_path / "dmoe_loss"))
+    tokens = torch.randint(0, VOCAB, (2, 20), generator=torch.Generator().manual_seed(2))
+    labels = tokens.clone()
+    labels[0, 5:9] = -100
+    with torch.no_grad():
+        losses = project(tokens[:, :-1], labels=tokens[:, 1:])
+        kept = labels[:, 1:] != -100
+        expected_all, expected_kept = losses.mean().item(), losses[kept].mean().item()
+        assert abs(model(tokens, labels=tokens).loss.item() - expected_all) <= 1e-6 * expected_all
+        loss = model(tokens, labels=labels).loss.item()
+    assert abs(loss - expected_kept) <= 1e-6 * expected_kept
+
+
+@pytest.mark.parametrize("variant", ["gelu_top1", "top2_normalized", "untied_no_bias_gqa"])
+def test_greedy_generation_matches_with_and_without_cache_and_the_project(
+    auto_model, tmp_path, variant
+):
+    project, model = exported_pair(auto_model, tmp_path, variant, eos=None)
+    prompt = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(3))
+    cached = hf_greedy(model, prompt, use_cache=True)
+    uncached = hf_greedy(model, prompt, use_cache=False)
+    assert torch.equal(cached, uncached)
+    assert cached[0].tolist() == project_greedy(project, prompt[0].tolist(), NEW_TOKENS)
+
+
+def test_cache_steps_give_the_full_sequences_logits(auto_model, tmp_path):
+    """A prefill, then a chunk of several tokens, then single tokens, through one cache."""
+    from transformers import DynamicCache
+
+    _, model = exported_pair(auto_model, tmp_path, "top2_normalized")
+    tokens = torch.randint(0, VOCAB, (2, 14), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        expected = model(tokens, use_cache=False).logits
+        cache = DynamicCache(config=model.config)
+        pieces = [model(tokens[:, :8], past_key_values=cache, use_cache=True).logits]
+        pieces.append(model(tokens[:, 8:11], past_key_values=cache, use_cache=True).logits)
+        for position in range(11, 14):
+            step = tokens[:, position : position + 1]
+            pieces.append(model(step, past_key_values=cache, use_cache=True).logits)
+    assert_relative(torch.cat(pieces, dim=1), expected, 1e-5)
+
+
+@pytest.mark.parametrize("variant", ["gelu_top1", "top2_normalized"])
+def test_left_padded_batch_matches_single_prompts(auto_model, tmp_path, variant):
+    _, model = exported_pair(auto_model, tmp_path, variant, eos=None)
+    generator = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, VOCAB, (length,), generator=generator) for length in (3, 8, 5)]
+    width = max(len(prompt) for prompt in prompts)
+    input_ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, prompt in enumerate(prompts):
+        input_ids[row, width - len(prompt) :] = prompt
+        attention_mask[row, width - len(prompt) :] = 1
+    with torch.no_grad():
+        batch_logits = model(input_ids, attention_mask=attention_mask).logits
+    batch_new = hf_greedy(model, input_ids, attention_mask)
+    for row, prompt in enumerate(prompts):
+        with torch.no_grad():
+            single_logits = model(prompt[None]).logits[0]
+        assert_relative(batch_logits[row, width - len(prompt) :], single_logits, 1e-5)
+        assert torch.equal(batch_new[row], hf_greedy(model, prompt[None])[0])
+
+
+def test_gathered_and_per_expert_paths_agree(auto_model, tmp_path):
+    _, model = exported_pair(auto_model, tmp_path, "untied_no_bias_gqa")
+    moe = model.decoder.layers[0].mlp
+    x = torch.randn(3, moe.experts.w1.shape[1], generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        weights, experts = moe.route(x)
+        gathered = moe.experts._gathered(x, weights, experts)
+        per_expert = moe.experts._per_expert(x, weights, experts)
+    assert_relative(gathered, per_expert, 1e-6)
+
+
+@pytest.mark.parametrize("variant", ["gelu_top1", "untied_no_bias_gqa"])
+def test_save_pretrained_round_trips_and_ties_once(auto_model, tmp_path, variant):
+    _, model = exported_pair(auto_model, tmp_path, variant)
+    tied = model.config.tie_word_embeddings
+    output_weight = model.get_output_embeddings().weight
+    assert (output_weight is model.get_input_embeddings().weight) == tied
+    saved = tmp_path / f"resaved_{variant}"
+    model.save_pretrained(str(saved))  # copies the remote code too: the model came through it
+    keys = set(safetensors_torch.load_file(str(saved / "model.safetensors")))
+    assert ("output_layer.weight" in keys) == (not tied)
+    config = json.loads((saved / "config.json").read_text())
+    assert config["model_type"] == "megatron_dmoe" and config["auto_map"] == AUTO_MAP
+    assert all((saved / name).is_file() for name in REMOTE_CODE_FILES)
+    tokens = torch.randint(0, VOCAB, (1, 10), generator=torch.Generator().manual_seed(7))
+    reloaded = load(auto_model, saved)
+    with torch.no_grad():
+        assert torch.equal(reloaded(tokens).logits, model(tokens).logits)
+
+
+def test_config_json_names_the_remote_code(tmp_path):
+    project, model_config, moe_config = build_project_model({}, {"top_k": 2})
+    export_dir = export(project, model_config, moe_config, tmp_path)
+    config = json.loads((export_dir / "config.json").read_text())
+    assert config["auto_map"] == AUTO_MAP
+    assert config["architectures"] == ["MegatronDMoEForCausalLM"]
+    expected = {
+        "model_type": "megatron_dmoe", "vocab_size": VOCAB, "hidden_size": 32, "num_layers": 2,
+        "num_attention_heads": 4, "num_query_groups": 4, "ffn_hidden_size": 48,
+        "max_position_embeddings": MAX_POSITIONS, "num_experts": 4, "moe_top_k": 2,
+        "moe_layer_freq": 1, "mlp_type": "mlp", "activation": "gelu",
+        "normalize_expert_weights": None, "add_bias_linear": True,
+        "eos_token_id": EOS, "bos_token_id": EOS,
+    }  # fmt: skip
+    assert {key: config[key] for key in expected} == expected
+    # transformers 4 leaves out a value equal to its own default (True).
+    assert config.get("tie_word_embeddings", True) is True
+    for name in ("configuration_megatron_dmoe.py", "modeling_megatron_dmoe.py"):
+        assert (export_dir / name).read_bytes() == (Path(REMOTE_CODE_DIR) / name).read_bytes()
+
+
+REFUSALS = [
+    ({"position_embedding_type": "rope"}, {}, "--position-embedding-type rope"),
+    ({"normalization": "RMSNorm"}, {}, "--normalization RMSNorm"),
+    ({}, {"dropless": False}, "--no-moe-dropless"),
+    ({}, {"shared_expert": True}, "--moe-shared-expert"),
+    ({}, {"router_score": "sigmoid"}, "--moe-router-score sigmoid"),
+    ({}, {"router_bias_update_rate": 0.01}, "--moe-router-bias-update-rate"),
+]
+
+
+@pytest.mark.parametrize("model_overrides, moe_overrides, flag", REFUSALS)
+def test_unsupported_models_are_refused_with_the_flag(model_overrides, moe_overrides, flag):
+    model_config = tiny_model_config(**model_overrides)
+    moe_config = MoEConfig(**{"num_experts": 4, **moe_overrides})
+    with pytest.raises(ValueError) as error:
+        megatron_dmoe_config_from(model_config, moe_config, VOCAB, EOS)
+    assert flag in str(error.value) and "\n" not in str(error.value)
+
+
+def test_dense_models_and_oversized_vocabularies_are_refused():
+    model_config = tiny_model_config()
+    with pytest.raises(ValueError, match="--moe-num-experts"):
+        megatron_dmoe_config_from(model_config, None, VOCAB, EOS)
+    moe_config = MoEConfig(num_experts=4)
+    too_big = model_config.padded_vocab_size + 1
+    with pytest.raises(ValueError, match="padded vocabulary"):
+        megatron_dmoe_config_from(model_config, moe_config, too_big, EOS)
+    gqa = dataclasses.replace(model_config, num_query_groups=2)
+    assert megatron_dmoe_config_from(gqa, moe_config, VOCAB, EOS)["num_query_groups"] == 2

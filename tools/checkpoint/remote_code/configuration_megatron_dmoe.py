@@ -1,0 +1,130 @@
+"""Hugging Face configuration of megatron-dmoe's GPT-2 dMoE (`model_type` "megatron_dmoe").
+
+A GPT-2 decoder (learned absolute positions, pre-LayerNorm, linear biases, tied embeddings by
+default) whose MLP in every `moe_layer_freq`-th layer (0, freq, 2 freq, ...) is MegaBlocks'
+dropless MoE: `num_experts` bias-free expert MLPs, a softmax router picking `moe_top_k` of them,
+one output bias per layer. Field names follow Megatron's flags (`--ffn-hidden-size`,
+`--moe-top-k`, ...); `attribute_map` gives the usual Hugging Face names too. The experts per
+token are `moe_top_k`, not `top_k`: transformers reads a model config's `top_k` as the sampling
+parameter of generation.
+
+`activation` is the project's `--swiglu` choice, for every MLP: "gelu" (tanh approximation) for
+GELU experts and dense GELU MLPs; "silu" for SiLU experts and dense SwiGLU MLPs (`linear_fc1`
+then holds 2 x ffn_hidden_size rows, [gate; up]). `mlp_type` "glu" gates the experts
+(act(x w1) * (x v1)).
+
+This file is copied into exported model directories and imports only transformers.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from transformers import PretrainedConfig
+
+MLP_TYPES = ("mlp", "glu")
+ACTIVATIONS = ("gelu", "silu")
+
+
+class MegatronDMoEConfig(PretrainedConfig):
+    """Shape and routing of a GPT-2 dMoE; the defaults are MegaBlocks' dMoE 125M recipe
+    (`examples/dmoe_125m_*`) with the GPT-2 vocabulary.
+
+    `num_query_groups` is the number of key/value heads (None: one per query head);
+    `normalize_expert_weights` is the p of the p-norm the top-k weights are divided by (None:
+    the chosen softmax probabilities as they are).
+    """
+
+    model_type = "megatron_dmoe"
+    keys_to_ignore_at_inference = ["past_key_values"]
+    attribute_map = {
+        "num_hidden_layers": "num_layers",
+        "intermediate_size": "ffn_hidden_size",
+        "num_key_value_heads": "num_query_groups",
+        "layer_norm_eps": "layernorm_epsilon",
+        "num_experts_per_tok": "moe_top_k",
+        "num_local_experts": "num_experts",
+    }
+
+    def __init__(
+        self,
+        vocab_size: int = 50257,
+        hidden_size: int = 768,
+        num_layers: int = 12,
+        num_attention_heads: int = 12,
+        num_query_groups: Optional[int] = None,
+        ffn_hidden_size: int = 3072,
+        max_position_embeddings: int = 1024,
+        layernorm_epsilon: float = 1e-5,
+        add_bias_linear: bool = True,
+        tie_word_embeddings: bool = True,
+        num_experts: int = 64,
+        moe_top_k: int = 1,
+        moe_layer_freq: int = 1,
+        mlp_type: str = "mlp",
+        activation: str = "gelu",
+        normalize_expert_weights: Optional[float] = None,
+        initializer_range: float = 0.02,
+        use_cache: bool = True,
+        bos_token_id: Optional[int] = 50256,
+        eos_token_id: Optional[int] = 50256,
+        **kwargs: Any,
+    ) -> None:
+        if mlp_type not in MLP_TYPES:
+            raise ValueError(f"mlp_type={mlp_type!r} is not one of {MLP_TYPES}")
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation={activation!r} is not one of {ACTIVATIONS}")
+        if hidden_size % num_attention_heads != 0:
+            raise ValueError(
+                f"hidden_size={hidden_size} is not divisible by "
+                f"num_attention_heads={num_attention_heads}"
+            )
+        groups = num_query_groups or num_attention_heads
+        if num_attention_heads % groups != 0:
+            raise ValueError(
+                f"num_attention_heads={num_attention_heads} is not divisible by "
+                f"num_query_groups={groups}"
+            )
+        if "top_k" in kwargs:
+            raise ValueError(
+                "top_k is transformers' sampling parameter; the experts per token are moe_top_k"
+            )
+        if not 1 <= moe_top_k <= num_experts:
+            raise ValueError(
+                f"moe_top_k={moe_top_k} must be between 1 and num_experts={num_experts}"
+            )
+        if moe_layer_freq < 1:
+            raise ValueError(f"moe_layer_freq={moe_layer_freq} must be >= 1")
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.num_layers = num_layers
+        self.num_attention_heads = num_attention_heads
+        self.num_query_groups = groups
+        self.ffn_hidden_size = ffn_hidden_size
+        self.max_position_embeddings = max_position_embeddings
+        self.layernorm_epsilon = layernorm_epsilon
+        self.add_bias_linear = add_bias_linear
+        self.num_experts = num_experts
+        self.moe_top_k = moe_top_k
+        self.moe_layer_freq = moe_layer_freq
+        self.mlp_type = mlp_type
+        self.activation = activation
+        self.normalize_expert_weights = normalize_expert_weights
+        self.initializer_range = initializer_range
+        self.use_cache = use_cache
+        # Passed on, not set here: the base class's own defaults would overwrite them.
+        super().__init__(
+            bos_token_id=bos_token_id,
+            eos_token_id=eos_token_id,
+            tie_word_embeddings=tie_word_embeddings,
+            **kwargs,
+        )
+
+    @property
+    def head_dim(self) -> int:
+        """Channels per attention head (Megatron's kv_channels)."""
+        return self.hidden_size // self.num_attention_heads
+
+    def is_moe_layer(self, layer_index: int) -> bool:
+        """Whether layer `layer_index` (0-based) has experts: every moe_layer_freq-th, from 0."""
+        return layer_index % self.moe_layer_freq == 0
