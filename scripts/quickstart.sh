@@ -2,7 +2,8 @@
 # Set up a fresh machine and run the main job on the bundled sample corpus:
 # preprocess 1,000 OpenWebText documents, train a small dMoE GPT (every MLP a dropless MoE of 8
 # experts, top-2, with MegaBlocks' flags) for 100 iterations, stop and save, resume from that
-# checkpoint for 100 more, and print validation and test perplexity.
+# checkpoint for 100 more, print validation and test perplexity, and let the trained model
+# continue a short prompt.
 # Runs on the CPU in a few minutes, or on a GPU when torch sees one.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,7 +12,7 @@ out=runs/quickstart
 rm -rf "$out"
 mkdir -p "$out/data"
 
-echo "== 1/3 preprocessing the bundled corpus"
+echo "== 1/4 preprocessing the bundled corpus"
 python tools/preprocess_data.py \
     --input data/sample/openwebtext-1000.jsonl.xz \
     --output-prefix "$out/data/owt" \
@@ -39,8 +40,11 @@ train() {
         grep -v -E '^  [a-zA-Z0-9_]+ \.+ ' # the long arguments block stays in the checkpoint's args
 }
 
-echo "== 2/3 training iterations 1-100, then stopping with a checkpoint (--exit-interval 100)"
+echo "== 2/4 training iterations 1-100, then stopping with a checkpoint (--exit-interval 100)"
 train --exit-interval 100
-echo "== 3/3 resuming from $(cat "$out/checkpoints/latest_checkpointed_iteration.txt") and training to 200"
+echo "== 3/4 resuming from $(cat "$out/checkpoints/latest_checkpointed_iteration.txt") and training to 200"
 train
+echo "== 4/4 the trained model continues a prompt (tools/generate.py, greedy, 32 tokens)"
+python tools/generate.py --load "$out/checkpoints" --prompt "The history of the city" \
+    --tokens-to-generate 32 --greedy
 echo "== done: checkpoints in $out/checkpoints, TensorBoard logs in $out/tensorboard"

@@ -72,22 +72,8 @@ class SelfAttention(nn.Module):
         rotary_cos_sin: Tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Attend causally over the sequence; RoPE is applied to q and k when cos/sin are given."""
-        qkv = self.linear_qkv(hidden_states)
-        batch, seq = qkv.shape[:2]  # the whole sequence, also when the input was a shard
-        qkv = qkv.view(
-            batch, seq, self.num_query_groups, (self.heads_per_group + 2) * self.head_dim
-        )
-        query, key, value = qkv.split(
-            [self.heads_per_group * self.head_dim, self.head_dim, self.head_dim], dim=-1
-        )
-        query = query.reshape(batch, seq, self.num_heads, self.head_dim)
-        # key/value: [b, s, groups, head_dim]; one head per group
-
-        if rotary_cos_sin is not None:
-            cos, sin = rotary_cos_sin
-            query = apply_rotary_emb(query, cos, sin)
-            key = apply_rotary_emb(key, cos, sin)
-
+        query, key, value = self.query_key_value(hidden_states, rotary_cos_sin)
+        batch, seq = query.shape[:2]  # the whole sequence, also when the input was a shard
         # SDPA wants [b, heads, s, head_dim].
         query, key, value = (t.transpose(1, 2) for t in (query, key, value))
         # Forked outside the checkpoint: torch's recompute then replays the forked stream.
@@ -101,6 +87,30 @@ class SelfAttention(nn.Module):
                 context = self.core_attention(query, key, value)
         context = context.transpose(1, 2).reshape(batch, seq, self.num_heads * self.head_dim)
         return self.linear_proj(context)
+
+    def query_key_value(
+        self,
+        hidden_states: torch.Tensor,
+        rotary_cos_sin: Tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Pre-normalized hidden states [b, s, h] -> query [b, s, heads, head_dim], key and value
+        [b, s, groups, head_dim] (one head per query group), RoPE applied to query and key when
+        cos/sin are given. The training forward and the inference KV cache
+        (megatron.inference) both attend with these."""
+        qkv = self.linear_qkv(hidden_states)
+        batch, seq = qkv.shape[:2]
+        qkv = qkv.view(
+            batch, seq, self.num_query_groups, (self.heads_per_group + 2) * self.head_dim
+        )
+        query, key, value = qkv.split(
+            [self.heads_per_group * self.head_dim, self.head_dim, self.head_dim], dim=-1
+        )
+        query = query.reshape(batch, seq, self.num_heads, self.head_dim)
+        if rotary_cos_sin is not None:
+            cos, sin = rotary_cos_sin
+            query = apply_rotary_emb(query, cos, sin)
+            key = apply_rotary_emb(key, cos, sin)
+        return query, key, value
 
     def core_attention(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
