@@ -130,10 +130,35 @@ def test_import_then_export_reproduces_the_hugging_face_tensors(kind, tmp_path, 
     assert before.keys() == after.keys()
     for name, tensor in before.items():
         assert torch.equal(after[name], tensor), name
-    if kind != "mixtral":  # transformers writes its own expert layout; ours is the Hub's
-        assert read_safetensors(str(tmp_path / "again")).keys() <= read_safetensors(
-            str(tmp_path / "original")
-        ).keys() | {"lm_head.weight"}
+    # The files hold the same names too (transformers writes Mixtral's experts per expert, the
+    # Hub's layout, as the export does).
+    assert read_safetensors(str(tmp_path / "again")).keys() <= read_safetensors(
+        str(tmp_path / "original")
+    ).keys() | {"lm_head.weight"}
+
+
+def test_mixtral_experts_import_from_either_layout(tmp_path, auto_model):
+    """Mixtral's experts as the Hub stores them (per expert) and as transformers 5 holds them
+    in memory (fused gate_up_proj / down_proj, which a file written from its state_dict keeps)
+    import to the same checkpoint."""
+    from safetensors.torch import save_file
+
+    write_checkpoint(tmp_path / "ckpt", MIXTRAL)
+    export(tmp_path / "ckpt", tmp_path / "per_expert")
+    model = auto_model.from_pretrained(tmp_path / "per_expert")
+    fused = {name: tensor.contiguous() for name, tensor in model.state_dict().items()}
+    assert any(name.endswith("mlp.experts.gate_up_proj") for name in fused)
+    (tmp_path / "fused").mkdir()
+    save_file(fused, str(tmp_path / "fused" / "model.safetensors"), metadata={"format": "pt"})
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / "fused" / name).write_bytes((tmp_path / "per_expert" / name).read_bytes())
+    import_(tmp_path / "per_expert", tmp_path / "from_per_expert")
+    import_(tmp_path / "fused", tmp_path / "from_fused")
+    first = read_checkpoint_model(str(tmp_path / "from_per_expert"), print_fn=lambda _: None)
+    second = read_checkpoint_model(str(tmp_path / "from_fused"), print_fn=lambda _: None)
+    assert first.state_dict.keys() == second.state_dict.keys()
+    for name, tensor in first.state_dict.items():
+        assert torch.equal(second.state_dict[name], tensor), name
 
 
 def test_imported_checkpoint_finetunes(data_prefix, tmp_path, capsys):
