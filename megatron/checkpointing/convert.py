@@ -41,19 +41,7 @@ def read_sharded_as_torch_state(
     directory): whole tensors, the model in `model_keys` order, the optimizer numbered by
     `parameter_groups` (single-process names per optimizer group)."""
     common = read_common(directory)
-    stored = read_tensor_metadata(directory).state_dict_metadata
-    tensors = {
-        name: torch.empty(tuple(metadata.size), dtype=metadata.properties.dtype)
-        for name, metadata in stored.items()
-    }
-    read_sharded_tensors(
-        directory,
-        {
-            name: ChunkedTensor(tensor.shape, [((0,) * tensor.dim(), tensor)])
-            for name, tensor in tensors.items()
-        },
-        None,
-    )
+    tensors = _read_whole_tensors(directory, lambda name: True)
     model = {name: tensors[MODEL_PREFIX + name] for name in model_keys}
     optimizer_common = common.get("optimizer_common")
     optimizer = None
@@ -88,6 +76,32 @@ def read_sharded_as_torch_state(
             if optimizer is not None:
                 state["optimizer"] = optimizer
     return state
+
+
+def read_sharded_model_state(directory: str, model_keys: Sequence[str]) -> Dict[str, torch.Tensor]:
+    """The single-process model state dict of the torch_dist checkpoint in `directory`, in
+    `model_keys` order; the optimizer's tensors (twice the model's and more) are not read."""
+    tensors = _read_whole_tensors(directory, lambda name: name.startswith(MODEL_PREFIX))
+    return {name: tensors[MODEL_PREFIX + name] for name in model_keys}
+
+
+def _read_whole_tensors(directory: str, wanted) -> Dict[str, torch.Tensor]:
+    """The stored tensors whose names `wanted` accepts, each read whole."""
+    stored = read_tensor_metadata(directory).state_dict_metadata
+    tensors = {
+        name: torch.empty(tuple(metadata.size), dtype=metadata.properties.dtype)
+        for name, metadata in stored.items()
+        if wanted(name)
+    }
+    read_sharded_tensors(
+        directory,
+        {
+            name: ChunkedTensor(tensor.shape, [((0,) * tensor.dim(), tensor)])
+            for name, tensor in tensors.items()
+        },
+        None,
+    )
+    return tensors
 
 
 def torch_state_as_sharded(

@@ -15,7 +15,7 @@ from typing import Callable, Dict, Optional, Union
 
 import torch
 
-from megatron.checkpointing.convert import read_sharded_as_torch_state
+from megatron.checkpointing.convert import read_sharded_model_state
 from megatron.checkpointing.layout import (
     CheckpointError,
     Iteration,
@@ -53,10 +53,19 @@ class CheckpointModel:
     def build_model(
         self, device: Union[str, torch.device] = "cpu", dtype: torch.dtype = torch.float32
     ) -> GPTModel:
-        """The model with the checkpoint's weights, in eval mode, on `device` in `dtype`."""
-        model = build_gpt_model(self.config)
+        """The model with the checkpoint's weights, in eval mode, on `device` in `dtype`.
+
+        Built on the meta device and given storage only where it runs: no weights are drawn
+        only to be overwritten, and no full-precision copy is made on the way to `dtype`."""
+        with torch.device("meta"):
+            model = build_gpt_model(self.config)
+        model = model.to(dtype=dtype).to_empty(device=device)
         model.load_state_dict(self.state_dict, strict=True)
-        return model.to(device=device, dtype=dtype).eval()
+        # Buffers checkpoints do not hold (the MoE layers' token counters) start at zero.
+        for name, buffer in model.named_buffers():
+            if name not in self.state_dict:
+                buffer.zero_()
+        return model.eval()
 
 
 def build_gpt_model(config: Config) -> GPTModel:
@@ -100,14 +109,15 @@ def read_checkpoint_model(
         verify_sharded_checkpoint(load_dir, iteration, directory, None, print_fn)
         args = read_common(directory).get("args")
         _check_saved_arguments(args, directory)
-        model_keys, parameter_groups = model_order(args)
-        state = read_sharded_as_torch_state(directory, model_keys, parameter_groups)
+        model_keys, _ = model_order(args)
+        model_state = read_sharded_model_state(directory, model_keys)
     else:
         state = read_torch_checkpoint(load_dir, iteration, print_fn=print_fn)
         args = state.get("args")
         _check_saved_arguments(args, directory)
+        model_state = dict(state["model"])
     config = config_from_saved_arguments(args)
-    return CheckpointModel(args, config, dict(state["model"]), iteration, directory)
+    return CheckpointModel(args, config, model_state, iteration, directory)
 
 
 # The files each tokenizer type reads, by the saved argument and the flag that replaces it.
