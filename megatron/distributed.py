@@ -25,6 +25,7 @@ from torch import nn
 from megatron import parallel_state
 from megatron.config import Config
 from megatron.expert_parameters import is_expert_parameter, reduce_expert_gradients
+from megatron.main_grads import gradient
 from megatron.pipeline.stages import tied_embedding_weights
 from megatron.tensor_parallel import all_reduce_sequence_parallel_grads
 
@@ -95,9 +96,9 @@ def reduce_tied_embedding_gradients(model_chunks: Sequence[nn.Module]) -> None:
     have nothing to do.
     """
     for weight in tied_embedding_weights(list(model_chunks)):
-        if weight.grad is None:
+        if gradient(weight) is None:
             weight.grad = torch.zeros_like(weight)
-        dist.all_reduce(weight.grad, group=parallel_state.get_embedding_group())
+        dist.all_reduce(gradient(weight), group=parallel_state.get_embedding_group())
 
 
 def all_reduce_data_parallel_gradients(model: nn.Module) -> None:
@@ -108,9 +109,9 @@ def all_reduce_data_parallel_gradients(model: nn.Module) -> None:
     leaves them."""
     size = parallel_state.get_data_parallel_world_size()
     grads = [
-        param.grad
+        gradient(param)
         for param in model.parameters()
-        if param.grad is not None and not is_expert_parameter(param)
+        if gradient(param) is not None and not is_expert_parameter(param)
     ]
     if size == 1 or not grads:
         return

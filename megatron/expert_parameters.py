@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron import parallel_state
+from megatron.main_grads import gradient
 
 
 def mark_expert_parallel(param: nn.Parameter) -> None:
@@ -56,7 +57,7 @@ def reduce_expert_gradients(
     all-reduce and divides by `data_parallel_size` (default: parallel_state's). Every rank must
     call it; the other parameters' gradients are left for the usual data-parallel reduction.
     """
-    grads = [param.grad for param in expert_parameters(model) if param.grad is not None]
+    grads = [gradient(param) for param in expert_parameters(model) if gradient(param) is not None]
     if not grads:
         return
     if data_parallel_size is None:

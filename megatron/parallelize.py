@@ -48,6 +48,7 @@ from megatron.model.embeddings import LanguageModelEmbedding
 from megatron.model.mlp import MLP
 from megatron.model.norms import RMSNorm
 from megatron.model.transformer import TransformerBlock
+from megatron.optimizer.optimizer import main_grads_dtype
 from megatron.parameter_swaps import materialize
 from megatron.pipeline.stages import stage_layer_numbers
 from megatron.tensor_parallel import (
@@ -285,11 +286,14 @@ def apply_activation_recomputation(model: nn.Module, model_config: ModelConfig) 
 def data_parallel(
     model: nn.Module, config: Config, context: DistributedContext, pipeline: bool
 ) -> tuple[nn.Module, bool]:
-    """(`model` in torch DDP when DDP is what reduces its gradients, whether it is)."""
+    """(`model` in torch DDP when DDP is what reduces its gradients, whether it is). Not under
+    the distributed optimizer, a pipeline, or main gradients (megatron.main_grads: DDP reduces
+    `.grad`); the trainer then all-reduces after the last backward."""
     wrap = (
         parallel_state.get_data_parallel_world_size() > 1
         and not config.parallel.use_distributed_optimizer
         and not pipeline
+        and main_grads_dtype(config.optimizer) is None
     )
     if not wrap:
         return model, False

@@ -35,6 +35,8 @@ from megatron.logging import (
 from megatron.model.flops import num_floating_point_operations
 from megatron.optimizer import build_lr_scheduler, build_optimizer
 from megatron.optimizer.distributed_optimizer import build_distributed_optimizer
+from megatron.optimizer.optimizer import main_grads_dtype
+from megatron.optimizer.precision import PrecisionAwareAdamW
 from megatron.parallelize import ParallelModel
 from megatron.pipeline.training_step import activation_spec, pipeline_step
 from megatron.training_hooks import TrainingHooks
@@ -108,12 +110,16 @@ class Trainer:
             self.optimizer = build_optimizer(
                 self.unwrapped_model, config.optimizer, config.training
             )
+        if isinstance(self.optimizer.optimizer, PrecisionAwareAdamW):
+            description = self.optimizer.optimizer.describe(main_grads_dtype(config.optimizer))
+            print_rank_0(f"> {description}")
         self.scheduler = build_lr_scheduler(self.optimizer, config.optimizer, config.training)
         self.tensorboard = (
             TensorBoardLogger(config.logging.tensorboard_dir, config.logging.tensorboard_queue_size)
             if config.logging.tensorboard_dir and context.is_first
             else None
         )
+        self.wrapped_in_ddp = model.wrapped_in_ddp
         self.hooks.setup(self.unwrapped_model, model.wrapped_in_ddp, context.device)
         self.iteration = 0
         self.consumed_train_samples = 0
@@ -141,6 +147,9 @@ class Trainer:
         else:
             means = self._accumulate_micro_batches(data_iterator)
             self.hooks.after_backwards(self.unwrapped_model)
+            if not self.wrapped_in_ddp and not self.config.parallel.use_distributed_optimizer:
+                # Main gradients leave DDP out (megatron.parallelize.data_parallel).
+                all_reduce_data_parallel_gradients(self.unwrapped_model)
         finalize_gradients(self.unwrapped_model, self.config)
         update_successful, grad_norm, _ = self.optimizer.step()
         if update_successful:

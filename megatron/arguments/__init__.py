@@ -16,6 +16,7 @@ from megatron.arguments.model import (
     add_network_size_args,
     add_regularization_args,
 )
+from megatron.arguments.optimizer import add_optimizer_memory_args
 from megatron.arguments.run import (
     add_checkpointing_args,
     add_data_args,
@@ -47,6 +48,7 @@ def build_parser(
         add_network_size_args,
         add_regularization_args,
         add_training_args,
+        add_optimizer_memory_args,
         add_initialization_args,
         add_learning_rate_args,
         add_checkpointing_args,

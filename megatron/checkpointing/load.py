@@ -56,6 +56,7 @@ from megatron.checkpointing.sharded_load import (
 from megatron.checkpointing.sharded_save import first_failure
 from megatron.checkpointing.sharded_state import (
     MODEL_PREFIX,
+    inner_optimizer,
     model_tensors_to_load,
     optimizer_state_to_load,
 )
@@ -129,6 +130,7 @@ def load_checkpoint(
     )
 
     model_only = bool(config.finetune) or iteration == RELEASE
+    conversion = None
     checkpoint.load_model(unwrap_model(model), differences)
     if differences:
         print_fn(
@@ -138,6 +140,7 @@ def load_checkpoint(
     if not model_only and not config.no_load_optim:
         if optimizer is not None:
             checkpoint.load_optimizer(optimizer, unwrap_model(model))
+            conversion = getattr(inner_optimizer(optimizer), "loaded_state_conversion", None)
         if scheduler is not None:
             scheduler_state = _required(state, "opt_param_scheduler", path, "--no-load-optim")
             try:
@@ -171,7 +174,8 @@ def load_checkpoint(
             consumed_valid_samples=_consumed(state, "consumed_valid_samples"),
             loaded_from=path,
         )
-    print_fn(f"loaded checkpoint {path} at iteration {iteration}")
+    converted = f" (optimizer state converted: {conversion})" if conversion else ""
+    print_fn(f"loaded checkpoint {path} at iteration {iteration}{converted}")
     return loaded
 
 

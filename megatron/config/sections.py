@@ -137,6 +137,15 @@ class OptimizerConfig:
     # On resume: the schedule from this run's flags, or from the checkpoint (at most one).
     override_opt_param_scheduler: bool = False
     use_checkpoint_opt_param_scheduler: bool = False
+    # The optimizer state's dtypes ("fp32", "bf16", "fp16") and host offload (validated in
+    # megatron.config.validation; megatron/optimizer/precision.py says what each changes).
+    use_precision_aware_optimizer: bool = False
+    main_grads_dtype: str = "fp32"
+    main_params_dtype: str = "fp32"
+    exp_avg_dtype: str = "fp32"
+    exp_avg_sq_dtype: str = "fp32"
+    optimizer_cpu_offload: bool = False
+    optimizer_offload_fraction: float = 1.0
 
 
 @dataclass(frozen=True)

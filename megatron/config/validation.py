@@ -13,12 +13,12 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from megatron.arguments import ArgumentGroupAdder, build_parser
+from megatron.config.errors import ConfigError, flag_name
+from megatron.config.optimizer_memory import check_optimizer_memory
 from megatron.data.dataset_splits import parse_data_path, parse_split_string
 from megatron.kernels.dispatch import kernel_mode_from_environment
 
-
-class ConfigError(ValueError):
-    """An impossible or unsupported command line, reported before any work starts."""
+__all__ = ["ConfigError", "parse_arguments", "resolve_arguments", "resolve_arguments_with_notes"]
 
 
 def parse_arguments(
@@ -61,6 +61,7 @@ def resolve_arguments_with_notes(
     _resolve_parallelism(args, world_size)
     _resolve_batch_size(args, notes)
     _resolve_precision(args, notes)
+    check_optimizer_memory(args)
     _resolve_kernels(args)
     _resolve_iterations_and_lr(args)
     _resolve_model_shape(args, notes)
@@ -73,9 +74,7 @@ def resolve_arguments_with_notes(
     return args, notes
 
 
-def _flag(name: str) -> str:
-    """The command-line spelling of a namespace attribute."""
-    return "--DDP-impl" if name == "DDP_impl" else "--" + name.replace("_", "-")
+_flag = flag_name
 
 
 def _check_required_and_ranges(args: argparse.Namespace, world_size: int) -> None:
@@ -159,6 +158,13 @@ def _resolve_precision(args: argparse.Namespace, notes: List[str]) -> None:
             "--accumulate-allreduce-grads-in-fp32 needs --DDP-impl local (torch DDP reduces "
             "gradients in the parameter dtype); drop one of them"
         )
+    if args.main_grads_dtype != "fp32" and args.accumulate_allreduce_grads_in_fp32:
+        raise ConfigError(
+            f"--main-grads-dtype {args.main_grads_dtype} and --accumulate-allreduce-grads-in-fp32 "
+            "contradict each other; drop one of them"
+        )
+    if args.main_grads_dtype != "fp32":
+        return
     if args.bf16 and args.DDP_impl == "local" and not args.accumulate_allreduce_grads_in_fp32:
         # bf16 gradients lose too much precision when summed over micro-batches and ranks.
         args.accumulate_allreduce_grads_in_fp32 = True

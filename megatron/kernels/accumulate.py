@@ -1,7 +1,9 @@
 """Gradient accumulation in fp32 from bf16/fp16 addends, one pass over memory:
 `accumulate_(total, first, second)` (total += first + second, in place) and
 `sum_in_fp32(first, second)` (a new fp32 tensor). moe.experts adds each micro-batch's expert
-weight gradients into the fp32 gradients with them, two micro-batches per pass.
+weight gradients into the fp32 gradients with them, two micro-batches per pass. The total may
+also be bf16 (a bf16 main gradient, megatron.main_grads): the sum is then taken in fp32 and
+rounded to bf16 once.
 
 Why a kernel: torch's `total.add_(addend)` with mixed dtypes takes its non-vectorized
 elementwise path on CUDA, well below the memory bandwidth this kernel reaches
@@ -55,15 +57,18 @@ if TRITON_AVAILABLE:
         mask = offsets < numel
         result = tl.load(first_ptr + offsets, mask=mask).to(tl.float32)
         if HAS_TOTAL:
-            result = tl.load(total_ptr + offsets, mask=mask) + result
+            result = tl.load(total_ptr + offsets, mask=mask).to(tl.float32) + result
         if HAS_SECOND:
             result = result + tl.load(second_ptr + offsets, mask=mask).to(tl.float32)
-        tl.store(total_ptr + offsets, result, mask=mask)
+        tl.store(total_ptr + offsets, result.to(total_ptr.dtype.element_ty), mask=mask)
 
 
 def accumulate_reference_(
     total: torch.Tensor, first: torch.Tensor, second: Optional[torch.Tensor] = None
 ) -> torch.Tensor:
+    if total.dtype != torch.float32:  # in fp32, rounded to the total's dtype once
+        total.copy_(accumulate_reference_(total.float(), first, second))
+        return total
     total.add_(first)
     if second is not None:
         total.add_(second)
@@ -106,10 +111,10 @@ def accumulate_(
     total: torch.Tensor, first: torch.Tensor, second: Optional[torch.Tensor] = None
 ) -> torch.Tensor:
     """total += first (+ second) in place, in fp32; returns total. The kernel runs for a
-    contiguous fp32 total and contiguous addends of its shape on the GPU; anything else goes to
-    torch's add."""
+    contiguous fp32 or bf16 total and contiguous addends of its shape on the GPU; anything else
+    goes to torch's add."""
     if not (
-        total.dtype == torch.float32
+        total.dtype in (torch.float32, torch.bfloat16)
         and total.is_contiguous()
         and total.device == first.device
         and _addends_suit_kernel(total.shape, first, second)
@@ -142,6 +147,19 @@ AOT_SPECS = (
         )
         for dtype in ("bf16", "fp16")
         for has_total in (True, False)
+        for has_second in (True, False)
+    ]
+    + [
+        AotSpec(
+            kernel=_accumulate_kernel,
+            signature={
+                "total_ptr": "*bf16",
+                "first_ptr": "*bf16",
+                "second_ptr": "*bf16",
+                "numel": "i64",
+            },
+            constexprs={"HAS_TOTAL": True, "HAS_SECOND": has_second, "BLOCK": BLOCK},
+        )
         for has_second in (True, False)
     ]
     if TRITON_AVAILABLE

@@ -8,7 +8,9 @@ that hold a replica of it: the data-parallel group, or for expert-parallel shard
 (`megatron.expert_parameters.is_expert_parameter`) the expert-data-parallel group.
 
 Layout. The parameters are grouped by dtype (all fp32 here: mixed precision is autocast) and by
-that replica group (Megatron-Core's dense and expert buffers). Each group's parameters lie one
+that replica group (Megatron-Core's dense and expert buffers). With `--main-grads-dtype bf16`
+the grad buffers are bf16 and hold the parameters' main gradients (megatron.main_grads), and the
+pieces carry their shard of them as `main_grad` instead of `.grad`. Each group's parameters lie one
 after another, in param-group order, in a flat *parameter buffer* padded at the end to split
 into equal shards over its replica group; rank r of the group owns `[r * shard_size,
 (r + 1) * shard_size)`. The model's parameters become views into it, so the all-gather writes
@@ -47,13 +49,16 @@ from torch import nn
 from megatron import parallel_state
 from megatron.config import OptimizerConfig, TrainingConfig
 from megatron.expert_parameters import is_expert_parameter
+from megatron.main_grads import gradient
 from megatron.optimizer.grad_scaler import GradScaler
+from megatron.optimizer.memory_report import OptimizerMemoryReport, state_bytes_per_element
 from megatron.optimizer.optimizer import (
     MegatronOptimizer,
     _sum_of_squares,
-    build_optimizer,
+    build_inner_optimizer,
     counted_across_model_parallel_ranks,
     load_keeping_kernel_flags,
+    main_grads_dtype,
 )
 from megatron.optimizer.sharded_buffer import ShardedBuffer, all_gather_into
 
@@ -69,53 +74,6 @@ class _Piece:
     end: int
     shard_offset: int  # where the piece begins within the local shard
     tensor: torch.Tensor  # view of the parameter buffer the inner optimizer updates
-
-
-@dataclass(frozen=True)
-class OptimizerMemoryReport:
-    """Optimizer-state bytes on one rank, sharded vs what `MegatronOptimizer` holds there.
-
-    Master weights are the fp32 parameters (for the sharded optimizer, views of this rank's
-    shard of them); state is the inner optimizer's per-element tensors (Adam's exp_avg and
-    exp_avg_sq, SGD's momentum). Both count this rank's parameters only (its tensor-parallel
-    shards, pipeline stage and experts). The grad buffers are left out: DDP holds as much.
-    """
-
-    rank: int
-    data_parallel_size: int
-    expert_data_parallel_size: Optional[int]  # None without expert-parallel parameters
-    parameters: int
-    local_parameters: int
-    master_bytes_per_rank: int
-    state_bytes_per_rank: int
-    master_bytes_unsharded: int
-    state_bytes_unsharded: int
-
-    @property
-    def bytes_per_rank(self) -> int:
-        """Master-weight shard plus optimizer state on this rank."""
-        return self.master_bytes_per_rank + self.state_bytes_per_rank
-
-    @property
-    def bytes_unsharded(self) -> int:
-        """What the non-distributed optimizer holds on this rank."""
-        return self.master_bytes_unsharded + self.state_bytes_unsharded
-
-    def __str__(self) -> str:
-        mib = 1024.0**2
-        experts = (
-            ""
-            if self.expert_data_parallel_size is None
-            else f" (experts over {self.expert_data_parallel_size} expert-data-parallel ranks)"
-        )
-        return (
-            f"distributed optimizer: sharded over {self.data_parallel_size} data-parallel ranks"
-            f"{experts}: "
-            f"optimizer state {self.bytes_per_rank / mib:.2f} MiB on rank {self.rank} (master "
-            f"weights {self.master_bytes_per_rank / mib:.2f} + state "
-            f"{self.state_bytes_per_rank / mib:.2f}) instead of {self.bytes_unsharded / mib:.2f} "
-            f"MiB, saving {(self.bytes_unsharded - self.bytes_per_rank) / mib:.2f} MiB there"
-        )
 
 
 class DistributedOptimizer(MegatronOptimizer):
@@ -138,6 +96,7 @@ class DistributedOptimizer(MegatronOptimizer):
         log_num_zeros_in_grad: bool = False,
         data_parallel_group: Optional[dist.ProcessGroup] = None,
         expert_data_parallel_group: Optional[dist.ProcessGroup] = None,
+        grad_dtype: Optional[torch.dtype] = None,
     ) -> None:
         if optimizer.state:
             raise ValueError("DistributedOptimizer needs a torch optimizer that has not stepped")
@@ -157,7 +116,7 @@ class DistributedOptimizer(MegatronOptimizer):
             group = expert_data_parallel_group if expert else data_parallel_group
             size, rank = _size_and_rank(group)
             # Both kinds end as the mean over the data-parallel replicas (module docstring).
-            self.buffers.append(ShardedBuffer(params, group, size, rank, self.dp_size))
+            self.buffers.append(ShardedBuffer(params, group, size, rank, self.dp_size, grad_dtype))
         for buffer in self.buffers:
             buffer.broadcast_params()
 
@@ -177,7 +136,11 @@ class DistributedOptimizer(MegatronOptimizer):
                     start, end = local
                     shard_offset = buffer.offsets[index] + start - buffer.shard_start
                     tensor = buffer.param_shard[shard_offset : shard_offset + end - start]
-                    tensor.grad = buffer.shard_grad[shard_offset : shard_offset + end - start]
+                    shard_grad = buffer.shard_grad[shard_offset : shard_offset + end - start]
+                    if buffer.main_grads is not None:
+                        tensor.main_grad = shard_grad
+                    else:
+                        tensor.grad = shard_grad
                     piece = _Piece(full_index, param, buffer, start, end, shard_offset, tensor)
                     group_pieces.append(piece)
                 full_index += 1
@@ -305,7 +268,7 @@ class DistributedOptimizer(MegatronOptimizer):
         element_size = self.buffers[0].param_buffer.element_size()
         parameters = sum(buffer.numel for buffer in self.buffers)
         local = sum(buffer.local_numel for buffer in self.buffers)
-        per_element = _state_tensors_per_element(self.optimizer)
+        state_bytes = state_bytes_per_element(self.optimizer)
         expert_sizes = [buffer.size for buffer in self.buffers if buffer.expert]
         distributed = dist.is_available() and dist.is_initialized()
         return OptimizerMemoryReport(
@@ -315,9 +278,9 @@ class DistributedOptimizer(MegatronOptimizer):
             parameters=parameters,
             local_parameters=local,
             master_bytes_per_rank=local * element_size,
-            state_bytes_per_rank=local * per_element * element_size,
+            state_bytes_per_rank=local * state_bytes,
             master_bytes_unsharded=parameters * element_size,
-            state_bytes_unsharded=parameters * per_element * element_size,
+            state_bytes_unsharded=parameters * state_bytes,
         )
 
     def _counted_grads(self) -> List[torch.Tensor]:
@@ -331,7 +294,7 @@ class DistributedOptimizer(MegatronOptimizer):
         copy of tied embeddings (`shared_embedding`) nowhere.
         """
         return [
-            piece.tensor.grad
+            gradient(piece.tensor)
             for piece in self.pieces
             if counted_across_model_parallel_ranks(piece.param)
         ]
@@ -391,14 +354,21 @@ class DistributedOptimizer(MegatronOptimizer):
         self, buffer: ShardedBuffer, key: str, inner_state: Dict[int, Dict[str, Any]]
     ) -> torch.Tensor:
         """All-gather state `key` of `buffer`'s parameters into one flat tensor."""
-        local = torch.zeros_like(buffer.shard_grad)
-        for inner_index, piece in enumerate(self.pieces):
-            value = inner_state.get(inner_index, {}).get(key)
-            if value is not None and piece.buffer is buffer:
+        values = [
+            (piece, inner_state.get(inner_index, {}).get(key))
+            for inner_index, piece in enumerate(self.pieces)
+            if piece.buffer is buffer
+        ]
+        dtypes = {value.dtype for _, value in values if value is not None}
+        # Every rank must agree on the dtype; a state key's dtype is the run's, on every rank.
+        dtype = dtypes.pop() if len(dtypes) == 1 else buffer.param_buffer.dtype
+        local = torch.zeros(buffer.shard_size, dtype=dtype, device=buffer.param_buffer.device)
+        for piece, value in values:
+            if value is not None:
                 local[piece.shard_offset : piece.shard_offset + value.numel()] = value
         if buffer.size == 1:
             return local
-        full = torch.empty_like(buffer.grad_buffer)
+        full = torch.empty(buffer.grad_buffer.numel(), dtype=dtype, device=local.device)
         all_gather_into(full, local, buffer.group)
         return full
 
@@ -460,13 +430,14 @@ def build_distributed_optimizer(
     """`build_optimizer`'s optimizer (same groups, hyper-parameters and loss scaler), sharded
     over `data_parallel_group` (the default group when None), expert-parallel parameters over
     parallel_state's expert-data-parallel group. The model must not be in DDP."""
-    unsharded = build_optimizer(model, optimizer_config, training_config, log_num_zeros_in_grad)
+    optimizer, grad_scaler = build_inner_optimizer(model, optimizer_config, training_config)
     return DistributedOptimizer(
-        unsharded.optimizer,
-        unsharded.grad_scaler,
-        unsharded.clip_grad,
+        optimizer,
+        grad_scaler,
+        optimizer_config.clip_grad,
         log_num_zeros_in_grad,
         data_parallel_group,
+        grad_dtype=main_grads_dtype(optimizer_config),
     )
 
 
@@ -487,12 +458,3 @@ def _is_param_state(key: str, value: Any, param: torch.Tensor) -> bool:
     return (
         torch.is_tensor(value) and value.shape == param.shape and (param.dim() > 0 or key != "step")
     )
-
-
-def _state_tensors_per_element(optimizer: torch.optim.Optimizer) -> int:
-    """Per-element state tensors the optimizer keeps once it has stepped."""
-    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-        return 3 if optimizer.defaults.get("amsgrad") else 2
-    if isinstance(optimizer, torch.optim.SGD):
-        return 1 if optimizer.defaults.get("momentum", 0.0) != 0.0 else 0
-    raise ValueError(f"memory_report does not know the state of {type(optimizer).__name__}")

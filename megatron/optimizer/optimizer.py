@@ -22,8 +22,15 @@ from torch import nn
 from megatron import parallel_state
 from megatron.config import OptimizerConfig, TrainingConfig
 from megatron.expert_parameters import is_expert_parameter
+from megatron.main_grads import attach_main_grads, gradient
 from megatron.model import param_groups_for_weight_decay
 from megatron.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler, GradScaler
+from megatron.optimizer.precision import (
+    DTYPES,
+    PrecisionAwareAdamW,
+    conversion_note,
+    saved_moment_dtypes,
+)
 
 StepResult = Tuple[bool, Optional[float], Optional[int]]
 
@@ -37,11 +44,18 @@ class MegatronOptimizer:
         grad_scaler: Optional[GradScaler],
         clip_grad: float,
         log_num_zeros_in_grad: bool = False,
+        main_grads_dtype: Optional[torch.dtype] = None,
     ) -> None:
         self.optimizer = optimizer
         self.grad_scaler = grad_scaler
         self.clip_grad = clip_grad
         self.log_num_zeros_in_grad = log_num_zeros_in_grad
+        # --main-grads-dtype bf16: the gradients live in these buffers (megatron.main_grads).
+        self.main_grad_buffers = (
+            attach_main_grads(self._params(), main_grads_dtype)
+            if main_grads_dtype is not None
+            else []
+        )
 
     @property
     def param_groups(self) -> List[Dict[str, Any]]:
@@ -60,6 +74,8 @@ class MegatronOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients of every parameter this optimizer updates."""
         self.optimizer.zero_grad(set_to_none=set_to_none)
+        for buffer in self.main_grad_buffers:
+            buffer.zero()
 
     @torch.no_grad()
     def step(self) -> StepResult:
@@ -168,9 +184,9 @@ class MegatronOptimizer:
         """
         first_expert_rank = parallel_state.get_expert_model_parallel_rank() == 0
         return [
-            param.grad
+            gradient(param)
             for param in self._params()
-            if param.grad is not None
+            if gradient(param) is not None
             and counted_across_model_parallel_ranks(param)
             and (is_expert_parameter(param) or first_expert_rank)
         ]
@@ -179,7 +195,7 @@ class MegatronOptimizer:
         return [param for group in self.optimizer.param_groups for param in group["params"]]
 
     def _grads(self) -> List[torch.Tensor]:
-        return [param.grad for param in self._params() if param.grad is not None]
+        return [gradient(param) for param in self._params() if gradient(param) is not None]
 
     def _device(self) -> torch.device:
         return self._params()[0].device
@@ -208,8 +224,31 @@ def build_optimizer(
 
     Weight decay applies to weight matrices and embeddings only (Megatron's grouping); the
     groups carry `wd_mult` 1.0/0.0 so the LR scheduler keeps it that way. fp16 gets a dynamic
-    loss scaler, or a constant one with `--loss-scale`; bf16 and fp32 have none.
+    loss scaler, or a constant one with `--loss-scale`; bf16 and fp32 have none. With
+    --use-precision-aware-optimizer or --optimizer-cpu-offload the AdamW is
+    `PrecisionAwareAdamW`, and --main-grads-dtype bf16 gives the parameters main gradients.
     """
+    optimizer, grad_scaler = build_inner_optimizer(model, optimizer_config, training_config)
+    return MegatronOptimizer(
+        optimizer,
+        grad_scaler,
+        optimizer_config.clip_grad,
+        log_num_zeros_in_grad,
+        main_grads_dtype(optimizer_config),
+    )
+
+
+def main_grads_dtype(config: OptimizerConfig) -> Optional[torch.dtype]:
+    """The dtype of main gradients (--main-grads-dtype), or None where `.grad` is used."""
+    if not config.use_precision_aware_optimizer or config.main_grads_dtype == "fp32":
+        return None
+    return DTYPES[config.main_grads_dtype]
+
+
+def build_inner_optimizer(
+    model: nn.Module, optimizer_config: OptimizerConfig, training_config: TrainingConfig
+) -> Tuple[torch.optim.Optimizer, Optional[GradScaler]]:
+    """The torch optimizer over `model`'s parameter groups, and the fp16 loss scaler."""
     config = optimizer_config
     decay, no_decay = param_groups_for_weight_decay(model, config.weight_decay)
     decay["wd_mult"], no_decay["wd_mult"] = 1.0, 0.0
@@ -218,11 +257,26 @@ def build_optimizer(
         raise ValueError("the model has no trainable parameters (all have requires_grad=False)")
     params = decay["params"] + no_decay["params"]
 
-    if config.optimizer == "adam":
+    if config.optimizer == "adam" and (
+        config.use_precision_aware_optimizer or config.optimizer_cpu_offload
+    ):
+        optimizer: torch.optim.Optimizer = PrecisionAwareAdamW(
+            param_groups,
+            lr=config.lr,
+            weight_decay=config.weight_decay,
+            betas=(config.adam_beta1, config.adam_beta2),
+            eps=config.adam_eps,
+            exp_avg_dtype=DTYPES[config.exp_avg_dtype],
+            exp_avg_sq_dtype=DTYPES[config.exp_avg_sq_dtype],
+            offload_fraction=config.optimizer_offload_fraction
+            if config.optimizer_cpu_offload
+            else 0.0,
+        )
+    elif config.optimizer == "adam":
         kernel: Dict[str, Any] = {}
         if all(param.is_cuda for param in params) and _adamw_has_fused():
             kernel["fused"] = True
-        optimizer: torch.optim.Optimizer = torch.optim.AdamW(
+        optimizer = torch.optim.AdamW(
             param_groups,
             lr=config.lr,
             weight_decay=config.weight_decay,
@@ -253,7 +307,7 @@ def build_optimizer(
                 growth_interval=int(config.loss_scale_window),
                 hysteresis=config.hysteresis,
             )
-    return MegatronOptimizer(optimizer, grad_scaler, config.clip_grad, log_num_zeros_in_grad)
+    return optimizer, grad_scaler
 
 
 def _adamw_has_fused() -> bool:
@@ -292,6 +346,11 @@ def load_keeping_kernel_flags(optimizer: torch.optim.Optimizer, state: Dict[str,
         {key: group[key] for key in ("fused", "foreach") if key in group}
         for group in optimizer.param_groups
     ]
+    if isinstance(optimizer, torch.optim.AdamW):
+        # torch casts the moments to the parameters' fp32; say so when they were not.
+        saved = saved_moment_dtypes(state)
+        kept = {key: torch.float32 for key in saved}
+        optimizer.loaded_state_conversion = conversion_note(saved, kept)
     optimizer.load_state_dict(state)
     for group, flags in zip(optimizer.param_groups, kernel_flags):
         group.update(flags)
@@ -328,7 +387,8 @@ def _per_tensor_norms(grads: List[torch.Tensor]) -> List[torch.Tensor]:
     """
     if grads[0].device.type == "cpu":
         return torch._foreach_norm(grads, 2.0, dtype=torch.float64)
-    return torch._foreach_norm(grads, 2.0)
+    # bf16 main gradients are summed in fp32 (a bf16 norm would keep 3 significant digits).
+    return torch._foreach_norm(grads, 2.0, dtype=torch.float32)
 
 
 def _count_zeros(grads: List[torch.Tensor]) -> int:

@@ -13,6 +13,7 @@ from torch import nn
 from megatron.collectives import all_gather_single as _all_gather
 from megatron.collectives import reduce_scatter_single as _reduce_scatter
 from megatron.expert_parameters import is_expert_parameter
+from megatron.main_grads import MainGradBuffer
 
 
 class ShardedBuffer:
@@ -21,7 +22,9 @@ class ShardedBuffer:
 
     The parameters become views into `param_buffer`; `grad_buffer` has the same layout, and
     `shard_grad` receives this rank's shard of the reduced gradients. Gradients are divided by
-    `grad_divisor` after the sum over the group.
+    `grad_divisor` after the sum over the group. With a `grad_dtype` other than the parameters'
+    (`--main-grads-dtype bf16`) the grad buffer holds main gradients (megatron.main_grads):
+    each parameter's `main_grad` is its view, filled by a hook, and `.grad` stays None.
     """
 
     def __init__(
@@ -31,6 +34,7 @@ class ShardedBuffer:
         size: int,
         rank: int,
         grad_divisor: int,
+        grad_dtype: Optional[torch.dtype] = None,
     ) -> None:
         self.params = params
         self.group = group
@@ -46,9 +50,15 @@ class ShardedBuffer:
         self.shard_start = rank * self.shard_size
         padded = self.shard_size * size
         dtype, device = params[0].dtype, params[0].device
+        grad_dtype = grad_dtype or dtype
         self.param_buffer = torch.zeros(padded, dtype=dtype, device=device)
-        self.grad_buffer = torch.zeros(padded, dtype=dtype, device=device)
-        self.shard_grad = torch.zeros(self.shard_size, dtype=dtype, device=device)
+        self.grad_buffer = torch.zeros(padded, dtype=grad_dtype, device=device)
+        self.shard_grad = torch.zeros(self.shard_size, dtype=grad_dtype, device=device)
+        self.main_grads = (
+            MainGradBuffer(params, grad_dtype, self.grad_buffer, self.offsets)
+            if grad_dtype != dtype
+            else None
+        )
         with torch.no_grad():
             for param, offset in zip(params, self.offsets):
                 view = self.param_buffer[offset : offset + param.numel()]
@@ -84,13 +94,19 @@ class ShardedBuffer:
             dist.broadcast(self.param_buffer, src=source, group=self.group)
 
     def bind_grads(self) -> None:
-        """Zero the grad buffer and make every `param.grad` its view, for backward to fill."""
+        """Zero the grad buffer and make every `param.grad` its view, for backward to fill
+        (main gradients: they are views already)."""
+        if self.main_grads is not None:
+            self.main_grads.zero()
+            return
         self.grad_buffer.zero_()
         for index, param in enumerate(self.params):
             param.grad = self.grad_view(index)
 
     def collect_grads(self) -> None:
         """Bring grads that do not live in the buffer (None, or re-created) into it."""
+        if self.main_grads is not None:
+            return  # the hooks added every gradient into the buffer
         for index, param in enumerate(self.params):
             view = self.grad_view(index)
             if param.grad is None:

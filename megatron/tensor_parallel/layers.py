@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron import parallel_state
+from megatron.main_grads import gradient
 from megatron.parameter_swaps import replace_parameter
 from megatron.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
@@ -78,9 +79,9 @@ def all_reduce_sequence_parallel_grads(params: Iterable[torch.Tensor]) -> None:
     if parallel_state.get_tensor_model_parallel_world_size() == 1:
         return
     grads = [
-        param.grad
+        gradient(param)
         for param in params
-        if getattr(param, "sequence_parallel", False) and param.grad is not None
+        if getattr(param, "sequence_parallel", False) and gradient(param) is not None
     ]
     if not grads:
         return

@@ -178,3 +178,52 @@ def test_an_unknown_kernel_mode_names_the_variable(monkeypatch):
     monkeypatch.setenv("MOE_KERNELS", "fast")
     message = error_message()
     assert "MOE_KERNELS='fast'" in message and "auto, triton, reference" in message
+
+
+@pytest.mark.parametrize(
+    "extra, expected",
+    [
+        (("--exp-avg-dtype", "bf16"), ["--exp-avg-dtype bf16", "--use-precision-aware-optimizer"]),
+        (("--main-grads-dtype", "bf16"), ["--main-grads-dtype bf16", "--use-precision-aware"]),
+        (
+            ("--use-precision-aware-optimizer", "--main-params-dtype", "fp16"),
+            ["--main-params-dtype fp16", "fp32 master weights"],
+        ),
+        (
+            ("--use-precision-aware-optimizer", "--exp-avg-sq-dtype", "fp16"),
+            ["--exp-avg-sq-dtype fp16", "underflows", "bf16"],
+        ),
+        (
+            ("--use-precision-aware-optimizer", "--optimizer", "sgd"),
+            ["--use-precision-aware-optimizer", "--optimizer adam", "sgd"],
+        ),
+        (("--optimizer-cpu-offload", "--optimizer", "sgd"), ["--optimizer-cpu-offload", "sgd"]),
+        (("--optimizer-offload-fraction", "1.5"), ["--optimizer-offload-fraction", "[0, 1]"]),
+        (
+            (
+                "--use-precision-aware-optimizer", "--main-grads-dtype", "bf16",
+                "--accumulate-allreduce-grads-in-fp32",
+            ),
+            ["--main-grads-dtype bf16", "--accumulate-allreduce-grads-in-fp32"],
+        ),
+    ],
+)  # fmt: skip
+def test_optimizer_state_flags_that_cannot_work_are_refused(extra, expected):
+    message = error_message(*extra)
+    assert "\n" not in message
+    for part in expected:
+        assert part in message, message
+
+
+def test_precision_aware_flags_reach_the_config():
+    built = config(
+        "--use-precision-aware-optimizer", "--main-grads-dtype", "bf16",
+        "--exp-avg-dtype", "bf16", "--optimizer-cpu-offload",
+        "--optimizer-offload-fraction", "0.25", "--bf16",
+    )  # fmt: skip
+    optimizer = built.optimizer
+    assert optimizer.use_precision_aware_optimizer and optimizer.main_grads_dtype == "bf16"
+    assert optimizer.exp_avg_dtype == "bf16" and optimizer.exp_avg_sq_dtype == "fp32"
+    assert optimizer.optimizer_cpu_offload and optimizer.optimizer_offload_fraction == 0.25
+    # bf16 main gradients replace Megatron's fp32 accumulation note.
+    assert not built.arguments["accumulate_allreduce_grads_in_fp32"]

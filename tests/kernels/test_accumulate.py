@@ -80,6 +80,26 @@ def test_other_layouts_go_to_torch(launches):
     assert launches["n"] == 0
 
 
+@interpreted
+@pytest.mark.parametrize("second", [False, True])
+def test_bf16_total_is_summed_in_fp32_and_rounded_once(launches, second):
+    """A bf16 main gradient: (total + first) + second in fp32, one rounding to bf16, as the
+    reference computes it; closer to the exact sum than two bf16 adds."""
+    generator = torch.Generator().manual_seed(3)
+    total, first, other = (
+        torch.randn(module.BLOCK + 9, generator=generator).bfloat16() for _ in range(3)
+    )
+    addend = other if second else None
+    expected = total.float().add_(first)
+    if second:
+        expected.add_(other)
+    expected = expected.bfloat16()
+    reference = accumulate_reference_(total.clone(), first, addend)
+    accumulate_(total, first, addend)
+    assert torch.equal(total, expected) and torch.equal(reference, expected)
+    assert launches["n"] == 1
+
+
 def test_reference_is_torch_add():
     total, addend = _pair((5,), torch.bfloat16)
     expected = total.clone() + addend.float()

@@ -1,0 +1,95 @@
+"""Main gradients in a lower precision than the parameters (`--main-grads-dtype bf16`).
+
+The model's parameters are fp32 (they are the master weights; mixed precision is autocast), and
+autograd insists that a parameter's `.grad` has the parameter's dtype. A bf16 gradient therefore
+lives beside it, as Megatron-Core's `param.main_grad`: a view of one flat buffer per dtype that
+backward accumulates into through a post-accumulate-grad hook (each micro-batch's fp32 `.grad`
+is added in and dropped), or directly where a layer adds its own gradients (moe.weight_copies).
+Whatever reads or reduces a gradient after backward takes `gradient(param)`, which is the main
+gradient where there is one and `.grad` otherwise.
+
+torch DDP reduces `.grad` from its own autograd hooks, which the hook here would race; with
+main gradients the data-parallel reduction is `megatron.distributed.
+all_reduce_data_parallel_gradients` after the last backward instead (megatron.parallelize).
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import torch
+from torch import nn
+
+MAIN_GRAD = "main_grad"
+
+
+def gradient(param: torch.Tensor) -> Optional[torch.Tensor]:
+    """The gradient the step uses: `param.main_grad` if it has one, else `param.grad`."""
+    main_grad = getattr(param, MAIN_GRAD, None)
+    return main_grad if main_grad is not None else param.grad
+
+
+def has_main_grad(param: torch.Tensor) -> bool:
+    """Whether `param` accumulates into a main gradient (`attach_main_grads`)."""
+    return getattr(param, MAIN_GRAD, None) is not None
+
+
+def _add_to_main_grad(param: torch.Tensor) -> None:
+    # Runs once autograd has accumulated this backward's gradient into `.grad`.
+    param.main_grad.add_(param.grad)
+    param.grad = None
+
+
+class MainGradBuffer:
+    """One flat buffer of `dtype` holding the main gradients of `params` (all on one device),
+    each parameter's `main_grad` a view of it; `zero()` clears them for the next step.
+
+    `buffer` may be given (the distributed optimizer lays out its own grad buffer); `offsets`
+    then says where each parameter's gradient starts in it.
+    """
+
+    def __init__(
+        self,
+        params: Sequence[nn.Parameter],
+        dtype: torch.dtype,
+        buffer: Optional[torch.Tensor] = None,
+        offsets: Optional[Sequence[int]] = None,
+    ) -> None:
+        self.params: List[nn.Parameter] = list(params)
+        if offsets is None:
+            offsets, total = [], 0
+            for param in self.params:
+                offsets.append(total)
+                total += param.numel()
+        else:
+            total = max((o + p.numel() for o, p in zip(offsets, self.params)), default=0)
+        if buffer is None:
+            device = self.params[0].device if self.params else torch.device("cpu")
+            buffer = torch.zeros(total, dtype=dtype, device=device)
+        self.buffer = buffer
+        self._hooks = []
+        for param, offset in zip(self.params, offsets):
+            param.main_grad = buffer[offset : offset + param.numel()].view_as(param)
+            self._hooks.append(param.register_post_accumulate_grad_hook(_add_to_main_grad))
+
+    def zero(self) -> None:
+        """Clear every main gradient (and any `.grad` a backward left behind)."""
+        self.buffer.zero_()
+        for param in self.params:
+            param.grad = None
+
+    def detach(self) -> None:
+        """Remove the hooks and the `main_grad` views (the parameters go back to `.grad`)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        for param in self.params:
+            param.main_grad = None
+
+
+def attach_main_grads(params: Sequence[nn.Parameter], dtype: torch.dtype) -> List[MainGradBuffer]:
+    """Main gradients of `dtype` for `params`, one buffer per device; see the module docstring."""
+    by_device: dict = {}
+    for param in params:
+        by_device.setdefault(param.device, []).append(param)
+    return [MainGradBuffer(group, dtype) for group in by_device.values()]
