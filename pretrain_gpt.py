@@ -43,6 +43,7 @@ from megatron.initialize import (
     world_size_from_environment,
 )
 from megatron.kernels.dispatch import kernel_mode_set
+from megatron.memory_plan import device_memory_bytes, memory_plan_lines
 from megatron.model import DENSE_MLP, GPTModel, MlpSpec, num_floating_point_operations
 from megatron.parallel_state import destroy_model_parallel
 from megatron.parallelize import parallelize
@@ -208,6 +209,12 @@ def _expert_parallel_size(moe: Optional[MoEConfig]) -> int:
     return moe.expert_model_parallel_size if moe is not None else 1
 
 
+def build_mlp_spec(config: Config) -> MlpSpec:
+    """The MoE layers' spec when the run has MoE flags, else the dense MLP's."""
+    moe = config.extension(MoEConfig)
+    return MoEMlpSpec(moe) if moe is not None else DENSE_MLP
+
+
 def _setup_and_train(
     config: Config,
     tokenizer: MegatronTokenizer,
@@ -228,11 +235,15 @@ def _setup_and_train(
         print_rank_0(f"note: {note}")
     for line in tokenizer_lines:
         print_rank_0(line)
+    # Before any compile or data work: a run that will not fit says so, and what would.
+    if context.is_first:
+        for line in memory_plan_lines(config, build_mlp_spec, device_memory_bytes(context.device)):
+            print(line, flush=True)
     print_rank_0(f"> setting random seeds to {config.training.seed} ...")
     set_random_seed(config.training.seed)
 
     print_rank_0("building GPT model ...")
-    mlp_spec: MlpSpec = MoEMlpSpec(moe) if moe is not None else DENSE_MLP
+    mlp_spec = build_mlp_spec(config)
     with torch.device("meta"):  # no memory yet: parallelize keeps this rank's shards only
         whole_model = GPTModel(config.model, mlp_spec)
     hooks = TrainingHooks()

@@ -7,13 +7,15 @@ capacity, per `MoEConfig.dropless`, moe.layers); the others keep the dense MLP.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence, Tuple
 
 from torch import nn
 
-from megatron.config import ModelConfig
-from megatron.model.mlp import MlpSpec, dense_mlp_flops_per_token
+from megatron.config import Config, ModelConfig
+from megatron.model.mlp import MlpMemory, MlpSpec, dense_mlp_flops_per_token
 from moe.config import MoEConfig
 from moe.layers import build_moe_layer
+from moe.memory_plan import moe_activation_bytes_per_token, moe_memory
 
 
 @dataclass(frozen=True)
@@ -42,3 +44,17 @@ class MoEMlpSpec(MlpSpec):
             shared_ffn = self.moe.shared_expert_ffn_hidden_size or ffn
             shared = dense_mlp_flops_per_token(hidden, shared_ffn, config.swiglu)
         return experts + router + shared
+
+    def activation_bytes_per_token(
+        self, config: ModelConfig, layer_number: int, compute_bytes: int
+    ) -> Tuple[float, float]:
+        """The MoE layer's routed activations, balanced and at the worst imbalance
+        (moe.memory_plan), in place of the dense MLP's."""
+        if not self.moe.is_moe_layer(layer_number):
+            return super().activation_bytes_per_token(config, layer_number, compute_bytes)
+        return moe_activation_bytes_per_token(config, self.moe, compute_bytes)
+
+    def memory(self, config: Config, layer_numbers: Sequence[int]) -> MlpMemory:
+        """The expert weights' compute copies and held gradients, or their casts per
+        micro-batch (moe.memory_plan)."""
+        return moe_memory(config, self.moe, layer_numbers)

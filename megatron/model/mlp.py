@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 if TYPE_CHECKING:
-    from megatron.config import ModelConfig
+    from megatron.config import Config, ModelConfig
 
 
 class MLP(nn.Module):
@@ -62,6 +63,52 @@ class MlpSpec:
     def forward_flops_per_token(self, config: ModelConfig, layer_number: int) -> int:
         """Matmul FLOPs of one token's forward through that module (megatron.model.flops)."""
         return dense_mlp_flops_per_token(config.hidden_size, config.ffn_hidden_size, config.swiglu)
+
+    def activation_bytes_per_token(
+        self, config: ModelConfig, layer_number: int, compute_bytes: int
+    ) -> Tuple[float, float]:
+        """Bytes that module keeps for backward per token of a training forward, from its
+        input on (megatron.memory_plan): (expected, worst case). They differ for modules whose
+        work per token depends on the data, such as routed experts."""
+        per_token = dense_mlp_activation_bytes_per_token(
+            config.hidden_size,
+            config.ffn_hidden_size // config.tensor_model_parallel_size,
+            config.swiglu,
+            compute_bytes,
+        )
+        return per_token, per_token
+
+    def memory(self, config: Config, layer_numbers: Sequence[int]) -> MlpMemory:
+        """What the modules of layers `layer_numbers` (a rank's pipeline stage) hold beyond
+        their parameters, gradients and the activations of `activation_bytes_per_token`
+        (megatron.memory_plan); the dense MLP holds nothing more."""
+        return MlpMemory()
+
+
+@dataclass(frozen=True)
+class MlpMemory:
+    """Bytes per rank an MlpSpec's modules add to the memory planner's parts: persistent
+    compute-dtype copies of weights, gradients held from one micro-batch to the next, weight
+    casts each in-flight micro-batch saves for its backward, and how many weight elements get
+    their gradients from the modules themselves rather than as autograd's fp32 `.grad`."""
+
+    weight_copies: int = 0
+    held_gradients: int = 0
+    casts_per_micro_batch: int = 0
+    self_accumulated_weights: int = 0
+
+
+def dense_mlp_activation_bytes_per_token(
+    hidden_size: int, local_ffn_hidden_size: int, gated: bool, compute_bytes: int
+) -> int:
+    """Bytes `MLP.forward` keeps per token for backward under autocast (`compute_bytes` 2 for
+    bf16/fp16, 4 in fp32): fc1's input cast to the compute dtype, fc1's output (which the
+    activation saves; SwiGLU's two halves), the activation's output (fc2's input), and with
+    SwiGLU silu(gate) too (the product saves it and `up`)."""
+    ffn = local_ffn_hidden_size
+    fc1_output = 2 * ffn if gated else ffn
+    gate_activation = ffn if gated else 0
+    return compute_bytes * (hidden_size + fc1_output + gate_activation + ffn)
 
 
 def dense_mlp_flops_per_token(hidden_size: int, ffn_hidden_size: int, gated: bool) -> int:

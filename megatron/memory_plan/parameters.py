@@ -1,0 +1,159 @@
+"""Exact parameter counts per rank, from the model built on the meta device.
+
+The whole model is built as one process builds it (`GPTModel(config.model, mlp_spec)` on the
+meta device: no memory), then counted by part: embedding, each layer, final norm, output layer.
+Sharding follows megatron.parallelize without process groups:
+- tensor parallelism by the module names its step splits (column-parallel `linear_qkv`,
+  `linear_fc1` and the output layer: weight and bias; row-parallel `linear_proj`, `linear_fc2`:
+  the weight, the bias stays whole; the word embedding by vocabulary rows); modules of an
+  extension split themselves (`apply_tensor_parallel(size, 0, sequence_parallel)` on the meta
+  model, then their shards carry `tensor_model_parallel`);
+- expert parallelism by the extension's own `place_experts(size, 0)`, whose parameters are then
+  marked (megatron.expert_parameters);
+- pipeline parallelism by megatron.pipeline.stages' layer split, the embedding on the first
+  stage and the final norm and output layer on the last (with tied embeddings a last stage
+  without the table holds a copy of it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, List, Tuple
+
+import torch
+from torch import nn
+
+from megatron.expert_parameters import is_expert_parameter
+from megatron.model import GPTModel, MlpSpec
+from megatron.pipeline.stages import stage_layer_numbers
+
+if TYPE_CHECKING:
+    from megatron.config import Config
+
+# Names of the linear layers megatron.parallelize splits, and how.
+COLUMN_PARALLEL = ("linear_qkv", "linear_fc1", "output_layer")
+ROW_PARALLEL = ("linear_proj", "linear_fc2")
+
+
+@dataclass(frozen=True)
+class ParameterCounts:
+    """Parameter elements one rank holds, by kind.
+
+    `dense` and `expert` split them by replica group (data-parallel vs expert-data-parallel);
+    `matmul_weights` are the non-expert ones autocast casts to the compute dtype in every
+    forward (linear layers and the output layer's weight).
+    """
+
+    dense: int = 0
+    expert: int = 0
+    matmul_weights: int = 0
+
+    @property
+    def total(self) -> int:
+        """Every element on the rank."""
+        return self.dense + self.expert
+
+    def __add__(self, other: ParameterCounts) -> ParameterCounts:
+        return ParameterCounts(
+            self.dense + other.dense,
+            self.expert + other.expert,
+            self.matmul_weights + other.matmul_weights,
+        )
+
+
+@dataclass(frozen=True)
+class ModelParameterCounts:
+    """One rank's share of each part of the whole model (layers by global number)."""
+
+    embedding: ParameterCounts
+    layers: Tuple[ParameterCounts, ...]
+    final_norm: ParameterCounts
+    output_layer: ParameterCounts  # the untied output layer, or the tied table's copy
+    tied: bool
+
+    def stage(self, config: Config, pipeline_rank: int) -> ParameterCounts:
+        """What pipeline stage `pipeline_rank` holds (all its virtual chunks)."""
+        parallel = config.parallel
+        size = parallel.pipeline_model_parallel_size
+        virtual = parallel.virtual_pipeline_model_parallel_size
+        numbers: List[int] = []
+        for chunk in range(virtual or 1):
+            numbers += stage_layer_numbers(
+                len(self.layers), size, pipeline_rank, virtual, chunk if virtual else None
+            )
+        counts = sum((self.layers[n] for n in numbers), ParameterCounts())
+        first, last = pipeline_rank == 0, pipeline_rank == size - 1
+        if first:
+            counts = counts + self.embedding
+        if last:
+            counts = counts + self.final_norm
+            if self.tied and first:
+                # The logits multiply by the word table itself: only its autocast cast is new.
+                counts = counts + ParameterCounts(matmul_weights=self.output_layer.dense)
+            else:
+                counts = counts + self.output_layer
+        return counts
+
+
+def count_parameters(config: Config, mlp_spec: MlpSpec) -> ModelParameterCounts:
+    """This rank's share of the model `config` and `mlp_spec` build, counted on the meta device
+    (see the module docstring for the sharding rules)."""
+    model_config = config.model
+    tensor = model_config.tensor_model_parallel_size
+    expert = _expert_parallel_size(config)
+    with torch.device("meta"):
+        model = GPTModel(model_config, mlp_spec)
+    for module in list(model.modules()):
+        if expert > 1 and callable(getattr(module, "place_experts", None)):
+            module.place_experts(expert, 0)
+        if tensor > 1 and callable(getattr(module, "apply_tensor_parallel", None)):
+            module.apply_tensor_parallel(tensor, 0, model_config.sequence_parallel)
+    if model.output_layer is not None:
+        output_layer = _count(model.output_layer, tensor, name="output_layer")
+    else:  # tied: a last stage without the table holds a copy (megatron.pipeline.stages)
+        table = model.embedding.word_embeddings.weight.numel() // tensor
+        output_layer = ParameterCounts(dense=table, matmul_weights=table)
+    return ModelParameterCounts(
+        embedding=_count(model.embedding, tensor),
+        layers=tuple(_count(layer, tensor) for layer in model.decoder.layers),
+        final_norm=_count(model.decoder.final_layernorm, tensor),
+        output_layer=output_layer,
+        tied=model.output_layer is None,
+    )
+
+
+def _expert_parallel_size(config: Config) -> int:
+    """The expert-parallel size an extension config carries (MoEConfig's field), else 1."""
+    sizes = [getattr(ext, "expert_model_parallel_size", 1) for ext in config.extensions]
+    return max(sizes, default=1)
+
+
+def _count(module: nn.Module, tensor: int, name: str = "") -> ParameterCounts:
+    """Elements of `module`'s parameters on tensor-parallel rank 0 of `tensor`, by kind."""
+    dense = expert = matmul = 0
+    for module_name, owner in module.named_modules(prefix=name):
+        last = module_name.rsplit(".", 1)[-1]
+        for parameter_name, parameter in owner.named_parameters(recurse=False):
+            elements = _local_elements(owner, last, parameter_name, parameter, tensor)
+            if is_expert_parameter(parameter):
+                expert += elements
+            else:
+                dense += elements
+                if isinstance(owner, nn.Linear):
+                    matmul += elements
+    return ParameterCounts(dense, expert, matmul)
+
+
+def _local_elements(
+    owner: nn.Module, name: str, parameter_name: str, parameter: nn.Parameter, tensor: int
+) -> int:
+    numel = parameter.numel()
+    if tensor == 1 or getattr(parameter, "tensor_model_parallel", False):
+        return numel  # whole, or already this rank's shard (an extension split it)
+    if isinstance(owner, nn.Linear) and name in COLUMN_PARALLEL:
+        return numel // tensor
+    if isinstance(owner, nn.Linear) and name in ROW_PARALLEL and parameter_name == "weight":
+        return numel // tensor
+    if isinstance(owner, nn.Embedding) and name == "word_embeddings":
+        return numel // tensor
+    return numel

@@ -1,0 +1,279 @@
+"""The memory planner (megatron.memory_plan): exact parameter counts, the bytes per parameter
+of each option, the activation formulas against what autograd really saves, the suggestions,
+and tools/estimate_memory.py."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Callable, Sequence
+
+import pytest
+import torch
+
+from megatron.config import Config
+from megatron.memory_plan import GIB, count_parameters, estimate_memory, format_estimate_line
+from megatron.memory_plan.activations import layer_bytes_per_token, norm_bytes_per_token
+from megatron.memory_plan.suggestions import format_warning, suggest_fits
+from megatron.model import GPTModel
+from pretrain_gpt import build_mlp_spec
+from tests.tiny_gpt import sharded_gpt_model
+from tools.estimate_memory import build_config
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+TINY = (
+    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+    "--max-position-embeddings 32 --micro-batch-size 2 --global-batch-size 4 --lr 1e-3 "
+    "--train-iters 2 --bf16 --make-vocab-size-divisible-by 128"
+).split()
+GQA_SWIGLU = "--group-query-attention --num-query-groups 2 --swiglu --normalization RMSNorm --position-embedding-type rope --untie-embeddings-and-output-weights".split()
+DMOE = "--moe-num-experts 4 --moe-top-k 2".split()
+DMOE_125M = (
+    "--num-layers 12 --hidden-size 768 --num-attention-heads 12 --seq-length 1024 "
+    "--max-position-embeddings 1024 --micro-batch-size 64 --global-batch-size 512 --lr 6e-4 "
+    "--train-iters 10 --bf16 --make-vocab-size-divisible-by 1024 --moe-num-experts 64 "
+    "--moe-top-k 1 --moe-impl grouped"
+).split()
+# A tolerance for formulas that count every saved tensor: only a few scalars are left out.
+TOLERANCE = 0.02
+
+
+def config_of(*flags: str, world_size: int = 1) -> Config:
+    config, _ = build_config([*TINY, *flags], world_size)
+    return config
+
+
+def real_model(config: Config) -> GPTModel:
+    return sharded_gpt_model(config.model, build_mlp_spec(config))
+
+
+@pytest.mark.parametrize("flags", [(), GQA_SWIGLU, DMOE], ids=["dense", "gqa-swiglu", "dmoe"])
+def test_parameter_count_is_exact(flags):
+    config = config_of(*flags)
+    counts = count_parameters(config, build_mlp_spec(config)).stage(config, 0)
+    model = real_model(config)
+    assert counts.total == sum(p.numel() for p in model.parameters())
+    estimate = estimate_memory(config, build_mlp_spec(config))
+    assert estimate.weights == sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def test_tensor_parallel_shards_the_split_layers_only():
+    config = config_of("--tensor-model-parallel-size", "2", world_size=2)
+    # The same model (vocabulary padded for TP 2) on one rank.
+    single = dataclasses.replace(
+        config, model=dataclasses.replace(config.model, tensor_model_parallel_size=1)
+    )
+    whole = count_parameters(single, build_mlp_spec(single)).stage(single, 0)
+    shard = count_parameters(config, build_mlp_spec(config)).stage(config, 0)
+    split = sum(
+        p.numel()
+        for name, p in real_model(single).named_parameters()
+        if any(key in name for key in ("linear_qkv", "linear_fc1", "word_embeddings"))
+        or (("linear_proj" in name or "linear_fc2" in name) and name.endswith("weight"))
+    )
+    assert whole.total == sum(p.numel() for p in real_model(single).parameters())
+    assert shard.total == whole.total - split // 2
+
+
+def test_expert_parallel_and_distributed_optimizer_shard_experts_and_state():
+    single = config_of(*DMOE, world_size=2)
+    expert = config_of(*DMOE, "--expert-model-parallel-size", "2", world_size=2)
+    single_counts = count_parameters(single, build_mlp_spec(single)).stage(single, 0)
+    expert_counts = count_parameters(expert, build_mlp_spec(expert)).stage(expert, 0)
+    experts = sum(p.numel() for n, p in real_model(single).named_parameters() if ".experts." in n)
+    assert expert_counts.expert == experts // 2
+    assert expert_counts.total == single_counts.total - experts // 2
+    plain = estimate_memory(single, build_mlp_spec(single))
+    sharded_config = config_of(*DMOE, "--use-distributed-optimizer", world_size=2)
+    sharded = estimate_memory(sharded_config, build_mlp_spec(sharded_config))
+    assert sharded.optimizer == pytest.approx(plain.optimizer / 2, abs=16)
+    # The full grad buffer stays; an fp32 shard of it is added.
+    assert sharded.gradients == pytest.approx(plain.gradients * 1.5, abs=16)
+
+
+def test_pipeline_stages_add_up_to_the_model_and_the_tied_copy():
+    config = config_of("--pipeline-model-parallel-size", "2", world_size=2)
+    counts = count_parameters(config, build_mlp_spec(config))
+    whole = config_of()
+    total = count_parameters(whole, build_mlp_spec(whole)).stage(whole, 0).total
+    table = whole.model.padded_vocab_size * whole.model.hidden_size
+    assert counts.stage(config, 0).total + counts.stage(config, 1).total == total + table
+
+
+def test_optimizer_dtype_and_offload_options_change_their_parts():
+    base = estimate_memory(config_of(), build_mlp_spec(config_of()))
+    parameters = base.weights // 4
+    assert base.gradients == 4 * parameters and base.optimizer == 8 * parameters
+    low = config_of(
+        "--use-precision-aware-optimizer",
+        "--main-grads-dtype",
+        "bf16",
+        "--exp-avg-dtype",
+        "bf16",
+        "--exp-avg-sq-dtype",
+        "bf16",
+    )
+    low_estimate = estimate_memory(low, build_mlp_spec(low), step_chunk_elements=1000)
+    assert low_estimate.optimizer == 4 * parameters
+    # bf16 main gradients, and one parameter's fp32 .grad at a time (the word embeddings').
+    embeddings = low.model.padded_vocab_size * low.model.hidden_size
+    assert low_estimate.gradients == 2 * parameters + 4 * embeddings
+    assert low_estimate.optimizer_step_buffers == 16 * 1000
+    offload = config_of("--optimizer-cpu-offload", "--optimizer-offload-fraction", "0.5")
+    assert estimate_memory(offload, build_mlp_spec(offload)).optimizer == 4 * parameters
+    assert estimate_memory(offload, build_mlp_spec(offload)).weights == base.weights
+
+
+def test_expert_copies_and_the_held_gradient():
+    config = config_of(*DMOE)
+    experts = sum(p.numel() for n, p in real_model(config).named_parameters() if ".experts." in n)
+    estimate = estimate_memory(config, build_mlp_spec(config))
+    assert estimate.expert_weight_copies == 2 * experts
+    assert estimate.held_gradients == 2 * experts
+    # bf16 main gradients hold one micro-batch's expert gradients too (moe.weight_copies).
+    low = config_of(*DMOE, "--use-precision-aware-optimizer", "--main-grads-dtype", "bf16")
+    assert estimate_memory(low, build_mlp_spec(low)).held_gradients == 2 * experts
+    unfused = config_of(*DMOE, "--no-gradient-accumulation-fusion")
+    unfused_estimate = estimate_memory(unfused, build_mlp_spec(unfused))
+    assert unfused_estimate.expert_weight_copies == 0
+    assert unfused_estimate.weight_casts - estimate.weight_casts == 2 * experts
+
+
+def saved_bytes(run: Callable[[], torch.Tensor]) -> int:
+    """Bytes of the distinct storages autograd saves for backward while `run` runs."""
+    storages = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        run()
+    return sum(storages.values())
+
+
+def measure_decoder(config: Config, batches: Sequence[int]) -> list:
+    """Saved bytes of the decoder's training forward under bf16 autocast at each batch size."""
+    from megatron.parallelize import apply_activation_recomputation
+    from moe.experts import refresh_compute_weights
+
+    torch.manual_seed(0)
+    model = real_model(config)
+    apply_activation_recomputation(model, config.model)
+    model.train()
+    refresh_compute_weights(model, torch.bfloat16, True)  # the trainer's expert copies
+    hidden = config.model.hidden_size
+    measured = []
+    for batch in batches:
+        inputs = torch.randn(batch, config.model.seq_length, hidden, requires_grad=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            measured.append(saved_bytes(lambda inputs=inputs: model.decoder(inputs)))
+    return measured
+
+
+# Attention dropout off: with it, CPU SDPA falls back to the math kernel, which keeps the s x s
+# scores that the GPU's flash kernel does not. CPU dropout masks are bf16 (2 bytes).
+MEASURED = {
+    "dense": ("--hidden-dropout", "0.1", "--attention-dropout", "0.0"),
+    "gqa-swiglu-rope": (*GQA_SWIGLU, "--hidden-dropout", "0.0", "--attention-dropout", "0.0"),
+    "dmoe": (*DMOE, "--hidden-dropout", "0.0", "--attention-dropout", "0.0"),
+    "dmoe-glu": (*DMOE, "--mlp-type", "glu", "--attention-dropout", "0.0"),
+    "selective": ("--recompute-granularity", "selective", "--attention-dropout", "0.0"),
+}
+
+
+@pytest.mark.parametrize("name", list(MEASURED))
+def test_activation_formula_matches_saved_tensors(name):
+    config = config_of(*MEASURED[name])
+    model, spec = config.model, build_mlp_spec(config)
+    small, large = measure_decoder(config, (2, 6))
+    tokens = 4 * model.seq_length
+    measured_per_token = (large - small) / tokens
+    formula = sum(
+        layer_bytes_per_token(model, spec, n, 2, mask_bytes=2).expected
+        for n in range(model.num_layers)
+    ) + norm_bytes_per_token(model)
+    assert formula == pytest.approx(measured_per_token, rel=TOLERANCE)
+
+
+def test_full_recompute_keeps_only_layer_inputs():
+    flags = ("--recompute-granularity", "full", "--recompute-method", "uniform")
+    config = config_of(*flags, "--attention-dropout", "0.0")
+    small, large = measure_decoder(config, (2, 6))
+    per_token = (large - small) / (4 * config.model.seq_length)
+    model = config.model
+    checkpoints = model.num_layers * 4 * model.hidden_size
+    assert checkpoints + norm_bytes_per_token(model) == pytest.approx(per_token, rel=TOLERANCE)
+    plain = estimate_memory(config_of(), build_mlp_spec(config_of()))
+    recomputed = estimate_memory(config, build_mlp_spec(config))
+    assert recomputed.activations < plain.activations
+
+
+def test_weight_casts_are_the_intercept():
+    config = config_of("--attention-dropout", "0.0", "--hidden-dropout", "0.0")
+    small, _ = measure_decoder(config, (2, 6))
+    model = config.model
+    layers = sum(
+        layer_bytes_per_token(model, build_mlp_spec(config), n, 2, 2).expected
+        for n in range(model.num_layers)
+    )
+    per_token = layers + norm_bytes_per_token(model)
+    counts = count_parameters(config, build_mlp_spec(config))
+    casts = 2 * sum(layer.matmul_weights for layer in counts.layers)
+    assert small - per_token * 2 * model.seq_length == pytest.approx(casts, rel=TOLERANCE)
+
+
+def test_the_line_and_the_suggestions_fit():
+    config, _ = build_config(DMOE_125M, 1)
+    device = 80 * GIB
+    estimate = estimate_memory(config, build_mlp_spec(config), device)
+    line = format_estimate_line(estimate)
+    number = r"\d+\.\d"
+    assert re.fullmatch(
+        rf"> estimated peak memory per GPU: {number} GiB of 80\.0 GiB \(weights {number}, "
+        rf"gradients {number}, optimizer {number}, activations {number}, logits {number}\)",
+        line,
+    )
+    assert estimate.fits is False
+    suggestions = suggest_fits(config, build_mlp_spec, device)
+    assert suggestions and all(s.estimate.total <= device for s in suggestions)
+    # The flags say what was estimated: the same run with them gives the same number.
+    for suggestion in suggestions:
+        changed, _ = build_config([*DMOE_125M, *suggestion.flags.split()], 1)
+        again = estimate_memory(changed, build_mlp_spec(changed), device)
+        assert again.total == suggestion.estimate.total, suggestion.flags
+    assert format_warning(estimate, suggestions).startswith("WARNING: ")
+
+
+def test_unknown_device_memory_prints_unknown():
+    estimate = estimate_memory(config_of(), build_mlp_spec(config_of()))
+    assert estimate.fits is None
+    assert " GiB of unknown (" in format_estimate_line(estimate)
+    assert dataclasses.replace(estimate, device_memory=GIB).fits is not None
+
+
+def test_tool_prints_the_line_and_refuses_bad_flags():
+    tool = [sys.executable, str(REPO_ROOT / "tools" / "estimate_memory.py")]
+    run = subprocess.run([*tool, *DMOE_125M], capture_output=True, text=True, cwd=REPO_ROOT)
+    assert run.returncode == 0, run.stderr
+    assert "> estimated peak memory per GPU: " in run.stdout
+    assert "WARNING: " in run.stdout and "total, worst routing" in run.stdout
+    bad = subprocess.run([*tool, "--num-layerz", "2"], capture_output=True, text=True)
+    assert bad.returncode == 1
+    assert bad.stderr.startswith("error: ") and len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_the_planner_imports_nothing_from_moe():
+    for path in (REPO_ROOT / "megatron" / "memory_plan").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            assert not any(name == "moe" or name.startswith("moe.") for name in names), path
