@@ -1,7 +1,10 @@
 # Shared launch plumbing for the examples/gpt2_*.sh scripts; sourced, not run.
 #
 # A size script sets MODEL_ARGS (layers, hidden size, heads, init std), BATCH_ARGS (micro batch,
-# learning rates) and NPROC_PER_NODE's default, then calls `launch_pretraining NAME "$@"`.
+# learning rates) and NPROC_PER_NODE's default, then calls `launch_pretraining NAME "$@"`. It may
+# set MEMORY_CHOICES, flag sets fastest first: the memory planner (tools/estimate_memory.py
+# --choose) takes the first whose run fits this machine's GPU, and the first line printed says
+# which and why (without MEMORY_CHOICES it checks the script's own settings the same way).
 #
 # Positional arguments, each falling back to the environment variable of the same name:
 #   1 DATA_PATH   indexed-dataset prefix, or a blend "W1 PREFIX1 W2 PREFIX2 ..."
@@ -14,8 +17,9 @@
 # they override the script's values (argparse keeps the last one).
 #
 # Other environment variables: NPROC_PER_NODE, NNODES (1), NODE_RANK (0), MASTER_ADDR
-# (localhost), MASTER_PORT (6000) for torchrun; PRECISION (bf16, fp16 or fp32); DRY_RUN=1 prints
-# the command instead of running it.
+# (localhost), MASTER_PORT (6000) for torchrun; PRECISION (bf16, fp16 or fp32); GPU_MEMORY_GIB
+# (the GPU memory the memory settings are chosen for; default: this machine's first GPU, or 80
+# without one); DRY_RUN=1 prints the command instead of running it.
 
 REPO_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 
@@ -92,6 +96,34 @@ launch_pretraining() {
     [[ -f $VOCAB_FILE ]] || die "vocab file $VOCAB_FILE not found (VOCAB_FILE, second argument)"
     [[ -f $MERGE_FILE ]] || die "merge file $MERGE_FILE not found (MERGE_FILE, third argument)"
 
+    # The memory settings: the first of MEMORY_CHOICES the planner fits in the GPU, placed before
+    # the user's own flags so that those still win.
+    local base_args=(
+        "${MODEL_ARGS[@]}" "${BATCH_ARGS[@]}" "${SHARED_ARGS[@]}" $precision
+        --data-path "${data_words[@]}" --vocab-file "$VOCAB_FILE" --merge-file "$MERGE_FILE"
+        --save "$OUTPUT_DIR/checkpoints" --load "$OUTPUT_DIR/checkpoints"
+        --tensorboard-dir "$OUTPUT_DIR/tensorboard"
+    )
+    local choice_args=() choice
+    for choice in "${MEMORY_CHOICES[@]-}"; do
+        choice_args+=("--choose=$choice")
+    done
+    local chosen reason_file
+    reason_file=$(mktemp)
+    chosen=$(python "$REPO_ROOT/tools/estimate_memory.py" \
+        --world-size $((${NPROC_PER_NODE:-1} * ${NNODES:-1})) \
+        --gpu-memory-gib "${GPU_MEMORY_GIB:-auto}" "${choice_args[@]}" \
+        "${base_args[@]}" --then "$@" "${extra_words[@]}" 2>"$reason_file") || {
+        cat "$reason_file" >&2
+        rm -f "$reason_file"
+        die "the memory planner (tools/estimate_memory.py) could not read these flags"
+    }
+    local reason
+    reason=$(<"$reason_file")
+    rm -f "$reason_file"
+    local memory_words
+    read -ra memory_words <<<"$chosen"
+
     local command=(
         torchrun
         --nproc_per_node "${NPROC_PER_NODE:-1}"
@@ -100,25 +132,18 @@ launch_pretraining() {
         --master_addr "${MASTER_ADDR:-localhost}"
         --master_port "${MASTER_PORT:-6000}"
         "$REPO_ROOT/pretrain_gpt.py"
-        "${MODEL_ARGS[@]}"
-        "${BATCH_ARGS[@]}"
-        "${SHARED_ARGS[@]}"
-        $precision
-        --data-path "${data_words[@]}"
-        --vocab-file "$VOCAB_FILE"
-        --merge-file "$MERGE_FILE"
-        --save "$OUTPUT_DIR/checkpoints"
-        --load "$OUTPUT_DIR/checkpoints"
-        --tensorboard-dir "$OUTPUT_DIR/tensorboard"
+        "${base_args[@]}"
+        "${memory_words[@]}"
         "$@"
         "${extra_words[@]}"
     )
 
     if [[ ${DRY_RUN:-0} == 1 ]]; then
+        echo "$reason"
         printf '%q ' "${command[@]}"
         echo
         return 0
     fi
     mkdir -p "$OUTPUT_DIR"
-    "${command[@]}" 2>&1 | tee -a "$OUTPUT_DIR/train.log"
+    { echo "$name: $reason"; "${command[@]}" 2>&1; } | tee -a "$OUTPUT_DIR/train.log"
 }
