@@ -29,11 +29,6 @@ def gradient(param: torch.Tensor) -> Optional[torch.Tensor]:
     return main_grad if main_grad is not None else param.grad
 
 
-def has_main_grad(param: torch.Tensor) -> bool:
-    """Whether `param` accumulates into a main gradient (`attach_main_grads`)."""
-    return getattr(param, MAIN_GRAD, None) is not None
-
-
 def _add_to_main_grad(param: torch.Tensor) -> None:
     # Runs once autograd has accumulated this backward's gradient into `.grad`.
     param.main_grad.add_(param.grad)
@@ -67,24 +62,15 @@ class MainGradBuffer:
             device = self.params[0].device if self.params else torch.device("cpu")
             buffer = torch.zeros(total, dtype=dtype, device=device)
         self.buffer = buffer
-        self._hooks = []
         for param, offset in zip(self.params, offsets):
             param.main_grad = buffer[offset : offset + param.numel()].view_as(param)
-            self._hooks.append(param.register_post_accumulate_grad_hook(_add_to_main_grad))
+            param.register_post_accumulate_grad_hook(_add_to_main_grad)
 
     def zero(self) -> None:
         """Clear every main gradient (and any `.grad` a backward left behind)."""
         self.buffer.zero_()
         for param in self.params:
             param.grad = None
-
-    def detach(self) -> None:
-        """Remove the hooks and the `main_grad` views (the parameters go back to `.grad`)."""
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks = []
-        for param in self.params:
-            param.main_grad = None
 
 
 def attach_main_grads(params: Sequence[nn.Parameter], dtype: torch.dtype) -> List[MainGradBuffer]:

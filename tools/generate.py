@@ -140,6 +140,23 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def generator_from_model_args(args: argparse.Namespace, max_batch_size: int) -> TextGenerator:
+    """The TextGenerator the flags of `add_model_args` describe, for up to `max_batch_size`
+    prompts at once."""
+    device = resolve_device(args.device)
+    return load_text_generator(
+        args.load,
+        device,
+        resolve_dtype(args.dtype, device),
+        vocab_file=args.vocab_file,
+        merge_file=args.merge_file,
+        tokenizer_model=args.tokenizer_model,
+        cuda_graphs=args.cuda_graphs,
+        max_batch_size=max_batch_size,
+        log=_log,
+    )
+
+
 class OneLineErrorParser(argparse.ArgumentParser):
     """argparse, but a bad flag prints one `error: ...` line and exits 1."""
 
@@ -207,18 +224,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             raise UserError(f"--batch-size {args.batch_size} must be >= 1")
         sampling = sampling_options(args)
         prompts = read_prompts(args)
-        device = resolve_device(args.device)
-        generator = load_text_generator(
-            args.load,
-            device,
-            resolve_dtype(args.dtype, device),
-            vocab_file=args.vocab_file,
-            merge_file=args.merge_file,
-            tokenizer_model=args.tokenizer_model,
-            cuda_graphs=args.cuda_graphs,
-            max_batch_size=args.batch_size,
-            log=_log,
-        )
+        generator = generator_from_model_args(args, args.batch_size)
         try:
             completions = generator.complete(prompts, args.tokens_to_generate, sampling)
         except ValueError as error:  # a prompt too long for the model's positions

@@ -30,9 +30,7 @@ from megatron.inference import SamplingOptions, TextGenerator  # noqa: E402
 from tools.generate import (  # noqa: E402
     OneLineErrorParser,
     add_model_args,
-    load_text_generator,
-    resolve_device,
-    resolve_dtype,
+    generator_from_model_args,
 )
 
 DEFAULT_TOKENS_TO_GENERATE = 64
@@ -170,18 +168,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         if args.max_batch_size < 1:
             raise UserError(f"--max-batch-size {args.max_batch_size} must be >= 1")
-        device = resolve_device(args.device)
-        generator = load_text_generator(
-            args.load,
-            device,
-            resolve_dtype(args.dtype, device),
-            vocab_file=args.vocab_file,
-            merge_file=args.merge_file,
-            tokenizer_model=args.tokenizer_model,
-            cuda_graphs=args.cuda_graphs,
-            max_batch_size=args.max_batch_size,
-            log=_log,
-        )
+        generator = generator_from_model_args(args, args.max_batch_size)
         try:
             server = GenerationServer((args.host, args.port), generator)
         except OSError as error:

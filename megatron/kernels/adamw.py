@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 
@@ -27,7 +28,14 @@ if TRITON_AVAILABLE:
 
     from megatron.kernels.aot import AotSpec
 
-__all__ = ["AOT_SPECS", "AdamWHyper", "adamw_step_", "adamw_step_reference_", "STEP_CHUNK"]
+__all__ = [
+    "AOT_SPECS",
+    "AdamWHyper",
+    "STEP_CHUNK",
+    "adamw_step_",
+    "adamw_step_reference_",
+    "chunked_fp32_step_",
+]
 
 BLOCK = 2048
 # Elements the reference upcasts at a time: its fp32 temporaries stay below 1 GiB however large
@@ -93,13 +101,43 @@ if TRITON_AVAILABLE:
         )
 
 
-def _fp32_step_(param, grad, exp_avg, exp_avg_sq, hyper: AdamWHyper) -> None:
+def fp32_adamw_step_(param, grad, exp_avg, exp_avg_sq, hyper: AdamWHyper) -> None:
     """torch's single-tensor AdamW on fp32 tensors, in place."""
     param.mul_(1.0 - hyper.lr * hyper.weight_decay)
     exp_avg.lerp_(grad, 1.0 - hyper.beta1)
     exp_avg_sq.mul_(hyper.beta2).addcmul_(grad, grad, value=1.0 - hyper.beta2)
     denom = (exp_avg_sq.sqrt() / hyper.bias_correction2_sqrt).add_(hyper.eps)
     param.addcdiv_(exp_avg, denom, value=-hyper.step_size)
+
+
+def chunked_fp32_step_(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    hyper: AdamWHyper,
+    fp32_step: Callable[..., None] = fp32_adamw_step_,
+    scratch: Optional[torch.Tensor] = None,
+) -> None:
+    """`fp32_step(param, grad, exp_avg, exp_avg_sq, hyper)` on `STEP_CHUNK` elements at a time,
+    the gradient and the moments upcast to fp32 (into `scratch`, 3 x STEP_CHUNK fp32 elements,
+    when given) and the moments rounded back to their dtypes."""
+    flat = [t.view(-1) for t in (param, grad, exp_avg, exp_avg_sq)]
+    for start in range(0, param.numel(), STEP_CHUNK):
+        param_c, *sources = (t[start : start + STEP_CHUNK] for t in flat)
+        size = param_c.numel()
+        upcast = []
+        for index, source in enumerate(sources):
+            if source.dtype == torch.float32:
+                upcast.append(source)
+            elif scratch is None:
+                upcast.append(source.float())
+            else:
+                upcast.append(scratch[index * size : (index + 1) * size].copy_(source))
+        fp32_step(param_c, *upcast, hyper)
+        for source, target in zip(sources[1:], upcast[1:]):
+            if target is not source:
+                source.copy_(target)
 
 
 def adamw_step_reference_(
@@ -109,18 +147,9 @@ def adamw_step_reference_(
     exp_avg_sq: torch.Tensor,
     hyper: AdamWHyper,
 ) -> None:
-    """The step in PyTorch: `STEP_CHUNK` elements at a time, the gradient and the moments
-    upcast to fp32, updated, and the moments rounded back to their dtypes."""
-    flat = [t.view(-1) for t in (param, grad, exp_avg, exp_avg_sq)]
-    for start in range(0, param.numel(), STEP_CHUNK):
-        param_c, grad_c, avg_c, avg_sq_c = (t[start : start + STEP_CHUNK] for t in flat)
-        avg32 = avg_c if avg_c.dtype == torch.float32 else avg_c.float()
-        avg_sq32 = avg_sq_c if avg_sq_c.dtype == torch.float32 else avg_sq_c.float()
-        _fp32_step_(param_c, grad_c.float(), avg32, avg_sq32, hyper)
-        if avg32 is not avg_c:
-            avg_c.copy_(avg32)
-        if avg_sq32 is not avg_sq_c:
-            avg_sq_c.copy_(avg_sq32)
+    """The step in PyTorch: torch's single-tensor AdamW, `STEP_CHUNK` elements at a time, the
+    gradient and the moments upcast to fp32 and the moments rounded back to their dtypes."""
+    chunked_fp32_step_(param, grad, exp_avg, exp_avg_sq, hyper)
 
 
 def _suits_kernel(param, grad, exp_avg, exp_avg_sq) -> bool:

@@ -78,42 +78,25 @@ class MemoryEstimate:
     device_memory: Optional[int] = None
 
     @property
+    def state(self) -> int:
+        """What every moment of a step holds: weights, their copies, gradients, optimizer."""
+        return self.weights + self.expert_weight_copies + self.gradients + self.optimizer
+
+    @property
     def backward_peak(self) -> int:
         """Allocated at the start of the last micro-batch's backward."""
-        return (
-            self.weights
-            + self.expert_weight_copies
-            + self.gradients
-            + self.held_gradients
-            + self.optimizer
-            + self.activations
-            + self.weight_casts
-            + self.logits
-        )
+        return self.state + self.held_gradients + self.activations + self.weight_casts + self.logits
 
     @property
     def backward_end_peak(self) -> int:
         """Allocated as a micro-batch's backward returns: the activations are freed, its
         self-accumulated gradients all exist beside the held ones."""
-        return (
-            self.weights
-            + self.expert_weight_copies
-            + self.gradients
-            + self.held_gradients
-            + self.optimizer
-            + self.returned_gradients
-        )
+        return self.state + self.held_gradients + self.returned_gradients
 
     @property
     def step_peak(self) -> int:
         """Allocated during the optimizer step (activations freed, held gradients flushed)."""
-        return (
-            self.weights
-            + self.expert_weight_copies
-            + self.gradients
-            + self.optimizer
-            + self.optimizer_step_buffers
-        )
+        return self.state + self.optimizer_step_buffers
 
     @property
     def allocated(self) -> int:

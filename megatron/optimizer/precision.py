@@ -21,11 +21,18 @@ would depend on how the tensor is sharded, Adam's second moment underflows fp16.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Dict, Iterable, List, Optional, Sequence
 
 import torch
 
-from megatron.kernels.adamw import STEP_CHUNK, AdamWHyper, adamw_step_, adamw_step_reference_
+from megatron.kernels.adamw import (
+    STEP_CHUNK,
+    AdamWHyper,
+    adamw_step_,
+    chunked_fp32_step_,
+    fp32_adamw_step_,
+)
 from megatron.main_grads import gradient
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -250,50 +257,31 @@ def host_adamw_step_(
     """The CPU's AdamW step for an offloaded parameter: chunk by chunk, the gradient and the
     moments upcast into reused fp32 scratch (fresh temporaries would fault in new pages every
     chunk), torch's fused CPU AdamW on them, the moments rounded back. Returns the scratch."""
-    chunk = min(STEP_CHUNK, param.numel())
-    if scratch is None or scratch.numel() < 3 * chunk:
+    if scratch is None:
         scratch = torch.empty(3 * STEP_CHUNK, dtype=torch.float32)
-    flat = [t.view(-1) for t in (param, grad, exp_avg, exp_avg_sq)]
-    step = torch.tensor(float(hyper.step))
-    for start in range(0, param.numel(), STEP_CHUNK):
-        param_c, grad_c, avg_c, avg_sq_c = (t[start : start + STEP_CHUNK] for t in flat)
-        size = param_c.numel()
-        fp32 = [
-            source if source.dtype == torch.float32 else scratch[i * size : (i + 1) * size]
-            for i, source in enumerate((grad_c, avg_c, avg_sq_c))
-        ]
-        for source, target in zip((grad_c, avg_c, avg_sq_c), fp32):
-            if target is not source:
-                target.copy_(source)
-        if _HAS_FUSED_CPU_ADAMW:
-            torch._fused_adamw_(
-                [param_c], [fp32[0]], [fp32[1]], [fp32[2]], [], [step],
-                lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2,
-                weight_decay=hyper.weight_decay, eps=hyper.eps, amsgrad=False, maximize=False,
-            )  # fmt: skip
-        else:
-            adamw_step_reference_(param_c, *fp32, hyper)
-        for source, target in zip((avg_c, avg_sq_c), fp32[1:]):
-            if target is not source:
-                source.copy_(target)
+    fp32_step = _fused_cpu_step_ if _fused_cpu_adamw_available() else fp32_adamw_step_
+    chunked_fp32_step_(param, grad, exp_avg, exp_avg_sq, hyper, fp32_step, scratch)
     return scratch
 
 
+def _fused_cpu_step_(param, grad, exp_avg, exp_avg_sq, hyper: AdamWHyper) -> None:
+    torch._fused_adamw_(
+        [param], [grad], [exp_avg], [exp_avg_sq], [], [torch.tensor(float(hyper.step))],
+        lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2, weight_decay=hyper.weight_decay,
+        eps=hyper.eps, amsgrad=False, maximize=False,
+    )  # fmt: skip
+
+
+@functools.cache
 def _fused_cpu_adamw_available() -> bool:
-    """Whether this torch has the fused AdamW kernel for CPU tensors (torch 2.4 and newer)."""
+    """Whether this torch has the fused AdamW kernel for CPU tensors (asked once, at the first
+    offloaded step); without it the host runs the reference's single-tensor formula."""
     try:
         tensors = [torch.zeros(1) for _ in range(4)]
-        torch._fused_adamw_(
-            [tensors[0]], [tensors[1]], [tensors[2]], [tensors[3]], [], [torch.tensor(1.0)],
-            lr=0.1, beta1=0.9, beta2=0.9, weight_decay=0.0, eps=1e-8, amsgrad=False,
-            maximize=False,
-        )  # fmt: skip
+        _fused_cpu_step_(*tensors, AdamWHyper(0.1, 0.9, 0.9, 1e-8, 0.0, 1))
     except (RuntimeError, AttributeError, NotImplementedError):
         return False
     return True
-
-
-_HAS_FUSED_CPU_ADAMW = _fused_cpu_adamw_available()
 
 
 def _placed(value: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
