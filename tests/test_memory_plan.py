@@ -143,6 +143,22 @@ def test_expert_copies_and_the_held_gradient():
     assert unfused_estimate.weight_casts - estimate.weight_casts == 2 * experts
 
 
+def test_recomputed_chunks_return_their_expert_gradients_one_chunk_at_a_time():
+    # Without recomputation a compiled backward returns every expert gradient at once; full
+    # recomputation runs each checkpointed chunk's backward alone (measured: BENCHMARKS.md,
+    # "Memory planner", the recompute rows).
+    def returned(*flags: str) -> int:
+        config, _ = build_config([*DMOE_125M, *flags], 1)
+        return estimate_memory(config, build_mlp_spec(config)).returned_gradients
+
+    everything = returned()
+    recompute = ("--recompute-granularity", "full", "--recompute-method")
+    assert returned(*recompute, "uniform") == everything // 12
+    assert returned(*recompute, "uniform", "--recompute-num-layers", "3") == everything // 4
+    # The block method leaves the layers after the first N outside any checkpoint.
+    assert returned(*recompute, "block", "--recompute-num-layers", "4") == everything * 8 // 12
+
+
 def saved_bytes(run: Callable[[], torch.Tensor]) -> int:
     """Bytes of the distinct storages autograd saves for backward while `run` runs."""
     storages = {}

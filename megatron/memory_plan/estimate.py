@@ -17,8 +17,9 @@ Activations are megatron.memory_plan.activations' bytes per token times the toke
 micro-batches a stage holds at once; every in-flight micro-batch also keeps autocast's casts
 of the matmul weights it used (2 per element). The peak is the larger of the backward's (all of
 the above but the step's working copies), the end of a backward's (no activations, but the
-gradients a compiled backward returns at once: the MoE experts' in the compute dtype) and the
-step's (no activations); the caching
+gradients a compiled backward returns at once: the MoE experts' in the compute dtype, of the
+whole stage, or under full recomputation of one checkpointed chunk) and the step's (no
+activations); the caching
 allocator's reserve above it is `ALLOCATOR_OVERHEAD`. The rank estimated is the pipeline stage
 with the largest peak.
 """
@@ -229,6 +230,14 @@ def _estimate_stage(
     activations, worst, casts = _activation_bytes(
         config, mlp_spec, whole, pipeline_rank, c, mask_bytes, extra.casts_per_micro_batch
     )
+    # A compiled backward returns the self-accumulated gradients of the layers it covers at
+    # once. Full recomputation runs each checkpointed chunk's backward on its own (the MoE
+    # layer's side effects keep torch.compile from tracing through the checkpoint), so only the
+    # largest chunk's, or the layers left outside any checkpoint, exist together.
+    num_layers = len(_stage_layer_numbers(config, pipeline_rank))
+    kept, _, rerun = recompute_kept_fraction(model, num_layers)
+    together = max(kept, rerun / num_layers) if num_layers else 1.0
+    returned = int(c * extra.self_accumulated_weights * together)
     last = pipeline_rank == parallel.pipeline_model_parallel_size - 1
     tokens = config.training.micro_batch_size * config.data.seq_length
     fused = config.training.kernels != "reference"
@@ -244,7 +253,7 @@ def _estimate_stage(
         weight_casts=casts,
         logits=logits,
         activations_worst_case=worst,
-        returned_gradients=c * extra.self_accumulated_weights,
+        returned_gradients=returned,
         pipeline_rank=pipeline_rank,
     )
 
