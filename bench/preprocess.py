@@ -1,5 +1,7 @@
-"""Throughput of tools/preprocess_data.py: docs/s, MB/s, tokens/s and peak memory, optionally
-against upstream Megatron-LM's own script on the same input and worker count.
+"""Throughput of tools/preprocess_data.py: docs/s, MB/s, tokens/s, CPU cores kept busy and peak
+memory, optionally against upstream Megatron-LM's own script (`--upstream-megatron`) or another
+checkout of this project (`--baseline`) on the same input and worker count; or, with
+`--long-document-mb N`, one N MB JSON line through this project's tool alone.
 
     python bench/preprocess.py --input data/sample/openwebtext-1000.jsonl --workers 2 \\
         --upstream-megatron /path/to/megatron-lm-checkout
@@ -18,7 +20,9 @@ imports at their own paths. For a revision whose imports are `megatron.tokenizer
 bert_tokenization}.py` and `megatron/data/indexed_dataset.py`, with `megatron/__init__.py` and
 `megatron/data/__init__.py` reduced to empty package markers if the originals pull in training
 code. Upstream's GPT2BPETokenizer is the pure-Python `gpt2_tokenization.py`; measure that, not a
-faster substitute. The script also needs `nltk` importable. Older upstream scripts read plain
+faster substitute. For the MegaBlocks fork (stanford-futuredata/Megatron-LM, whose script requires
+--chunk-size), `megatron/__init__.py` reduced to a `print_rank_0` that prints, and its
+indexed_dataset's two `np.float` (removed in NumPy 1.24) written as the `float` they aliased. The script also needs `nltk` importable. Older upstream scripts read plain
 .jsonl only, so a compressed --input is decompressed once into the output directory and that
 copy is fed to both tools. The benchmark then checks that both wrote identical .bin/.idx bytes.
 """
@@ -27,8 +31,10 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import json
 import lzma
 import os
+import resource
 import shutil
 import statistics
 import struct
@@ -61,6 +67,7 @@ class RunResult:
     wall_seconds: float
     peak_rss_bytes: int
     output_prefix: str
+    cpu_seconds: float = 0.0  # user + system of the process and every child it waited for
 
 
 @dataclass
@@ -84,6 +91,11 @@ class ToolSummary:
     @property
     def wall_seconds(self) -> float:
         return statistics.median(run.wall_seconds for run in self.runs)
+
+    @property
+    def cores_busy(self) -> float:
+        """CPU seconds per wall second, median over the runs."""
+        return statistics.median(run.cpu_seconds / run.wall_seconds for run in self.runs)
 
     @property
     def peak_rss_mib(self) -> float:
@@ -138,6 +150,7 @@ def tree_rss_bytes(process: psutil.Process) -> int:
 
 def timed_run(command: List[str], env: dict, log_path: str, output_prefix: str) -> RunResult:
     """Run `command`, polling the process tree's RSS; raise with the log tail if it fails."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     with open(log_path, "wb") as log:
         start = time.perf_counter()
         child = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -147,11 +160,13 @@ def timed_run(command: List[str], env: dict, log_path: str, output_prefix: str) 
             peak = max(peak, tree_rss_bytes(watched))
             time.sleep(POLL_SECONDS)
         wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     if child.returncode != 0:
         with open(log_path, errors="replace") as log:
             tail = log.read()[-3000:]
         raise RuntimeError(f"exit code {child.returncode} from {' '.join(command)}\n{tail}")
-    return RunResult(wall, peak, output_prefix)
+    return RunResult(wall, peak, output_prefix, cpu)
 
 
 @dataclass
@@ -161,13 +176,15 @@ class Tool:
     name: str
     script: str
     pythonpath: str | None = None
+    extra_args: tuple = ()
 
     def command(self, args: argparse.Namespace, input_path: str, prefix: str) -> List[str]:
-        """Megatron's preprocess_data.py command line, identical for every tool."""
+        """Megatron's preprocess_data.py command line, identical for every tool but for
+        `extra_args` (upstream's --chunk-size)."""
         return [
             sys.executable, self.script, "--input", input_path, "--output-prefix", prefix,
-            "--vocab-file", args.vocab_file, "--merge-file", args.merge_file,
-            "--tokenizer-type", "GPT2BPETokenizer", "--append-eod", "--workers", str(args.workers),
+            *_tokenizer_flags(args), "--append-eod", "--workers", str(args.workers),
+            *self.extra_args,
         ]  # fmt: skip
 
     def environment(self) -> dict:
@@ -178,6 +195,14 @@ class Tool:
                 filter(None, [self.pythonpath, env.get("PYTHONPATH")])
             )
         return env
+
+
+def _tokenizer_flags(args: argparse.Namespace) -> List[str]:
+    if args.tokenizer_type == "GPT2BPETokenizer":
+        files = ["--vocab-file", args.vocab_file, "--merge-file", args.merge_file]
+    else:
+        files = ["--tokenizer-model", args.tokenizer_model]
+    return ["--tokenizer-type", args.tokenizer_type, *files]
 
 
 def benchmark_tools(
@@ -241,17 +266,57 @@ def compare_outputs(ours: ToolSummary, upstream: ToolSummary) -> List[str]:
 def format_table(summaries: List[ToolSummary], workers: int, input_bytes: int) -> str:
     """Markdown table of median wall time, rates and peak RSS per tool."""
     rows = [
-        "| tool | workers | wall s | docs/s | MB/s | tokens/s | peak RSS MiB |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| tool | workers | wall s | docs/s | MB/s | tokens/s | CPU cores busy | peak RSS MiB |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for summary in summaries:
         wall = summary.wall_seconds
         rows.append(
             f"| {summary.name} | {workers} | {wall:.2f} | {summary.index.documents / wall:,.0f} "
             f"| {input_bytes / wall / 2**20:.2f} | {summary.index.tokens / wall:,.0f} "
-            f"| {summary.peak_rss_mib:,.0f} |"
+            f"| {summary.cores_busy:.2f} | {summary.peak_rss_mib:,.0f} |"
         )
     return "\n".join(rows)
+
+
+def long_document(args: argparse.Namespace, input_path: str) -> int:
+    """One JSON line of `--long-document-mb` MB (the input's texts joined by blank lines,
+    repeated): this project's tool alone, its peak memory, and its tokens against one unsplit
+    encode of the whole text."""
+    with open(input_path, "rb") as handle:
+        texts = [json.loads(line)["text"] for line in handle if line.strip()]
+    target = args.long_document_mb * 2**20
+    parts, size = [], 0
+    while size < target:
+        for text in texts:
+            parts.append(text)
+            size += len(text.encode("utf-8")) + 2
+            if size >= target:
+                break
+    text = "\n\n".join(parts)
+    del parts
+    line_path = os.path.join(args.output_dir, f"long-document-{args.long_document_mb}mb.jsonl")
+    with open(line_path, "w", encoding="utf-8") as handle:
+        handle.write(json.dumps({"text": text}) + "\n")
+    prefix = os.path.join(args.output_dir, "long")
+    tool = Tool("ours", os.path.join(REPO_ROOT, "tools", "preprocess_data.py"))
+    run = timed_run(
+        tool.command(args, line_path, prefix), tool.environment(), prefix + ".log", prefix
+    )
+    written = np.fromfile(f"{prefix}_text_document.bin", dtype=np.uint16)
+    sys.path.insert(0, REPO_ROOT)
+    from megatron.tokenizer import GPT2BPETokenizer
+
+    tokenizer = GPT2BPETokenizer(args.vocab_file, args.merge_file)
+    expected = np.asarray(tokenizer.tokenize(text) + [tokenizer.eod], dtype=np.uint16)
+    same = np.array_equal(written, expected)
+    print(
+        f"\nOne JSON line of {os.path.getsize(line_path) / 2**20:.1f} MB, {len(text):,} characters: "
+        f"{run.wall_seconds:.2f} s, {written.size:,} tokens, peak RSS {run.peak_rss_bytes / 2**20:,.0f} MiB "
+        f"(all processes); tokens {'equal' if same else 'DIFFERENT from'} one unsplit "
+        f"{tokenizer.engine} encode of the whole text"
+    )
+    return 0 if same else 1
 
 
 def parse_args(argv: List[str] | None = None) -> argparse.Namespace:
@@ -267,11 +332,38 @@ def parse_args(argv: List[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--output-dir", help="where outputs and logs go (a temporary dir by default)"
     )
+    parser.add_argument(
+        "--upstream-chunk-size",
+        type=int,
+        default=25,
+        help="upstream's --chunk-size (documents per Pool.imap task; the MegaBlocks fork requires "
+        "the flag, 25 is Megatron-LM's later default and the fork's own example)",
+    )
+    parser.add_argument(
+        "--baseline",
+        help="another checkout of this project to run beside this one (e.g. the commit before a change)",
+    )
+    parser.add_argument(
+        "--tokenizer-type",
+        default="GPT2BPETokenizer",
+        choices=["GPT2BPETokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer"],
+    )
+    parser.add_argument("--tokenizer-model", help="SentencePiece .model or tokenizer.json")
+    parser.add_argument(
+        "--long-document-mb",
+        type=int,
+        default=0,
+        help="instead: one JSON line of this many MB through this project's tool alone",
+    )
     parser.add_argument("--vocab-file", default=DEFAULT_VOCAB, help="GPT-2 vocab.json")
     parser.add_argument("--merge-file", default=DEFAULT_MERGES, help="GPT-2 merges.txt")
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.workers < 1:
         parser.error(f"--repeats and --workers must be >= 1, got {args.repeats}, {args.workers}")
+    if args.tokenizer_type != "GPT2BPETokenizer" and not args.tokenizer_model:
+        parser.error(f"--tokenizer-type {args.tokenizer_type} needs --tokenizer-model")
+    if args.upstream_megatron and args.tokenizer_type != "GPT2BPETokenizer":
+        parser.error("--upstream-megatron compares GPT2BPETokenizer only")
     if args.upstream_megatron:
         script = os.path.join(args.upstream_megatron, "tools", "preprocess_data.py")
         if not os.path.isfile(script):
@@ -287,16 +379,22 @@ def main(argv: List[str] | None = None) -> int:
     try:
         # One plain-text input for everyone keeps the comparison fair (older upstream reads no .xz).
         input_path = uncompressed_input(args.input, args.output_dir)
+        if args.long_document_mb:
+            return long_document(args, input_path)
         input_bytes = os.path.getsize(input_path)
         print(
             f"input {input_path}: {input_bytes:,} bytes; outputs in {args.output_dir}",
             file=sys.stderr,
         )
         tools = [Tool("ours", os.path.join(REPO_ROOT, "tools", "preprocess_data.py"))]
+        if args.baseline:
+            script = os.path.join(os.path.abspath(args.baseline), "tools", "preprocess_data.py")
+            tools.append(Tool(f"ours at {args.baseline}", script))
         if args.upstream_megatron:
             upstream_dir = os.path.abspath(args.upstream_megatron)
             script = os.path.join(upstream_dir, "tools", "preprocess_data.py")
-            tools.append(Tool("upstream Megatron-LM", script, pythonpath=upstream_dir))
+            extra = ("--chunk-size", str(args.upstream_chunk_size))
+            tools.append(Tool("upstream Megatron-LM", script, upstream_dir, extra))
         load_before = os.getloadavg()[0]
         summaries = benchmark_tools(tools, args, input_path)
         load_after = os.getloadavg()[0]
@@ -306,17 +404,17 @@ def main(argv: List[str] | None = None) -> int:
               f"{os.cpu_count()} CPUs; Python {sys.version.split()[0]}; "
               f"1-min load average {load_before:.2f} before, {load_after:.2f} after\n")  # fmt: skip
         print(format_table(summaries, args.workers, input_bytes))
-        if len(summaries) == 2:
-            ours, upstream = summaries
+        ours = summaries[0]
+        for other in summaries[1:]:
             speedup = (ours.index.tokens / ours.wall_seconds) / (
-                upstream.index.tokens / upstream.wall_seconds
+                other.index.tokens / other.wall_seconds
             )
-            print(f"\nSpeedup (ours / upstream, tokens/s): {speedup:.2f}x")
-            if ours.index.tokens != upstream.index.tokens:
+            print(f"\nSpeedup (ours / {other.name}, tokens/s): {speedup:.2f}x")
+            if ours.index.tokens != other.index.tokens:
                 print(
-                    f"Token counts differ: ours {ours.index.tokens:,}, upstream {upstream.index.tokens:,}"
+                    f"Token counts differ: ours {ours.index.tokens:,}, {other.name} {other.index.tokens:,}"
                 )
-            for line in compare_outputs(ours, upstream):
+            for line in compare_outputs(ours, other):
                 print(line)
     finally:
         if owns_output_dir:

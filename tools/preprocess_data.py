@@ -30,6 +30,7 @@ from megatron.data.document_encoder import (  # noqa: E402
     LineProblem,
     encode_chunk,
     init_worker,
+    shared_tokenizer,
 )
 from megatron.data.indexed_dataset import (  # noqa: E402
     MMapIndexedDatasetBuilder,
@@ -41,6 +42,9 @@ from megatron.data.json_lines import InputError, expand_inputs, read_line_chunks
 
 TOKENIZER_TYPES = ("GPT2BPETokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer")
 PROBLEMS_SHOWN = 10
+# Input bytes handed to the workers and not yet written: with --chunk-size lines per chunk
+# and 8 MiB at most per chunk (megatron.data.json_lines), a few chunks per worker.
+MAX_BYTES_IN_FLIGHT = 32 << 20
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -231,16 +235,12 @@ class InvalidLines:
 
 def run(args: argparse.Namespace) -> Dict[str, str]:
     """Preprocess the corpus; returns {json key: output prefix}."""
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from megatron.tokenizer import build_tokenizer
-
     input_paths = expand_inputs(args.input)
-    tokenizer = build_tokenizer(
-        args.tokenizer_type,
-        vocab_file=args.vocab_file,
-        merge_file=args.merge_file,
-        tokenizer_model=args.tokenizer_model,
+    tokenizer = shared_tokenizer(
+        args.tokenizer_type, args.vocab_file, args.merge_file, args.tokenizer_model
     )
+    engine = getattr(tokenizer, "engine", None)
+    print(f"> {args.tokenizer_type}" + (f" on {engine}" if engine else ""), file=sys.stderr)
     dtype = best_fitting_dtype(tokenizer.vocab_size)
     settings = EncoderSettings(
         tokenizer_type=args.tokenizer_type,
@@ -265,17 +265,23 @@ def run(args: argparse.Namespace) -> Dict[str, str]:
     invalid = InvalidLines(args.skip_invalid)
     progress = Progress(args.log_interval)
     pool = multiprocessing.Pool(args.workers, initializer=init_worker, initargs=(settings,))
-    # Bounded in flight: Pool.imap would read the whole corpus ahead into its task queue.
+    # Bounded in flight, in chunks and in bytes: Pool.imap would read the whole corpus ahead
+    # into its task queue. A chunk larger than the byte bound (one huge line) goes alone.
     max_in_flight = 4 * args.workers
     pending: collections.deque = collections.deque()
+    pending_bytes = 0
     try:
         for path in input_paths:
             for chunk in read_line_chunks(path, args.chunk_size):
-                pending.append(pool.apply_async(encode_chunk, (chunk,)))
-                if len(pending) >= max_in_flight:
-                    _consume(pending.popleft().get(), outputs, invalid, progress)
+                while pending and (
+                    len(pending) >= max_in_flight
+                    or pending_bytes + chunk.byte_count > MAX_BYTES_IN_FLIGHT
+                ):
+                    pending_bytes -= _consume(pending.popleft(), outputs, invalid, progress)
+                pending.append((pool.apply_async(encode_chunk, (chunk,)), chunk.byte_count))
+                pending_bytes += chunk.byte_count
         while pending:
-            _consume(pending.popleft().get(), outputs, invalid, progress)
+            _consume(pending.popleft(), outputs, invalid, progress)
         pool.close()
         pool.join()
         if progress.documents == 0:
@@ -318,12 +324,14 @@ def _refuse_all_empty(input_pattern: str, documents: int, documents_written: Dic
         )
 
 
-def _consume(
-    chunk: EncodedChunk, outputs: OutputFiles, invalid: InvalidLines, progress: Progress
-) -> None:
+def _consume(pending, outputs: OutputFiles, invalid: InvalidLines, progress: Progress) -> int:
+    """Write one submitted chunk's result, in input order; returns its input bytes."""
+    result, input_bytes = pending
+    chunk: EncodedChunk = result.get()
     invalid.record(chunk.problems)
     tokens = outputs.add(chunk)
     progress.add(chunk, tokens)
+    return input_bytes
 
 
 def main(argv: Optional[List[str]] = None) -> int:

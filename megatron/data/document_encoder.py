@@ -68,23 +68,42 @@ class EncodedChunk:
 
 
 _tokenizer = None
+_tokenizer_files: Optional[tuple] = None
 _sentence_splitter = None
 _settings: Optional[EncoderSettings] = None
 
 
-def init_worker(settings: EncoderSettings) -> None:
-    """Pool initializer: build this process's tokenizer (and sentence splitter) once."""
-    global _tokenizer, _sentence_splitter, _settings
-    # One process per core already: the tokenizer's own thread pool would only contend.
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    from megatron.tokenizer import build_tokenizer
+def shared_tokenizer(
+    tokenizer_type: str,
+    vocab_file: Optional[str],
+    merge_file: Optional[str],
+    tokenizer_model: Optional[str],
+):
+    """This process's tokenizer of these files, built on the first call. Built in the main
+    process before the pool starts, it reaches forked workers ready to use."""
+    global _tokenizer, _tokenizer_files
+    files = (tokenizer_type, vocab_file, merge_file, tokenizer_model)
+    if _tokenizer is None or _tokenizer_files != files:
+        # One process per core: the tokenizer's own thread pool would only contend.
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        from megatron.tokenizer import build_tokenizer
 
+        _tokenizer = build_tokenizer(
+            tokenizer_type,
+            vocab_file=vocab_file,
+            merge_file=merge_file,
+            tokenizer_model=tokenizer_model,
+        )
+        _tokenizer_files = files
+    return _tokenizer
+
+
+def init_worker(settings: EncoderSettings) -> None:
+    """Pool initializer: this process's tokenizer (and sentence splitter), built once."""
+    global _sentence_splitter, _settings
     _settings = settings
-    _tokenizer = build_tokenizer(
-        settings.tokenizer_type,
-        vocab_file=settings.vocab_file,
-        merge_file=settings.merge_file,
-        tokenizer_model=settings.tokenizer_model,
+    shared_tokenizer(
+        settings.tokenizer_type, settings.vocab_file, settings.merge_file, settings.tokenizer_model
     )
     _sentence_splitter = (
         build_sentence_splitter(settings.sentence_language) if settings.split_sentences else None
@@ -208,33 +227,33 @@ def _encode_key(
     else:
         sentences_of_document = [[text] for text in texts]
     flat_sentences = [sentence for sentences in sentences_of_document for sentence in sentences]
-    flat_ids = _tokenizer.tokenize_batch(flat_sentences) if flat_sentences else []
+    flat_ids = _tokenizer.tokenize_arrays(flat_sentences) if flat_sentences else []
 
-    pieces: List[List[int]] = []
+    pieces: List[np.ndarray] = []
     sequence_lengths: List[int] = []
     sequences_per_document: List[int] = []
-    eod = _tokenizer.eod
+    eod = np.asarray([_tokenizer.eod], dtype)
     position = 0
     for sentences in sentences_of_document:
-        document_ids = [ids for ids in flat_ids[position : position + len(sentences)] if ids]
+        document_ids = [ids for ids in flat_ids[position : position + len(sentences)] if ids.size]
         position += len(sentences)
-        if not document_ids:
-            if not settings.keep_empty:
-                result.empty_documents += 1
-                continue
+        if document_ids:
+            lengths = [ids.size for ids in document_ids]
+            if settings.append_eod:
+                document_ids.append(eod)  # ends the last sequence
+                lengths[-1] += 1
+        elif settings.keep_empty:
             # --keep-empty: the document stays, as one sequence (just EOD with --append-eod).
-            document_ids = [[eod] if settings.append_eod else []]
-        elif settings.append_eod:
-            document_ids[-1] = document_ids[-1] + [eod]
+            document_ids = [eod] if settings.append_eod else []
+            lengths = [len(document_ids)]
+        else:
+            result.empty_documents += 1
+            continue
         pieces.extend(document_ids)
-        sequence_lengths.extend(len(ids) for ids in document_ids)
-        sequences_per_document.append(len(document_ids))
+        sequence_lengths.extend(lengths)
+        sequences_per_document.append(len(lengths))
 
-    tokens = (
-        np.concatenate([np.asarray(ids, dtype=dtype) for ids in pieces])
-        if pieces
-        else np.zeros(0, dtype)
-    )
+    tokens = np.concatenate(pieces).astype(dtype, copy=False) if pieces else np.zeros(0, dtype)
     return EncodedKey(
         tokens=tokens,
         sequence_lengths=np.asarray(sequence_lengths, dtype=np.int32),

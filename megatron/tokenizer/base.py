@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Dict
+from typing import Dict, List, Sequence
+
+import numpy as np
 
 
 class TokenizerBase:
@@ -26,3 +28,8 @@ class TokenizerBase:
     def eod(self) -> int:
         """Id appended after each document by data preprocessing (`--append-eod`)."""
         return self._eod
+
+    def tokenize_arrays(self, texts: Sequence[str]) -> List[np.ndarray]:
+        """Token ids of each text as an integer array (what data preprocessing writes); every
+        tokenizer has `tokenize_batch`."""
+        return [np.asarray(ids, dtype=np.uint32) for ids in self.tokenize_batch(texts)]

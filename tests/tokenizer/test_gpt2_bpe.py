@@ -47,9 +47,9 @@ EDGE_CASES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def tokenizer() -> GPT2BPETokenizer:
-    return GPT2BPETokenizer(VOCAB_FILE, MERGE_FILE)
+@pytest.fixture(scope="module", params=["tiktoken", "tokenizers"])
+def tokenizer(request) -> GPT2BPETokenizer:
+    return GPT2BPETokenizer(VOCAB_FILE, MERGE_FILE, engine=request.param)
 
 
 @pytest.fixture(scope="module")
@@ -86,14 +86,21 @@ def test_sizes_and_eod(tokenizer: GPT2BPETokenizer) -> None:
     assert len(tokenizer.inv_vocab) == 50257
 
 
+@pytest.fixture(scope="module")
+def reference_ids(reference: ReferenceGPT2Encoder, documents: list[str]) -> list[list[int]]:
+    return [reference.encode(document) for document in documents]
+
+
 def test_all_sample_documents_match_reference(
-    tokenizer: GPT2BPETokenizer, reference: ReferenceGPT2Encoder, documents: list[str]
+    tokenizer: GPT2BPETokenizer, reference_ids: list[list[int]], documents: list[str]
 ) -> None:
     assert len(documents) == 1000
     batch_ids = tokenizer.tokenize_batch(documents)
+    arrays = tokenizer.tokenize_arrays(documents)
     total_tokens = 0
     for index, (document, ids) in enumerate(zip(documents, batch_ids)):
-        expected = reference.encode(document)
+        expected = reference_ids[index]
+        assert arrays[index].tolist() == expected, f"document {index} differs in tokenize_arrays"
         assert tokenizer.tokenize(document) == expected, f"document {index} differs"
         assert ids == expected, f"document {index} differs in tokenize_batch"
         assert tokenizer.detokenize(ids) == document, f"document {index} does not round-trip"
@@ -124,6 +131,7 @@ def test_endoftext_in_text_is_plain_bpe(tokenizer: GPT2BPETokenizer) -> None:
 def test_empty_inputs(tokenizer: GPT2BPETokenizer) -> None:
     assert tokenizer.tokenize("") == []
     assert tokenizer.tokenize_batch([]) == []
+    assert tokenizer.tokenize_arrays([""])[0].size == 0
     assert tokenizer.detokenize([]) == ""
 
 

@@ -336,3 +336,30 @@ def test_killed_run_leaves_no_complete_looking_pair(tmp_path):
     time.sleep(0.1)
     assert not Path(f"{prefix}_text_document.idx").exists()
     assert not Path(f"{prefix}_text_document.bin").exists()
+
+
+def test_without_tiktoken_the_files_are_identical(sample_outputs, tmp_path, monkeypatch):
+    # The `tokenizers` pipeline stands in where tiktoken is not installed, byte for byte.
+    from megatron.data import document_encoder
+
+    monkeypatch.setitem(sys.modules, "tiktoken", None)
+    monkeypatch.setattr(document_encoder, "_tokenizer", None)
+    prefix = tmp_path / "no_tiktoken"
+    assert preprocess_data.main(_gpt2_args(CORPUS, prefix, workers=2)) == 0
+    assert document_encoder._tokenizer.engine == "tokenizers"
+    for suffix in (".bin", ".idx"):
+        expected = Path(str(sample_outputs[2]) + suffix).read_bytes()
+        assert Path(f"{prefix}_text_document{suffix}").read_bytes() == expected
+
+
+def test_a_long_document_is_encoded_in_pieces_like_the_whole(tmp_path):
+    # Over a million characters: tokenized in pieces cut where GPT-2's pattern cuts anyway.
+    text = "\n\n".join(_documents())[:2_500_000]
+    corpus = tmp_path / "long.jsonl"
+    _write_lines(corpus, [json.dumps({"text": text}) + "\n"])
+    prefix = tmp_path / "long"
+    assert preprocess_data.main(_gpt2_args(corpus, prefix, workers=2)) == 0
+    dataset = MMapIndexedDataset(f"{prefix}_text_document")
+    whole = build_tokenizer("GPT2BPETokenizer", vocab_file=str(VOCAB), merge_file=str(MERGES))
+    assert whole.engine == "tiktoken"
+    np.testing.assert_array_equal(dataset.get(0), whole.tokenize(text) + [EOD])
