@@ -192,7 +192,8 @@ def _estimate_stage(
     model, optimizer, parallel = config.model, config.optimizer, config.parallel
     counts = whole.stage(config, pipeline_rank)
     c = compute_bytes(config)
-    extra = mlp_spec.memory(config, _stage_layer_numbers(config, pipeline_rank))
+    numbers = _stage_layer_numbers(config, pipeline_rank)
+    extra = mlp_spec.memory(config, numbers)
 
     # Replica groups the distributed optimizer shards over.
     expert_parallel = max(
@@ -234,9 +235,8 @@ def _estimate_stage(
     # once. Full recomputation runs each checkpointed chunk's backward on its own (the MoE
     # layer's side effects keep torch.compile from tracing through the checkpoint), so only the
     # largest chunk's, or the layers left outside any checkpoint, exist together.
-    num_layers = len(_stage_layer_numbers(config, pipeline_rank))
-    kept, _, rerun = recompute_kept_fraction(model, num_layers)
-    together = max(kept, rerun / num_layers) if num_layers else 1.0
+    kept, _, rerun = recompute_kept_fraction(model, len(numbers))
+    together = max(kept, rerun / len(numbers)) if numbers else 1.0
     returned = int(c * extra.self_accumulated_weights * together)
     last = pipeline_rank == parallel.pipeline_model_parallel_size - 1
     tokens = config.training.micro_batch_size * config.data.seq_length
