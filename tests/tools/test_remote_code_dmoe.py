@@ -120,9 +120,10 @@ def project_greedy(project: GPTModel, prompt: List[int], steps: int) -> List[int
     return tokens[len(prompt) :]
 
 
-def hf_greedy(model, input_ids: torch.Tensor, attention_mask=None, **kwargs) -> torch.Tensor:
-    """model.generate's NEW_TOKENS new tokens [b, NEW_TOKENS], greedy (the models of the
-    generation tests have no EOS to stop at: random weights emit any token often)."""
+def hf_greedy(model, input_ids: torch.Tensor, attention_mask=None, **kwargs):
+    """model.generate's NEW_TOKENS new tokens [b, NEW_TOKENS] and the logits it chose each from
+    [b, NEW_TOKENS, vocab], greedy (the models of the generation tests have no EOS to stop at:
+    random weights emit any token often)."""
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     with torch.no_grad():
@@ -132,10 +133,12 @@ def hf_greedy(model, input_ids: torch.Tensor, attention_mask=None, **kwargs) -> 
             max_new_tokens=NEW_TOKENS,
             do_sample=False,
             pad_token_id=0,
+            output_logits=True,
+            return_dict_in_generate=True,
             **kwargs,
         )
-    assert output.shape[1] == input_ids.shape[1] + NEW_TOKENS
-    return output[:, input_ids.shape[1] :]
+    assert output.sequences.shape[1] == input_ids.shape[1] + NEW_TOKENS
+    return output.sequences[:, input_ids.shape[1] :], torch.stack(output.logits, dim=1)
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
@@ -172,10 +175,16 @@ def test_greedy_generation_matches_with_and_without_cache_and_the_project(
 ):
     project, model = exported_pair(auto_model, tmp_path, variant, eos=None)
     prompt = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(3))
-    cached = hf_greedy(model, prompt, use_cache=True)
-    uncached = hf_greedy(model, prompt, use_cache=False)
+    cached, cached_logits = hf_greedy(model, prompt, use_cache=True)
+    uncached, uncached_logits = hf_greedy(model, prompt, use_cache=False)
     assert torch.equal(cached, uncached)
     assert cached[0].tolist() == project_greedy(project, prompt[0].tolist(), NEW_TOKENS)
+    # Every decode step's logits, not only its argmax: a step that read a stale or empty cache
+    # can still pick the same token on a short prompt.
+    with torch.no_grad():
+        expected = project(torch.cat([prompt, cached], dim=1))[:, prompt.shape[1] - 1 : -1, :VOCAB]
+    assert_relative(cached_logits, expected, 1e-5)
+    assert_relative(uncached_logits, expected, 1e-5)
 
 
 def test_cache_steps_give_the_full_sequences_logits(auto_model, tmp_path):
@@ -208,12 +217,14 @@ def test_left_padded_batch_matches_single_prompts(auto_model, tmp_path, variant)
         attention_mask[row, width - len(prompt) :] = 1
     with torch.no_grad():
         batch_logits = model(input_ids, attention_mask=attention_mask).logits
-    batch_new = hf_greedy(model, input_ids, attention_mask)
+    batch_new, batch_step_logits = hf_greedy(model, input_ids, attention_mask)
     for row, prompt in enumerate(prompts):
         with torch.no_grad():
             single_logits = model(prompt[None]).logits[0]
         assert_relative(batch_logits[row, width - len(prompt) :], single_logits, 1e-5)
-        assert torch.equal(batch_new[row], hf_greedy(model, prompt[None])[0])
+        single_new, single_step_logits = hf_greedy(model, prompt[None])
+        assert torch.equal(batch_new[row], single_new[0])
+        assert_relative(batch_step_logits[row], single_step_logits[0], 1e-5)
 
 
 def test_gathered_and_per_expert_paths_agree(auto_model, tmp_path):

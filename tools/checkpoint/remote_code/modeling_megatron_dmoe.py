@@ -33,6 +33,7 @@ moe_top_k outputs summed, plus the layer's bias. No token is dropped.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Optional, Tuple, Union
 
 import torch
@@ -49,6 +50,14 @@ try:  # transformers 5: initializers that leave already loaded weights alone
     from transformers import initialization as init
 except ImportError:  # transformers 4
     from torch.nn import init
+
+# The key-value cache's keyword: `past_key_values` up to transformers 5.23, `cache` from 5.24
+# (whose generate() passes only `cache`; the output class takes the old name with a warning).
+CACHE_FIELD = (
+    "cache"
+    if "cache" in {field.name for field in dataclasses.fields(CausalLMOutputWithPast)}
+    else "past_key_values"
+)
 
 # SDPA's attention mask: None with is_causal (plain causal attention), else a bool
 # [batch or 1, 1, query, key] mask of the keys each query may see.
@@ -396,16 +405,21 @@ class MegatronDMoEForCausalLM(PreTrainedModel, GenerationMixin):
         use_cache: Optional[bool] = None,
         logits_to_keep: Union[int, torch.Tensor] = 0,
         return_dict: Optional[bool] = None,
+        cache: Optional[Cache] = None,
         **kwargs: Any,
     ) -> Union[CausalLMOutputWithPast, Tuple]:
         """Logits [b, s, vocab] for input_ids [b, s] (only the last `logits_to_keep` positions
-        when it is > 0), after the `past_key_values` already cached.
+        when it is > 0), after the tokens already in the key-value cache: `past_key_values`
+        or, transformers 5.24's name for it, `cache` (either one).
 
         `attention_mask` [b, past + s]: 1 for real tokens, 0 for (left) padding; positions
         then count real tokens, unless `position_ids` [b, s] are given. `labels` [b, s] give
         `loss`: the mean cross-entropy of logits[:, :-1] against labels[:, 1:] (-100 ignored),
         in fp32.
         """
+        if cache is not None and past_key_values is not None and cache is not past_key_values:
+            raise ValueError("pass the key-value cache as `cache` or `past_key_values`, not both")
+        past_key_values = cache if cache is not None else past_key_values
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=self.config)
@@ -440,4 +454,4 @@ class MegatronDMoEForCausalLM(PreTrainedModel, GenerationMixin):
         if not return_dict:
             output = (logits, cache)
             return (loss, *output) if loss is not None else output
-        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=cache)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, **{CACHE_FIELD: cache})
