@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Set up a fresh machine and run the test suite (CPU). Extra arguments go to pytest.
+# Set up a fresh machine and run the test suite (CPU): the pinned versions of
+# requirements/test-lock.txt, ruff, then pytest on every core (one test file per worker, so a
+# file's shared runs stay in one process). Extra arguments go to pytest ("-n 0" runs serially).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/setup_env.sh test
 python -m ruff check .
-python -m pytest -q "$@"
+python -m pytest -q -n auto --dist loadfile "$@"

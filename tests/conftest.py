@@ -9,6 +9,15 @@ import torch
 from tests import triton_interpreter
 from tests.sample_data import CORPUS, copy_dataset, gpt2_preprocess_args
 
+# Under pytest-xdist each worker takes its share of the cores, for torch here and for the
+# processes its tests start: torch's threads spin while they wait, so workers that each ran a
+# thread per core would keep every core busy waiting for the others.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    _cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (_cores or 1) // _WORKERS)))
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
 # Without a GPU, MoE kernel tests run their Triton kernels through the interpreter; this must
 # happen before any test module imports triton.
 if not torch.cuda.is_available():

@@ -4,9 +4,9 @@ import io
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +14,7 @@ import torch
 
 import pretrain_gpt
 from megatron.checkpointing import torch_dist
+from tests import processes
 from tests.sample_data import REPO
 from tests.tiny_gpt import saved_state, tiny_gpt_args
 
@@ -100,13 +101,7 @@ def test_fp16_overflow_is_skipped_and_counted(data_prefix, tmp_path):
         "--seq-length", "16", "--eval-iters", "0",
         train_iters=16, micro_batch=1, global_batch=1,
     )  # fmt: skip
-    completed = subprocess.run(
-        [sys.executable, str(REPO / "pretrain_gpt.py"), *args],
-        capture_output=True,
-        text=True,
-        env=dict(os.environ, PYTHONPATH=str(REPO)),
-        timeout=600,
-    )
+    completed = processes.run(args)
     assert completed.returncode == 0, completed.stderr[-3000:]
     output = completed.stdout
     skipped_counts = [
@@ -196,17 +191,24 @@ def test_sharded_checkpoint_cut_mid_save_is_ignored(data_prefix, tmp_path, monke
     ]  # fmt: skip
 
 
-def _free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def _losses_of(output):
+    return [(int(iteration), float(loss)) for iteration, loss in LOSS_PATTERN.findall(output)]
+
+
+def _ranks_losses(nproc, args, log_path):
+    """pretrain_gpt.py on `nproc` gloo ranks as torchrun starts them: its losses by iteration."""
+    completed = processes.run(args, nproc, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    log_path.write_text(completed.stdout + completed.stderr)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    return _losses_of(completed.stdout)
 
 
 def _torchrun_losses(nproc, args, log_path):
+    """The same under torchrun itself, as a user launches it."""
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}"]
     command += [
         "--master_addr=127.0.0.1",
-        f"--master_port={_free_port()}",
+        f"--master_port={processes.free_port()}",
         str(REPO / "pretrain_gpt.py"),
         *args,
     ]
@@ -216,15 +218,14 @@ def _torchrun_losses(nproc, args, log_path):
     )
     log_path.write_text(completed.stdout + completed.stderr)
     assert completed.returncode == 0, completed.stderr[-3000:]
-    return [
-        (int(iteration), float(loss)) for iteration, loss in LOSS_PATTERN.findall(completed.stdout)
-    ]
+    return _losses_of(completed.stdout)
 
 
 def test_data_parallel_matches_single_process(data_prefix, tmp_path):
-    """2 gloo ranks x micro batch 4 == 1 rank x 2 micro-batches of 4, at global batch 8, in fp32."""
+    """2 gloo ranks under torchrun x micro batch 4 == 1 rank x 2 micro-batches of 4, at global
+    batch 8, in fp32."""
     args = tiny_gpt_args(data_prefix, train_iters=8)
-    single = _torchrun_losses(1, args, tmp_path / "single.log")
+    single = _ranks_losses(1, args, tmp_path / "single.log")
     parallel = _torchrun_losses(2, args, tmp_path / "parallel.log")
     assert [iteration for iteration, _ in single] == list(range(1, 9))
     assert [iteration for iteration, _ in parallel] == list(range(1, 9))
@@ -247,8 +248,8 @@ def test_distributed_optimizer_matches_single_process_and_resumes_across_layouts
     1 process resumes sharded at DP=2, both continuing the uninterrupted run."""
     args = tiny_gpt_args(data_prefix, train_iters=8)
     single_log, sharded_log = tmp_path / "single.log", tmp_path / "sharded.log"
-    single = _torchrun_losses(1, args, single_log)
-    sharded = _torchrun_losses(2, [*args, "--use-distributed-optimizer"], sharded_log)
+    single = _ranks_losses(1, args, single_log)
+    sharded = _ranks_losses(2, [*args, "--use-distributed-optimizer"], sharded_log)
     assert [iteration for iteration, _ in sharded] == list(range(1, 9))
     assert _close([loss for _, loss in single], [loss for _, loss in sharded]), (single, sharded)
     norms = [GRAD_NORM_PATTERN.findall(log.read_text()) for log in (single_log, sharded_log)]
@@ -269,8 +270,8 @@ def test_distributed_optimizer_matches_single_process_and_resumes_across_layouts
         else:
             # More ranks than saved RNG states: the run says to skip them (no dropout here).
             second_args += ["--use-distributed-optimizer", "--no-load-rng"]
-        head = _torchrun_losses(first, first_args, tmp_path / f"{name}_head.log")
-        tail = _torchrun_losses(second, second_args, tmp_path / f"{name}_tail.log")
+        head = _ranks_losses(first, first_args, tmp_path / f"{name}_head.log")
+        tail = _ranks_losses(second, second_args, tmp_path / f"{name}_tail.log")
         assert [iteration for iteration, _ in head + tail] == list(range(1, 9)), (head, tail)
         resumed = [loss for _, loss in head + tail]
         assert _close([loss for _, loss in single], resumed), (name, single, head + tail)
@@ -282,21 +283,16 @@ def test_sigterm_saves_and_exits(data_prefix, tmp_path):
         data_prefix, "--save", str(save_dir), "--exit-signal-handler", train_iters=100000
     )
     args += ["--save-interval", "100000", "--tensorboard-dir", str(tmp_path / "tb")]
-    process = subprocess.Popen(
-        [sys.executable, str(REPO / "pretrain_gpt.py"), *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1"),
-    )
-    seen = []
-    for line in process.stdout:
-        seen.append(line)
-        if LOSS_PATTERN.search(line) and int(LOSS_PATTERN.search(line).group(1)) >= 3:
-            process.send_signal(signal.SIGTERM)
-            break
-    output = "".join(seen) + process.communicate(timeout=300)[0]
-    assert process.returncode == 0, output[-3000:]
+    with processes.start(args) as run:
+        while run.poll() is None:
+            iterations = [int(iteration) for iteration, _ in LOSS_PATTERN.findall(run.stdout())]
+            if iterations and iterations[-1] >= 3:
+                os.kill(run.pids[0], signal.SIGTERM)
+                break
+            time.sleep(0.05)
+        returncode = run.wait(timeout=300)
+        output = run.stdout() + run.stderr()
+    assert returncode == 0, output[-3000:]
     match = re.search(r"exiting program after receiving SIGTERM at iteration (\d+)", output)
     assert match, output[-3000:]
     assert (save_dir / "latest_checkpointed_iteration.txt").read_text().strip() == match.group(1)

@@ -8,14 +8,12 @@ import re
 import resource
 import shutil
 import signal
-import subprocess
-import sys
 
 import pytest
 
 import pretrain_gpt
 from megatron.checkpointing import CheckpointError
-from tests.sample_data import REPO
+from tests import processes
 from tests.tiny_gpt import run_expecting_error, tiny_gpt_args
 
 TIMES = re.compile(
@@ -199,14 +197,7 @@ def test_a_failed_save_says_why_and_keeps_the_previous_checkpoint(
     args = save_args(
         sample_prefix, checkpoints, "--load", str(checkpoints), "--ckpt-format", ckpt_format
     )
-    completed = subprocess.run(
-        [sys.executable, str(REPO / "pretrain_gpt.py"), *args],
-        capture_output=True,
-        text=True,
-        env=dict(os.environ, PYTHONPATH=str(REPO)),
-        preexec_fn=_limit_file_size,
-        timeout=600,
-    )
+    completed = processes.run(args, before=_limit_file_size)
     assert completed.returncode == 1, completed.stderr[-3000:]
     error = completed.stderr.strip()
     assert error.startswith("error: saving iteration 10 under ") and "\n" not in error, error

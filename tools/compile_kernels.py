@@ -3,6 +3,8 @@
     python tools/compile_kernels.py            # one line per (kernel, target): artifact sizes or the error
     python tools/compile_kernels.py --json     # the same report as JSON
     python tools/compile_kernels.py --list     # the kernel specializations, as JSON
+    python tools/compile_kernels.py --covering # fewer builds that cover every kernel's argument
+                                               # types and constexpr values on every target
 
 Runs on any machine, GPU or not (megatron.kernels.aot says what it builds and how); exits 1 when a
 kernel fails to build for a target. Run it without TRITON_INTERPRET set.

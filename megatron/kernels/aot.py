@@ -23,8 +23,9 @@ correctness is what the interpreter tests and the GPU tests are for.
 
 `python tools/compile_kernels.py` compiles every spec of every kernel package (this one and
 moe.kernels) for every target and prints one line per pair (`--json` for a machine-readable
-report). Run it without TRITON_INTERPRET set: under the interpreter `triton.jit` returns
-functions that cannot be compiled.
+report; `--covering` builds only `covering_builds`, as the test suite does). Run it without
+TRITON_INTERPRET set: under the interpreter `triton.jit` returns functions that cannot be
+compiled.
 """
 
 from __future__ import annotations
@@ -70,13 +71,27 @@ class AotSpec:
     constexprs: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
-    def name(self) -> str:
-        """Readable, stable id such as `moe.kernels.sort._sort_scatter_kernel[BLOCK=128](*i32)`."""
+    def kernel_name(self) -> str:
+        """The kernel's module and function, such as `moe.kernels.sort._sort_scatter_kernel`."""
         function = getattr(self.kernel, "fn", self.kernel)
-        module = function.__module__
+        return f"{function.__module__}.{function.__name__}"
+
+    @property
+    def name(self) -> str:
+        """Readable, stable id: the kernel, its constexpr values and its argument types in
+        order, such as `moe.kernels.sort._sort_scatter_kernel[BLOCK=128](*i32,*i32,i32)`."""
         values = ",".join(f"{key}={value}" for key, value in self.constexprs.items())
-        pointers = ",".join(sorted({kind for kind in self.signature.values() if kind[0] == "*"}))
-        return f"{module}.{function.__name__}[{values}]({pointers})"
+        function = getattr(self.kernel, "fn", self.kernel)
+        order = list(inspect.signature(function).parameters)
+        types = [self.signature[name] for name in order if name in self.signature]
+        return f"{self.kernel_name}[{values}]({','.join(types)})"
+
+    def features(self) -> set[tuple[str, str, str]]:
+        """What a build of this specialization exercises: each constexpr value and each
+        argument's type."""
+        return {("constexpr", key, repr(value)) for key, value in self.constexprs.items()} | {
+            ("argument", key, kind) for key, kind in self.signature.items()
+        }
 
 
 def discover_specs(packages: Sequence[str]) -> list[AotSpec]:
@@ -89,7 +104,7 @@ def discover_specs(packages: Sequence[str]) -> list[AotSpec]:
             module = importlib.import_module(module_info.name)
             for spec in getattr(module, "AOT_SPECS", []):
                 # A package may re-export its kernel module's list; count each spec once.
-                specs.setdefault(f"{spec.name} {sorted(spec.signature.items())}", spec)
+                specs.setdefault(spec.name, spec)
     return list(specs.values())
 
 
@@ -136,31 +151,75 @@ def artifacts(compiled: Any, target: GPUTarget) -> dict[str, int]:
     }
 
 
-def compile_all(packages: Sequence[str]) -> dict[str, dict[str, Any]]:
-    """{spec name: {target name: artifact sizes, or the error as a string}} for every pair."""
+def covering_builds(specs: Sequence[AotSpec], targets: Sequence[str]) -> list[tuple[AotSpec, str]]:
+    """Fewer (specialization, target) builds that still build, for every target, each
+    constexpr value and each argument type of every kernel, and every specialization for at
+    least one target: what a failure to build for a target depends on (an argument type's
+    loads and conversions, a constexpr's branch) is built for that target.
+
+    Per kernel and target, specializations are chosen greedily until those features are
+    covered, each target starting its choice at another specialization so that together they
+    build more of them; a specialization no target chose is then built for the target that has
+    the fewest of that kernel's builds."""
+    by_kernel: dict[str, list[AotSpec]] = {}
+    for spec in specs:
+        by_kernel.setdefault(spec.kernel_name, []).append(spec)
+    builds = []
+    for kernel_specs in by_kernel.values():
+        needed_everywhere = set().union(*(spec.features() for spec in kernel_specs))
+        chosen: dict[str, list[int]] = {target: [] for target in targets}
+        for offset, target in enumerate(targets):
+            order = [(offset + step) % len(kernel_specs) for step in range(len(kernel_specs))]
+            needed = set(needed_everywhere)
+            while needed:
+                best = max(order, key=lambda index: len(kernel_specs[index].features() & needed))
+                chosen[target].append(best)
+                needed -= kernel_specs[best].features()
+        for index in range(len(kernel_specs)):
+            if not any(index in indices for indices in chosen.values()):
+                min(chosen.values(), key=len).append(index)
+        builds += [(kernel_specs[index], target) for target in targets for index in chosen[target]]
+    return builds
+
+
+def compile_all(packages: Sequence[str], covering: bool = False) -> dict[str, dict[str, Any]]:
+    """{spec name: {target name: artifact sizes, or the error as a string}} for every pair, or
+    for the `covering_builds` only."""
+    specs = discover_specs(packages)
+    if covering:
+        builds = covering_builds(specs, list(TARGETS))
+    else:
+        builds = [(spec, target) for spec in specs for target in TARGETS]
     report: dict[str, dict[str, Any]] = {}
-    for spec in discover_specs(packages):
-        report[spec.name] = {}
-        for target_name, target in TARGETS.items():
-            try:
-                report[spec.name][target_name] = artifacts(compile_for(spec, target), target)
-            except Exception as error:  # the report says which pair failed and why
-                report[spec.name][target_name] = f"{type(error).__name__}: {error}"
+    for spec, target_name in builds:
+        target = TARGETS[target_name]
+        try:
+            result = artifacts(compile_for(spec, target), target)
+        except Exception as error:  # the report says which pair failed and why
+            result = f"{type(error).__name__}: {error}"
+        report.setdefault(spec.name, {})[target_name] = result
     return report
 
 
 def main(argv: list[str], packages: Sequence[str]) -> int:
-    """The command line of tools/compile_kernels.py: `--list`, `--json`, or a line per pair."""
+    """The command line of tools/compile_kernels.py: `--list`, `--json`, or a line per pair;
+    `--covering` for the `covering_builds` only."""
     if not TRITON_AVAILABLE:
         print("triton is not installed: pip install triton, then run this again", file=sys.stderr)
         return 2
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("unset TRITON_INTERPRET: interpreted kernels cannot be compiled", file=sys.stderr)
         return 2
+    covering = "--covering" in argv
     if "--list" in argv:
-        print(json.dumps([spec.name for spec in discover_specs(packages)]))
+        specs = discover_specs(packages)
+        if covering:
+            builds = covering_builds(specs, list(TARGETS))
+            print(json.dumps([[spec.name, target] for spec, target in builds]))
+        else:
+            print(json.dumps([spec.name for spec in specs]))
         return 0
-    report = compile_all(packages)
+    report = compile_all(packages, covering)
     failed = any(isinstance(result, str) for row in report.values() for result in row.values())
     if "--json" in argv:
         print(json.dumps(report))

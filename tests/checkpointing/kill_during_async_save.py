@@ -16,10 +16,8 @@ import os
 import random
 import re
 import signal
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import List, Optional
@@ -28,6 +26,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from megatron.checkpointing.layout import is_complete, read_tracker  # noqa: E402
+from tests import processes  # noqa: E402
 from tests.tiny_gpt import tiny_gpt_args  # noqa: E402
 
 STARTED = "copied to host memory"
@@ -35,19 +34,9 @@ FINISHED = "written in the background"
 LOADED = re.compile(r"loaded checkpoint \S+ at iteration (\d+)")
 
 
-def launch(args: List[str]) -> tuple:
-    """Start pretrain_gpt.py; (process, lines read so far, a thread filling them)."""
-    process = subprocess.Popen(
-        [sys.executable, str(REPO / "pretrain_gpt.py"), *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO)),
-    )
-    lines: List[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(process.stdout), daemon=True)
-    reader.start()
-    return process, lines, reader
+def launch(args: List[str]) -> processes.Ranks:
+    """Start pretrain_gpt.py in a process of its own (tests/processes.py)."""
+    return processes.start(args, env=dict(os.environ, OMP_NUM_THREADS="1"))
 
 
 def check_relaunch(lines: List[str], tracked: Optional[int]) -> Optional[str]:
@@ -73,13 +62,12 @@ def run(data_prefix: str, directory: str, kills: int, seed: int, window_s: float
     in_flight, failures = 0, 0
     tracked = None
     for kill in range(kills):
-        process, lines, reader = launch(args)
-        while not any(STARTED in line for line in lines) and process.poll() is None:
-            time.sleep(0.01)
-        time.sleep(rng.uniform(0.0, window_s))
-        os.kill(process.pid, signal.SIGKILL)
-        process.wait()
-        reader.join()
+        with launch(args) as process:
+            while STARTED not in process.stdout() and process.poll() is None:
+                time.sleep(0.01)
+            time.sleep(rng.uniform(0.0, window_s))
+            process.kill(signal.SIGKILL)
+            lines = (process.stdout() + process.stderr()).splitlines(keepends=True)
         failure = check_relaunch(lines, tracked)
         # Whether a background write was running when the kill came.
         writing = sum(STARTED in line for line in lines) > sum(FINISHED in line for line in lines)
@@ -97,10 +85,10 @@ def run(data_prefix: str, directory: str, kills: int, seed: int, window_s: float
     # Two iterations past the tracker's checkpoint, and past the 2 warm-up iterations when no
     # kill left one (the learning-rate schedule needs more iterations than it warms up over).
     args[args.index("--train-iters") + 1] = str((tracked or 1) + 2)
-    process, lines, reader = launch([*args, "--use-checkpoint-opt_param-scheduler"])
-    process.wait()
-    reader.join()
-    failure = check_relaunch(lines, tracked) or (None if process.returncode == 0 else "exit code")
+    with launch([*args, "--use-checkpoint-opt_param-scheduler"]) as process:
+        returncode = process.wait()
+        lines = (process.stdout() + process.stderr()).splitlines(keepends=True)
+    failure = check_relaunch(lines, tracked) or (None if returncode == 0 else "exit code")
     failures += failure is not None
     print(
         f"{kills} kills, {in_flight} during a background write; the last relaunch "

@@ -1,7 +1,7 @@
 """Launchers for multi-process tests on CPU (gloo).
 
 ``run_distributed`` runs a test function in N forked gloo processes and hands back what each
-rank returned; ``torchrun`` runs pretrain_gpt.py under torchrun, in fresh interpreters.
+rank returned; ``pretrain_ranks`` runs pretrain_gpt.py on N ranks as torchrun would.
 
 Usage of ``run_distributed``::
 
@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -38,7 +36,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tests.sample_data import REPO
+from tests import processes
+from tests.processes import free_port
 from tests.tiny_gpt import tensorboard_scalars
 
 
@@ -102,27 +101,20 @@ def _result_path(result_dir: str, rank: int) -> str:
     return os.path.join(result_dir, f"rank{rank}.pt")
 
 
-def free_port() -> int:
-    """A port nobody listens on now; rank 0's store binds it a moment later."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def torchrun(
+def pretrain_ranks(
     nproc: int,
     args: list,
     tensorboard_dir: Path,
     scalars: Iterable[str] = ("lm loss", "grad-norm"),
 ) -> dict:
-    """Run pretrain_gpt.py on `nproc` gloo ranks under torchrun; its stdout and the
-    per-iteration values of the TensorBoard `scalars` rank 0 logged ({name: {iteration: value}})."""
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}"]
-    command += ["--master_addr=127.0.0.1", f"--master_port={free_port()}"]
-    command += [str(REPO / "pretrain_gpt.py"), *args, "--tensorboard-dir", str(tensorboard_dir)]
-    environment = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    completed = subprocess.run(
-        command, capture_output=True, text=True, env=environment, timeout=300
+    """Run pretrain_gpt.py on `nproc` gloo ranks as torchrun would (tests/processes.py); its
+    stdout and the per-iteration values of the TensorBoard `scalars` rank 0 logged
+    ({name: {iteration: value}})."""
+    finished = processes.run(
+        [*args, "--tensorboard-dir", str(tensorboard_dir)],
+        nproc,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        timeout=300,
     )
-    assert completed.returncode == 0, (completed.stdout + completed.stderr)[-4000:]
-    return {"stdout": completed.stdout, **tensorboard_scalars(tensorboard_dir, scalars)}
+    assert finished.returncode == 0, (finished.stdout + finished.stderr)[-4000:]
+    return {"stdout": finished.stdout, **tensorboard_scalars(tensorboard_dir, scalars)}

@@ -1,4 +1,4 @@
-"""pretrain_gpt.py with expert parallelism under torchrun (gloo, CPU, fp32 dMoE GPT).
+"""pretrain_gpt.py with expert parallelism on gloo ranks as torchrun starts them (CPU, fp32 dMoE GPT).
 
 Experts sharded over an expert-parallel group give the single-process losses, load-balancing
 losses and grad norms (read at full precision from the TensorBoard scalars); the checkpoint
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import pretrain_gpt
-from tests.distributed.launch import torchrun
+from tests.distributed.launch import pretrain_ranks
 from tests.tiny_gpt import MOE_ARGS, saved_state, tiny_gpt_args
 
 ITERATIONS = 5
@@ -38,7 +38,7 @@ def moe_gpt_args(data_prefix, *extra):
 
 
 def run(nproc: int, args: list, tensorboard_dir) -> dict:
-    return torchrun(nproc, args, tensorboard_dir, scalars=SCALARS)
+    return pretrain_ranks(nproc, args, tensorboard_dir, scalars=SCALARS)
 
 
 def assert_same_run(expected: dict, actual: dict, iterations=range(1, ITERATIONS + 1)):

@@ -10,8 +10,9 @@ import shutil
 import subprocess
 import sys
 
-from tests.distributed.launch import free_port
+from tests import processes
 from tests.distributed.test_expert_parallel_gpt import moe_gpt_args
+from tests.processes import free_port
 from tests.sample_data import REPO
 from tests.tiny_gpt import tensorboard_scalars
 
@@ -64,13 +65,7 @@ def test_two_node_sharded_checkpoint_resumes_in_one_process(data_prefix, tmp_pat
     resume = moe_gpt_args(data_prefix, "--make-vocab-size-divisible-by", "128",
                           "--train-iters", "4", "--load", str(load),
                           "--tensorboard-dir", str(tmp_path / "tb1"))  # fmt: skip
-    completed = subprocess.run(
-        [sys.executable, str(REPO / "pretrain_gpt.py"), *resume],
-        capture_output=True,
-        text=True,
-        env=environment,
-        timeout=300,
-    )
+    completed = processes.run(resume, env=environment, timeout=300)
     assert completed.returncode == 0, completed.stderr[-4000:]
     one_process = tensorboard_scalars(tmp_path / "tb1", SCALARS)
     for name in SCALARS:

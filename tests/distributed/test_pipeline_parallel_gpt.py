@@ -1,4 +1,4 @@
-"""pretrain_gpt.py with --pipeline-model-parallel-size under torchrun (gloo, CPU, fp32).
+"""pretrain_gpt.py with --pipeline-model-parallel-size on gloo ranks as torchrun starts them (CPU, fp32).
 
 Pipeline runs (1F1B and interleaved, alone and with data or tensor parallelism) give the
 single-process losses and grad norms read from TensorBoard; bad sizes stop before any work.
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import pretrain_gpt
-from tests.distributed.launch import torchrun
+from tests.distributed.launch import pretrain_ranks
 from tests.distributed.test_tensor_parallel_gpt import assert_same_run, gpt_args
 from tests.tiny_gpt import saved_state
 
@@ -47,7 +47,7 @@ def saving(directory: Path) -> list:
 @pytest.fixture(scope="module")
 def single_process(data_prefix, tmp_path_factory):
     root = tmp_path_factory.mktemp("single")
-    run = torchrun(1, gpt_args(data_prefix, *PIPELINE_MODEL, *saving(root / "ckpt")), root / "tb")
+    run = pretrain_ranks(1, gpt_args(data_prefix, *PIPELINE_MODEL, *saving(root / "ckpt")), root / "tb")
     return {**run, "checkpoints": root / "ckpt"}
 
 
@@ -57,7 +57,7 @@ def pipeline_run(data_prefix, tmp_path_factory):
     root = tmp_path_factory.mktemp("pp2")
     args = gpt_args(data_prefix, *PIPELINE_MODEL, *saving(root / "ckpt"), "--async-save")
     args += ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]
-    run = torchrun(2, args, root / "tb")
+    run = pretrain_ranks(2, args, root / "tb")
     return {**run, "checkpoints": root / "ckpt"}
 
 
@@ -80,7 +80,7 @@ def test_pipeline_matches_single_process(
 ):
     args = gpt_args(data_prefix, *PIPELINE_MODEL, tensor_parallel=tensor_parallel)
     args += ["--pipeline-model-parallel-size", "2", *extra.split()]
-    run = torchrun(nproc, args, tmp_path / "tb")
+    run = pretrain_ranks(nproc, args, tmp_path / "tb")
     assert "pipeline-model-parallel size: 2" in run["stdout"]
     assert len(re.findall(r" iteration +5/", run["stdout"])) == 1  # logged once
     assert_same_run(single_process, run)
@@ -128,7 +128,7 @@ def test_checkpoint_resumes_in_another_pipeline_layout(
     shutil.copytree(source / "iter_0000003", load / "iter_0000003")
     (load / "latest_checkpointed_iteration.txt").write_text("3")
     args = gpt_args(data_prefix, *PIPELINE_MODEL, "--load", str(load), *extra.split())
-    run = torchrun(nproc, args, tmp_path / "tb")
+    run = pretrain_ranks(nproc, args, tmp_path / "tb")
     assert_same_run(single_process, run, iterations=range(4, 6))
 
 

@@ -1,5 +1,5 @@
-"""--use-precision-aware-optimizer (bf16 main gradients and Adam moments) in pretrain_gpt.py under
-torchrun (gloo, CPU, a dMoE GPT under bf16 autocast), at every kind of layout: data parallel
+"""--use-precision-aware-optimizer (bf16 main gradients and Adam moments) in pretrain_gpt.py on gloo
+ranks as torchrun starts them (CPU, a dMoE GPT under bf16 autocast), at every kind of layout: data parallel
 without DDP (the main gradients are all-reduced after the last backward), the distributed
 optimizer, tensor, pipeline and expert parallelism. Each gives the single process's losses and
 grad norms to within what bf16 gradients summed in another order allow; checkpoints hold the
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import pretrain_gpt
-from tests.distributed.launch import torchrun
+from tests.distributed.launch import pretrain_ranks
 from tests.tiny_gpt import MOE_ARGS, saved_state, tiny_gpt_args
 
 ITERATIONS = 5
@@ -50,7 +50,7 @@ def args(data_prefix, *extra):
 
 @pytest.fixture(scope="module")
 def single(data_prefix, tmp_path_factory):
-    return torchrun(1, args(data_prefix), tmp_path_factory.mktemp("single") / "tb", scalars=SCALARS)
+    return pretrain_ranks(1, args(data_prefix), tmp_path_factory.mktemp("single") / "tb", scalars=SCALARS)
 
 
 def _assert_close(expected, actual):
@@ -66,7 +66,7 @@ def _assert_close(expected, actual):
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_layout_matches_single_process(single, data_prefix, tmp_path, layout):
-    run = torchrun(2, args(data_prefix, *LAYOUTS[layout]), tmp_path / "tb", scalars=SCALARS)
+    run = pretrain_ranks(2, args(data_prefix, *LAYOUTS[layout]), tmp_path / "tb", scalars=SCALARS)
     assert "precision-aware optimizer: main gradients bf16" in run["stdout"]
     _assert_close(single, run)
 
@@ -119,7 +119,7 @@ def test_distributed_optimizer_checkpoint_resumes_in_one_process(single, data_pr
     process would have."""
     checkpoints = tmp_path / "ckpt"
     saving = ["--save", str(checkpoints), "--save-interval", "3", "--exit-interval", "3"]
-    torchrun(2, args(data_prefix, "--use-distributed-optimizer", *saving), tmp_path / "tb")
+    pretrain_ranks(2, args(data_prefix, "--use-distributed-optimizer", *saving), tmp_path / "tb")
     state = saved_state(checkpoints, 3)
     dtypes = {
         value.dtype

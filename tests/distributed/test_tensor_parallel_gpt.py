@@ -1,4 +1,4 @@
-"""pretrain_gpt.py with --tensor-model-parallel-size under torchrun (gloo, CPU, fp32).
+"""pretrain_gpt.py with --tensor-model-parallel-size on gloo ranks as torchrun starts them (CPU, fp32).
 
 Tensor (and sequence) parallel runs give the single-process losses and grad norms, read at full
 precision from the TensorBoard scalars; checkpoints are layout-free, so a run resumes at another
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import pretrain_gpt
-from tests.distributed.launch import torchrun
+from tests.distributed.launch import pretrain_ranks
 from tests.tiny_gpt import saved_state, tiny_gpt_args
 
 ITERATIONS = 5
@@ -59,7 +59,7 @@ def single_and_tensor_parallel(data_prefix, tmp_path_factory):
     runs = {}
     for name, nproc in (("single", 1), ("tp2", 2)):
         save = ["--save", str(root / f"{name}_ckpt"), "--save-interval", "3"]
-        runs[name] = torchrun(
+        runs[name] = pretrain_ranks(
             nproc, gpt_args(data_prefix, *save, tensor_parallel=nproc), root / f"{name}_tb"
         )
         runs[name]["checkpoints"] = root / f"{name}_ckpt"
@@ -90,7 +90,7 @@ def test_sequence_parallel_matches_single_process(
     single_and_tensor_parallel, data_prefix, tmp_path, nproc, tensor_parallel
 ):
     args = gpt_args(data_prefix, "--sequence-parallel", tensor_parallel=tensor_parallel)
-    run = torchrun(nproc, args, tmp_path / "tb")
+    run = pretrain_ranks(nproc, args, tmp_path / "tb")
     assert f"data-parallel size: {nproc // tensor_parallel}" in run["stdout"]
     assert_same_run(single_and_tensor_parallel["single"], run)
 
@@ -98,7 +98,7 @@ def test_sequence_parallel_matches_single_process(
 def test_dropout_and_recompute_train_under_tensor_parallelism(data_prefix, tmp_path):
     recompute = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
     args = gpt_args(data_prefix, *recompute.split(), dropout=0.1, tensor_parallel=2)
-    run = torchrun(2, args, tmp_path / "tb")
+    run = pretrain_ranks(2, args, tmp_path / "tb")
     losses = [run["lm loss"][step] for step in range(1, ITERATIONS + 1)]
     assert all(math.isfinite(loss) and loss < 12 for loss in losses), losses
 
@@ -116,7 +116,7 @@ def test_checkpoint_resumes_at_another_tensor_parallel_size(
     )
     (load / "latest_checkpointed_iteration.txt").write_text("3")
     args = gpt_args(data_prefix, "--load", str(load), tensor_parallel=resumed)
-    run = torchrun(resumed, args, tmp_path / "tb")
+    run = pretrain_ranks(resumed, args, tmp_path / "tb")
     assert "saved at another tensor-parallel size" in run["stdout"]
     assert_same_run(single_and_tensor_parallel["single"], run, iterations=range(4, 6))
 

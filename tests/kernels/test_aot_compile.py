@@ -1,6 +1,9 @@
 """Every Triton kernel (the AOT_SPECS of megatron/kernels and moe/kernels, through
 tools/compile_kernels.py, and of the benchmarks' bench/kernels, which that tool leaves out)
-compiles for MI300X, MI250X and H100 on this CPU.
+compiles for MI300X, MI250X and H100 on this CPU: the `--covering` builds, which build each
+kernel's every argument type and constexpr value for every target and every specialization for
+at least one (megatron.kernels.aot.covering_builds; without `--covering` the tool builds every
+pair).
 
 The compiling runs in a child process without TRITON_INTERPRET: interpreter tests in this session
 set it, and under it `triton.jit` gives functions that cannot be compiled. This module never
@@ -29,20 +32,25 @@ FINAL_STAGE = {"mi300x": "hsaco", "mi250x": "hsaco", "h100": "cubin"}
 ASSEMBLY_STAGE = {"mi300x": "amdgcn", "mi250x": "amdgcn", "h100": "ptx"}
 
 
-# The product's kernels through its tool; the benchmarks' through the same megatron.kernels.aot.
-PRODUCT = [sys.executable, "tools/compile_kernels.py"]
-BENCH = [
-    sys.executable,
-    "-c",
-    "import sys; from megatron.kernels.aot import main; "
-    "sys.exit(main(sys.argv[1:], ['bench.kernels']))",
-]
+# The product's kernels (tools/compile_kernels.py's packages) and the benchmarks'.
+PACKAGES = ["megatron.kernels", "moe.kernels", "bench.kernels"]
+LISTING = f"""
+import json
+from megatron.kernels import aot
+specs = aot.discover_specs({PACKAGES})
+builds = aot.covering_builds(specs, list(aot.TARGETS))
+print(json.dumps([[spec.name for spec in specs], [[spec.name, target] for spec, target in builds]]))
+"""
+BUILDING = (
+    f"import sys; from megatron.kernels.aot import main; sys.exit(main(sys.argv[1:], {PACKAGES}))"
+)
 
 
-def _run_aot(command: list, flag: str):
+def _run(*command: str):
+    """The JSON a child process without TRITON_INTERPRET prints."""
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     result = subprocess.run(
-        [*command, flag],
+        [sys.executable, *command],
         cwd=REPO_ROOT,
         env=env,
         capture_output=True,
@@ -50,22 +58,25 @@ def _run_aot(command: list, flag: str):
         timeout=900,
     )
     if not result.stdout.strip():
-        raise RuntimeError(f"{' '.join(command[1:])} {flag} failed:\n{result.stderr}")
+        raise RuntimeError(f"{' '.join(command)} failed:\n{result.stderr}")
     return json.loads(result.stdout)
 
 
-# The bench list is empty where this Triton has no device-side tensor descriptors
+# The benchmarks' list is empty where this Triton has no device-side tensor descriptors
 # (bench/kernels/grouped_gemm_tma.py's available()).
-SPEC_NAMES = _run_aot(PRODUCT, "--list") + _run_aot(BENCH, "--list")
+SPEC_NAMES, BUILDS = _run("-c", LISTING)
+BUILDS = [tuple(build) for build in BUILDS]
 
 
 @pytest.fixture(scope="module")
 def report():
-    return {**_run_aot(PRODUCT, "--json"), **_run_aot(BENCH, "--json")}
+    return _run("-c", BUILDING, "--json", "--covering")
 
 
-def test_specs_cover_every_kernel_file():
-    modules = {name.split("._", 1)[0] for name in SPEC_NAMES}
+def test_the_tool_lists_every_kernel_file():
+    tool_names = _run("tools/compile_kernels.py", "--list")
+    assert set(tool_names) == {name for name in SPEC_NAMES if not name.startswith("bench.")}
+    modules = {name.split("._", 1)[0] for name in tool_names}
     assert {
         "moe.kernels.grouped_gemm_kernels",
         "moe.kernels.permute_kernels",
@@ -74,8 +85,16 @@ def test_specs_cover_every_kernel_file():
     } <= modules
 
 
-@pytest.mark.parametrize("target", TARGETS)
-@pytest.mark.parametrize("spec_name", SPEC_NAMES)
+def test_builds_cover_every_specialization_and_every_kernel_on_every_target():
+    assert len(set(SPEC_NAMES)) == len(SPEC_NAMES)  # names tell specializations apart
+    assert {name for name, _ in BUILDS} == set(SPEC_NAMES)
+    kernels = {name.split("[")[0] for name in SPEC_NAMES}
+    assert {(name.split("[")[0], target) for name, target in BUILDS} == {
+        (kernel, target) for kernel in kernels for target in TARGETS
+    }
+
+
+@pytest.mark.parametrize("spec_name, target", BUILDS)
 def test_compiles(report, spec_name, target):
     result = report[spec_name][target]
     if isinstance(result, str) and "ld.lld not found" in result:

@@ -259,12 +259,12 @@ def test_a_tensor_parallel_dmoe_run_exports(data_prefix, tmp_path, auto_model):
     """A checkpoint saved by 2 tensor-parallel ranks (each holding half of every expert's
     channels) exports like any other: the export computes the logits of the model the
     checkpoint holds."""
-    from tests.distributed.launch import torchrun
+    from tests.distributed.launch import pretrain_ranks
     from tests.tiny_gpt import MOE_ARGS, tiny_gpt_args
 
     args = tiny_gpt_args(data_prefix, *MOE_ARGS, train_iters=3, tensor_parallel=2)
     args += ["--save", str(tmp_path / "ckpt"), "--save-interval", "3"]
-    torchrun(2, args, tmp_path / "tb")
+    pretrain_ranks(2, args, tmp_path / "tb")
     export(tmp_path / "ckpt", tmp_path / "hf")
     tokens = torch.randint(0, GPT2_VOCAB_SIZE, (1, 24), generator=torch.Generator().manual_seed(1))
     logits, loss, hf_logits, hf_loss = ours_and_theirs(
