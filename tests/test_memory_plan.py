@@ -7,8 +7,6 @@ from __future__ import annotations
 import ast
 import dataclasses
 import re
-import subprocess
-import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -21,6 +19,7 @@ from megatron.memory_plan.activations import layer_bytes_per_token, norm_bytes_p
 from megatron.memory_plan.suggestions import format_warning, suggest_fits
 from megatron.model import GPTModel
 from pretrain_gpt import build_mlp_spec
+from tests import processes
 from tests.tiny_gpt import sharded_gpt_model
 from tools.estimate_memory import build_config
 
@@ -274,12 +273,12 @@ def test_unknown_device_memory_prints_unknown():
 
 
 def test_tool_prints_the_line_and_refuses_bad_flags():
-    tool = [sys.executable, str(REPO_ROOT / "tools" / "estimate_memory.py")]
-    run = subprocess.run([*tool, *DMOE_125M], capture_output=True, text=True, cwd=REPO_ROOT)
+    tool = str(REPO_ROOT / "tools" / "estimate_memory.py")
+    run = processes.run(DMOE_125M, script=tool)
     assert run.returncode == 0, run.stderr
     assert "> estimated peak memory per GPU: " in run.stdout
     assert "WARNING: " in run.stdout and "total, worst routing" in run.stdout
-    bad = subprocess.run([*tool, "--num-layerz", "2"], capture_output=True, text=True)
+    bad = processes.run(["--num-layerz", "2"], script=tool)
     assert bad.returncode == 1
     assert bad.stderr.startswith("error: ") and len(bad.stderr.strip().splitlines()) == 1
 

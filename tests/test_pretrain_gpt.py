@@ -39,53 +39,33 @@ def _final_parameters(save_dir):
     return int(latest), saved_state(save_dir)
 
 
+# 12 iterations of 32-token sequences: what resuming must reproduce does not depend on the shape.
+SHORT_RUN = {"train_iters": 12, "seq_length": 32}
+
+
 def test_resume_is_bit_exact(data_prefix, tmp_path):
-    """20 iterations straight == 10, save, a new process-like start with --load, 10 more."""
+    """12 iterations straight == 6, save, a new process-like start with --load, 6 more; with
+    dropout, and an evaluation in each half (iterations 4, 8 and 12)."""
     straight_dir, split_dir = tmp_path / "straight", tmp_path / "split"
-    common = [
-        "--hidden-dropout",
-        "0.1",
-        "--attention-dropout",
-        "0.1",
-        "--eval-interval",
-        "5",
-        "--eval-iters",
-        "1",
-    ]
+    common = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--eval-interval", "4",
+              "--eval-iters", "1", "--save-interval", "6"]  # fmt: skip
     straight = pretrain_gpt.main(
-        tiny_gpt_args(data_prefix, *common, "--save", str(straight_dir), "--save-interval", "10")
+        tiny_gpt_args(data_prefix, *common, "--save", str(straight_dir), **SHORT_RUN)
     )
+    split = [*common, "--save", str(split_dir)]
     first = pretrain_gpt.main(
-        tiny_gpt_args(
-            data_prefix,
-            *common,
-            "--save",
-            str(split_dir),
-            "--save-interval",
-            "10",
-            "--exit-interval",
-            "10",
-        )
+        tiny_gpt_args(data_prefix, *split, "--exit-interval", "6", **SHORT_RUN)
     )
-    assert first.exit_reason == "interval" and first.iteration == 10
+    assert first.exit_reason == "interval" and first.iteration == 6
     torch.manual_seed(999)  # the resumed run must not depend on the state the process was left in
     second = pretrain_gpt.main(
-        tiny_gpt_args(
-            data_prefix,
-            *common,
-            "--save",
-            str(split_dir),
-            "--save-interval",
-            "10",
-            "--load",
-            str(split_dir),
-        )
+        tiny_gpt_args(data_prefix, *split, "--load", str(split_dir), **SHORT_RUN)
     )
     assert _losses(first) + _losses(second) == _losses(straight)
     assert straight.validation[-2:] == second.validation[-2:]
     straight_iteration, straight_state = _final_parameters(straight_dir)
     split_iteration, split_state = _final_parameters(split_dir)
-    assert straight_iteration == split_iteration == 20
+    assert straight_iteration == split_iteration == 12
     assert straight_state["model"].keys() == split_state["model"].keys()
     for name, tensor in straight_state["model"].items():
         assert torch.equal(tensor, split_state["model"][name]), name
@@ -221,11 +201,19 @@ def _torchrun_losses(nproc, args, log_path):
     return _losses_of(completed.stdout)
 
 
-def test_data_parallel_matches_single_process(data_prefix, tmp_path):
+@pytest.fixture(scope="module")
+def single_rank(data_prefix, tmp_path_factory):
+    """The 8-iteration run the parallel layouts below are compared with: (its flags, its losses
+    by iteration, its log)."""
+    args = tiny_gpt_args(data_prefix, train_iters=8)
+    log = tmp_path_factory.mktemp("single_rank") / "single.log"
+    return args, _ranks_losses(1, args, log), log
+
+
+def test_data_parallel_matches_single_process(single_rank, tmp_path):
     """2 gloo ranks under torchrun x micro batch 4 == 1 rank x 2 micro-batches of 4, at global
     batch 8, in fp32."""
-    args = tiny_gpt_args(data_prefix, train_iters=8)
-    single = _ranks_losses(1, args, tmp_path / "single.log")
+    args, single, _ = single_rank
     parallel = _torchrun_losses(2, args, tmp_path / "parallel.log")
     assert [iteration for iteration, _ in single] == list(range(1, 9))
     assert [iteration for iteration, _ in parallel] == list(range(1, 9))
@@ -241,14 +229,13 @@ def _close(first, second, tolerance=1e-5):
 
 
 def test_distributed_optimizer_matches_single_process_and_resumes_across_layouts(
-    data_prefix, tmp_path
+    single_rank, tmp_path
 ):
     """--use-distributed-optimizer at 2 gloo ranks gives 1 process's losses and grad norms; a
     checkpoint saved sharded at DP=2 resumes at 1 process (plain optimizer), and one saved at
     1 process resumes sharded at DP=2, both continuing the uninterrupted run."""
-    args = tiny_gpt_args(data_prefix, train_iters=8)
-    single_log, sharded_log = tmp_path / "single.log", tmp_path / "sharded.log"
-    single = _ranks_losses(1, args, single_log)
+    args, single, single_log = single_rank
+    sharded_log = tmp_path / "sharded.log"
     sharded = _ranks_losses(2, [*args, "--use-distributed-optimizer"], sharded_log)
     assert [iteration for iteration, _ in sharded] == list(range(1, 9))
     assert _close([loss for _, loss in single], [loss for _, loss in sharded]), (single, sharded)

@@ -6,8 +6,7 @@ at least one (megatron.kernels.aot.covering_builds; without `--covering` the too
 pair).
 
 The compiling runs in a child process without TRITON_INTERPRET: interpreter tests in this session
-set it, and under it `triton.jit` gives functions that cannot be compiled. This module never
-imports triton or moe.kernels itself, so it cannot spoil the interpreter for the tests after it.
+set it, and under it `triton.jit` gives functions that cannot be compiled.
 """
 
 from __future__ import annotations
@@ -21,10 +20,10 @@ from pathlib import Path
 
 import pytest
 
-# Not importorskip: importing triton here, before the interpreter tests set TRITON_INTERPRET,
-# would turn triton's own jit functions into compiled ones and break those tests.
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed", allow_module_level=True)
+
+from megatron.kernels import aot  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TARGETS = ("mi300x", "mi250x", "h100")
@@ -34,13 +33,6 @@ ASSEMBLY_STAGE = {"mi300x": "amdgcn", "mi250x": "amdgcn", "h100": "ptx"}
 
 # The product's kernels (tools/compile_kernels.py's packages) and the benchmarks'.
 PACKAGES = ["megatron.kernels", "moe.kernels", "bench.kernels"]
-LISTING = f"""
-import json
-from megatron.kernels import aot
-specs = aot.discover_specs({PACKAGES})
-builds = aot.covering_builds(specs, list(aot.TARGETS))
-print(json.dumps([[spec.name for spec in specs], [[spec.name, target] for spec, target in builds]]))
-"""
 BUILDING = (
     f"import sys; from megatron.kernels.aot import main; sys.exit(main(sys.argv[1:], {PACKAGES}))"
 )
@@ -62,10 +54,13 @@ def _run(*command: str):
     return json.loads(result.stdout)
 
 
-# The benchmarks' list is empty where this Triton has no device-side tensor descriptors
+# Listed here, building in a child: conftest.py set up the interpreter before collection, so
+# importing the kernel modules now changes nothing for the tests after this one. The
+# benchmarks' list is empty where this Triton has no device-side tensor descriptors
 # (bench/kernels/grouped_gemm_tma.py's available()).
-SPEC_NAMES, BUILDS = _run("-c", LISTING)
-BUILDS = [tuple(build) for build in BUILDS]
+SPECS = aot.discover_specs(PACKAGES)
+SPEC_NAMES = [spec.name for spec in SPECS]
+BUILDS = [(spec.name, target) for spec, target in aot.covering_builds(SPECS, list(aot.TARGETS))]
 
 
 @pytest.fixture(scope="module")
