@@ -93,17 +93,17 @@ class Ranks:
                     MASTER_PORT=str(port),
                     TORCHELASTIC_RESTART_COUNT="0",
                     TORCHELASTIC_MAX_RESTARTS="0",
-                )  # fmt: skip
+                )
                 for rank in range(nproc)
             ]
         self.processes = []
         for rank, rank_environment in enumerate(environments):
+            log_directory = str(self._directory / str(rank))
             process = _fork_server().Process(
                 target=_run_script,
-                args=(script, list(args), rank_environment, str(self._directory / str(rank)),
-                      before),
+                args=(script, list(args), rank_environment, log_directory, before),
                 name=f"rank{rank}",
-            )  # fmt: skip
+            )
             process.start()
             self.processes.append(process)
 
@@ -137,9 +137,13 @@ class Ranks:
         return code
 
     def kill(self, signal_number: int = signal.SIGKILL) -> None:
+        """Send `signal_number` to every rank still running, then wait for them all."""
         for process in self.processes:
             if process.exitcode is None:
-                os.kill(process.pid, signal_number)
+                try:
+                    os.kill(process.pid, signal_number)
+                except ProcessLookupError:  # it ended meanwhile
+                    pass
         for process in self.processes:
             process.join()
 

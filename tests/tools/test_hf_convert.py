@@ -147,7 +147,11 @@ def test_mixtral_experts_import_from_either_layout(tmp_path, auto_model):
     export(tmp_path / "ckpt", tmp_path / "per_expert")
     model = auto_model.from_pretrained(tmp_path / "per_expert")
     fused = {name: tensor.contiguous() for name, tensor in model.state_dict().items()}
-    assert any(name.endswith("mlp.experts.gate_up_proj") for name in fused)
+    if not any(name.endswith("mlp.experts.gate_up_proj") for name in fused):
+        import transformers
+
+        assert int(transformers.__version__.split(".")[0]) < 5, sorted(fused)
+        pytest.skip("transformers 4 holds Mixtral's experts as the Hub stores them")
     (tmp_path / "fused").mkdir()
     save_file(fused, str(tmp_path / "fused" / "model.safetensors"), metadata={"format": "pt"})
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
