@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -30,6 +30,8 @@ class IterationStats:
     tflops_per_gpu: float
     num_zeros_in_grad: Optional[int] = None
     params_norm: Optional[float] = None
+    # Fields model extensions add after the throughput (megatron.training_hooks), by name.
+    extra: Dict[str, float] = field(default_factory=dict)
 
 
 def format_iteration_line(stats: IterationStats) -> str:
@@ -53,6 +55,8 @@ def format_iteration_line(stats: IterationStats) -> str:
     line += f" throughput per GPU (TFLOP/s/GPU): {stats.tflops_per_gpu:.1f} |"
     line += f" tokens per second: {stats.tokens_per_second:.0f} |"
     line += f" tokens per second per GPU: {stats.tokens_per_second_per_gpu:.0f} |"
+    for name, value in stats.extra.items():
+        line += f" {name}: {value:.3f} |"
     return line
 
 
@@ -111,6 +115,7 @@ class TensorBoardLogger:
             "throughput/tokens-per-second-per-gpu": stats.tokens_per_second_per_gpu,
             "throughput/tflops-per-gpu": stats.tflops_per_gpu,
             **stats.losses,
+            **stats.extra,
         }
         if stats.grad_norm is not None:
             scalars["grad-norm"] = stats.grad_norm

@@ -170,6 +170,7 @@ def _train_loop(
                 tokens_per_second=tokens_per_second,
                 tokens_per_second_per_gpu=tokens_per_gpu,
                 tflops_per_gpu=tflops,
+                extra=trainer.hooks.iteration_fields(trainer.unwrapped_model),
             )
             print_rank_0(format_iteration_line(stats))
             if report_memory and trainer.context.device.type == "cuda":

@@ -17,7 +17,7 @@ from torch import nn
 class TrainingHooks:
     """Called by the trainer on every rank, in this order: `compile_veto` once, `setup` once,
     then per step `before_forwards` ... forwards and backwards ... `after_backwards`, and
-    `log` at each --log-interval."""
+    `iteration_fields` and `log` at each --log-interval."""
 
     def compile_veto(self, device: torch.device) -> Optional[str]:
         """None when torch.compile may capture the whole model on `device`; otherwise why not
@@ -35,6 +35,12 @@ class TrainingHooks:
     def after_backwards(self, model: nn.Module) -> None:
         """After the last backward of a training step, before any gradient is reduced, clipped
         or stepped."""
+
+    def iteration_fields(self, model: nn.Module) -> Dict[str, float]:
+        """At each --log-interval, before the iteration line (a collective: every rank calls
+        it): named numbers of the window for the end of that line and TensorBoard, the same on
+        every rank."""
+        return {}
 
     def log(
         self,

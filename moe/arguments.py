@@ -125,6 +125,14 @@ def add_moe_args(parser: argparse.ArgumentParser) -> None:
         "micro-batch. 0: off.",
     )
     group.add_argument(
+        "--moe-router-force-load-balancing",
+        action="store_true",
+        help="For benchmarks (Megatron-core's flag): each token goes to experts drawn uniformly "
+        "at random instead of the router's top-k, weighted by the router's scores for them, so "
+        "that every expert and expert-parallel rank gets about the same load. Not for training "
+        "a model.",
+    )
+    group.add_argument(
         "--moe-shared-expert",
         action="store_true",
         help="Add a dense MLP every token goes through to the experts' output.",

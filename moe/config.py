@@ -45,6 +45,8 @@ class MoEConfig:
     mlp_type: str = "mlp"
     router_score: str = "softmax"
     router_bias_update_rate: float = 0.0  # DeepSeek-V3 aux-loss-free bias; 0 disables it
+    # Benchmarks only: experts drawn uniformly at random instead of the top-k (moe.router).
+    router_force_load_balancing: bool = False
     shared_expert: bool = False
     shared_expert_ffn_hidden_size: Optional[int] = None
     memory_optimized_mlp: bool = False
@@ -119,6 +121,7 @@ class MoEConfig:
             mlp_type=mlp_type,
             router_score=args.moe_router_score,
             router_bias_update_rate=args.moe_router_bias_update_rate,
+            router_force_load_balancing=args.moe_router_force_load_balancing,
             shared_expert=args.moe_shared_expert,
             shared_expert_ffn_hidden_size=args.moe_shared_expert_ffn_hidden_size,
             memory_optimized_mlp=args.moe_memory_optimized_mlp,
@@ -145,6 +148,11 @@ class MoEConfig:
             )
         if self.dropless and self.mlp_impl == "grouped":
             notes.append(f"dMoE grouped GEMM: {self.grouped_gemm}")
+        if self.router_force_load_balancing:
+            notes.append(
+                "--moe-router-force-load-balancing: experts are drawn at random, not chosen by "
+                "the router (a benchmark mode: the model does not learn its routing)"
+            )
         return notes
 
     def validate(self, model: ModelConfig) -> None:

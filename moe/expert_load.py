@@ -11,11 +11,17 @@ TensorBoard) holds every MoE layer's counts for the whole global batch:
 - tensor-parallel ranks route the same tokens, so only the first rank of each tensor-parallel
   group contributes;
 - pipeline stages hold different layers, and each contributes its own layers' rows.
+
+Under expert parallelism each layer also keeps, per training forward, how unevenly its
+expert-parallel group's ranks were loaded: the most rows any rank received over the mean
+(moe.expert_parallel.ExchangeCounts.imbalance; every all-to-all waits for the busiest rank).
+`gather_expert_parallel_imbalance` takes the window's mean per layer, the largest over the
+groups.
 """
 
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -79,3 +85,25 @@ def format_expert_load_line(load: Dict[int, torch.Tensor]) -> str:
         highest, lowest = load_spread(counts)
         line += f" layer {number}: {highest:.2f} / {lowest:.2f} |"
     return line
+
+
+def gather_expert_parallel_imbalance(
+    model: nn.Module, moe_layer_numbers: List[int], device: torch.device
+) -> Dict[int, float]:
+    """{layer number: mean over the window's training forwards of the expert-parallel load
+    imbalance} for every MoE layer of the model, the largest over the expert-parallel groups
+    (and pipeline stages, each holding its own layers); clears the windows. A layer without a
+    forward in the window reads 0. A collective over all ranks."""
+    means: Dict[int, Optional[float]] = {}
+    for module in model.modules():
+        if isinstance(module, TransformerLayer) and isinstance(module.mlp, MoELayer):
+            means[module.layer_number] = module.mlp.expert_parallel_load.take()
+    row_of = {number: row for row, number in enumerate(moe_layer_numbers)}
+    table = torch.zeros(len(moe_layer_numbers), dtype=torch.float64, device=device)
+    for number, mean in means.items():
+        if mean is not None:
+            table[row_of[number]] = mean
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(table, op=dist.ReduceOp.MAX)
+    values = table.tolist()
+    return {number: values[row] for number, row in row_of.items()}

@@ -7,10 +7,11 @@ so any P reproduces the P = 1 numbers). A dMoE layer's forward on rank r then ru
 1. route its own tokens over all E experts, sort the assignments by expert and gather the rows in
    that order (moe.kernels.token_rows); rows sorted by global expert are also sorted by
    destination rank;
-2. `ExpertExchange.plan`: one all_to_all_single of the [P, E/P] count matrix tells every rank
-   how many rows each source sends to each of its local experts; the split sizes then come to the
-   host (`.tolist()`), the layer's one device-to-host sync: all_to_all_single takes its splits as
-   Python ints, as in Megatron-core and MegaBlocks;
+2. `ExpertExchange.plan`: one all-gather of every rank's [E] counts tells every rank how many
+   rows each source sends to each expert; the [P, P] rows between ranks then come to the host
+   (`.tolist()`), the layer's one device-to-host sync: all_to_all_single takes its splits as
+   Python ints, as in Megatron-core and MegaBlocks (the same copy gives the rows each rank
+   receives, the expert-parallel load imbalance);
 3. `dispatch`: all_to_all_single of the rows, and of their router weights, with those variable
    splits. The received rows are grouped by source rank, then expert; `local_indices` reorders
    them into local-expert-major order (expert, then source rank) by a permutation whose backward
@@ -33,7 +34,7 @@ gradients are reduced.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
@@ -113,10 +114,14 @@ class ExpertExchange:
     ) -> ExpertExchange:
         """The exchange for this rank's assignments per expert, tokens_per_expert [E] (all E
         experts, E divisible by the group size). Collective over `group`; one host sync."""
-        received, send_splits, receive_splits = exchange_counts(tokens_per_expert, group)
-        local_indices = _expert_major_order(received, sum(receive_splits))
-        tokens_per_local_expert = received.sum(0).int()
-        return cls(group, send_splits, receive_splits, tokens_per_local_expert, local_indices)
+        counts = exchange_counts(tokens_per_expert, group)
+        device = tokens_per_expert.device
+        received = counts.received()
+        local_indices = expert_major_order(received, device)
+        tokens_per_local_expert = host_counts([sum(c) for c in zip(*received)], device)
+        return cls(
+            group, counts.send_splits, counts.receive_splits, tokens_per_local_expert, local_indices
+        )
 
     def dispatch(self, rows: torch.Tensor) -> torch.Tensor:
         """Rows sorted by global expert [sum(send_splits), h] -> the rows for this rank's
@@ -129,37 +134,96 @@ class ExpertExchange:
         return all_to_all(rows, self.send_splits, self.receive_splits, self.group)
 
 
+@dataclass
+class ExchangeCounts:
+    """What one layer's count exchange tells this rank of its expert-parallel group, on the
+    host: `sent[s][p][e]`, the rows rank s sends to local expert e of rank p (all ranks).
+
+    Planned from host numbers, an exchange launches a handful of device operations after the
+    layer's one sync instead of a chain of small ones: the layer's forward is paced by the host
+    from that sync on.
+    """
+
+    rank: int
+    sent: List[List[List[int]]]
+
+    @property
+    def world_size(self) -> int:
+        return len(self.sent)
+
+    def received(self, exclude_own: bool = False) -> List[List[int]]:
+        """[source][local expert]: rows this rank's experts get from each source rank (none
+        from itself with `exclude_own`)."""
+        local = len(self.sent[0][0])
+        return [
+            [0] * local if exclude_own and source == self.rank else list(rows[self.rank])
+            for source, rows in enumerate(self.sent)
+        ]
+
+    @property
+    def send_splits(self) -> List[int]:
+        """Rows this rank sends to each rank."""
+        return [sum(experts) for experts in self.sent[self.rank]]
+
+    @property
+    def receive_splits(self) -> List[int]:
+        """Rows this rank receives from each rank."""
+        return [sum(rows[self.rank]) for rows in self.sent]
+
+    @property
+    def rows_received_per_rank(self) -> List[int]:
+        """Rows every rank of the group receives."""
+        return [sum(sum(rows[p]) for rows in self.sent) for p in range(self.world_size)]
+
+    @property
+    def imbalance(self) -> float:
+        """Max over mean rows received per rank: 1.0 when every rank gets the same number (the
+        layer's expert-parallel load imbalance: the busiest rank sets the pace)."""
+        rows = self.rows_received_per_rank
+        mean = sum(rows) / len(rows)
+        return max(rows) / mean if mean > 0 else 1.0
+
+
 @torch.no_grad()
 def exchange_counts(
     tokens_per_expert: torch.Tensor, group: Optional[dist.ProcessGroup]
-) -> Tuple[torch.Tensor, List[int], List[int]]:
-    """(received [P, E/P], send_splits, receive_splits) for this rank's assignments per expert
-    [E]: received[s, e] is what rank s sends to this rank's local expert e, and the splits are
-    the rows sent to / received from each rank. Collective over `group`; one host sync."""
+) -> ExchangeCounts:
+    """The counts of this rank's assignments per expert [E], exchanged over `group`: one
+    all-gather of every rank's counts (as Megatron-core's dispatcher does), so that each rank
+    knows the whole (source, destination, local expert) matrix. Collective over `group`; the
+    layer's one device-to-host sync (all_to_all_single takes Python split sizes)."""
     world_size = dist.get_world_size(group)
     num_local = tokens_per_expert.numel() // world_size
-    # sent[p, e]: rows for local expert e of rank p.
-    sent = tokens_per_expert.to(torch.int64).reshape(world_size, num_local)
-    received = torch.empty_like(sent)
-    dist.all_to_all_single(received, sent, group=group)
-    # The layer's one device-to-host sync: all_to_all_single takes Python split sizes.
-    splits = torch.cat([sent.sum(1), received.sum(1)]).tolist()
-    return received, splits[:world_size], splits[world_size:]
+    counts = tokens_per_expert.to(torch.int64).contiguous()
+    gathered = [torch.empty_like(counts) for _ in range(world_size)]
+    dist.all_gather(gathered, counts, group=group)
+    flat = torch.stack(gathered).tolist()
+    sent = [[row[p * num_local : (p + 1) * num_local] for p in range(world_size)] for row in flat]
+    return ExchangeCounts(rank=dist.get_rank(group), sent=sent)
 
 
-def _expert_major_order(received: torch.Tensor, total_rows: int) -> torch.Tensor:
-    """int32 [total_rows]: the source-major row (blocks (source s, expert e) in row-major
-    order of `received` [P, E/P]) at each slot of the expert-major order (blocks (e, s))."""
-    device = received.device
-    source_starts = torch.cumsum(received.reshape(-1), 0) - received.reshape(-1)
-    expert_major_counts = received.t().reshape(-1)
-    expert_major_starts = torch.cumsum(expert_major_counts, 0) - expert_major_counts
-    # output_size spares repeat_interleave its own host sync: the total is known already.
-    block_of_slot = torch.repeat_interleave(
-        torch.arange(expert_major_counts.numel(), device=device),
-        expert_major_counts,
-        output_size=total_rows,
-    )
-    rank_in_block = torch.arange(total_rows, device=device) - expert_major_starts[block_of_slot]
-    source_start_of_block = source_starts.reshape(received.shape).t().reshape(-1)
-    return (source_start_of_block[block_of_slot] + rank_in_block).int()
+def expert_major_order(received: List[List[int]], device: torch.device) -> torch.Tensor:
+    """int32 [sum of received]: for rows received source-major (blocks (source s, local expert
+    e), s-major, `received[s][e]` rows each), the received row at each slot of the
+    local-expert-major order (blocks (e, s), e-major). Block offsets are computed on the host;
+    the device expands them (one copy in, three kernels)."""
+    sources, local = len(received), len(received[0])
+    source_start, start = {}, 0
+    for s in range(sources):
+        for e in range(local):
+            source_start[s, e] = start
+            start += received[s][e]
+    counts, offsets, slot = [], [], 0
+    for e in range(local):
+        for s in range(sources):
+            counts.append(received[s][e])
+            offsets.append(source_start[s, e] - slot)
+            slot += received[s][e]
+    table = torch.tensor([counts, offsets], dtype=torch.int64).to(device, non_blocking=True)
+    block_offset = torch.repeat_interleave(table[1], table[0], output_size=slot)
+    return (torch.arange(slot, device=device) + block_offset).int()
+
+
+def host_counts(values: List[int], device: torch.device) -> torch.Tensor:
+    """int32 device tensor of host counts."""
+    return torch.tensor(values, dtype=torch.int32).to(device, non_blocking=True)

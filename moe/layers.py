@@ -66,6 +66,25 @@ SPARSE_UNAVAILABLE = (
 )
 
 
+@dataclasses.dataclass
+class ExpertParallelLoad:
+    """The expert-parallel load imbalance (max over mean rows received per rank) of one
+    layer's training forwards since the trainer last took it."""
+
+    total: float = 0.0
+    forwards: int = 0
+
+    def add(self, imbalance: float) -> None:
+        self.total += imbalance
+        self.forwards += 1
+
+    def take(self) -> Optional[float]:
+        """The window's mean imbalance (None without a forward); starts a new window."""
+        mean = self.total / self.forwards if self.forwards else None
+        self.total, self.forwards = 0.0, 0
+        return mean
+
+
 def _compiling() -> bool:
     """True while torch.compile traces the layer (never on a torch without torch.compiler)."""
     compiler = getattr(torch, "compiler", None)
@@ -138,6 +157,9 @@ class MoELayer(nn.Module):
             self.register_buffer("pending_tokens_per_expert", torch.zeros(moe_config.num_experts))
         self.load_balancing_loss: Optional[torch.Tensor] = None
         self.router_z_loss: Optional[torch.Tensor] = None
+        # Under expert parallelism: each training forward's load imbalance over the ranks
+        # (moe.expert_load); host numbers, kept outside any compiled graph.
+        self.expert_parallel_load = ExpertParallelLoad()
 
     @torch.no_grad()
     def init_own_weights(self, std: float, output_std: float) -> None:
@@ -332,6 +354,8 @@ class DroplessMoE(MoELayer):
         exchange = OverlappedExchange.plan(
             tokens_per_expert, parallel_state.get_expert_model_parallel_group()
         )
+        if self.training and not _in_backward():
+            self.expert_parallel_load.add(exchange.imbalance)
         with self.experts.weights_cast_once(rows.dtype):
             return run_experts_overlapped(rows, row_weights, exchange, self._run_local_experts)
 

@@ -30,7 +30,7 @@ from typing import Callable, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from moe.expert_parallel import _expert_major_order, exchange_counts
+from moe.expert_parallel import exchange_counts, expert_major_order, host_counts
 
 # run(rows, row_weights, order, tokens_per_local_expert) -> outputs in the rows' order, each
 # scaled by its weight. `order` None: the rows are already in local-expert order; else the
@@ -116,38 +116,87 @@ class OverlappedExchange:
     remote_indices: torch.Tensor  # received remote rows -> local-expert-major order
     remote_counts: torch.Tensor  # received remote rows per local expert
     tokens_per_local_expert: torch.Tensor  # all rows per local expert, own ones included
+    imbalance: float  # max over mean rows received per rank of the group (ExchangeCounts)
 
     @classmethod
     @torch.no_grad()
     def plan(
         cls, tokens_per_expert: torch.Tensor, group: Optional[dist.ProcessGroup]
     ) -> OverlappedExchange:
-        """Like ExpertExchange.plan: one all-to-all of the [P, E/P] counts, one host sync."""
+        """Like ExpertExchange.plan: one all-gather of the counts, one host sync; the plan is
+        worked out on the host and reaches the device in two small copies."""
         rank = dist.get_rank(group)
-        received, send_splits, receive_splits = exchange_counts(tokens_per_expert, group)
-        own_rows = send_splits[rank]
-        own_start = sum(send_splits[:rank])
-        remote_send = list(send_splits)
-        remote_receive = list(receive_splits)
+        device = tokens_per_expert.device
+        counts = exchange_counts(tokens_per_expert, group)
+        send_splits, receive_splits = counts.send_splits, counts.receive_splits
+        remote_send, remote_receive = list(send_splits), list(receive_splits)
         remote_send[rank] = remote_receive[rank] = 0
-        remote = received.clone()
-        remote[rank] = 0
+        received = counts.received()
+        remote = counts.received(exclude_own=True)
         own = received[rank]
+        own_rows = send_splits[rank]
         half = own_rows // 2
         # Rows of each local expert that fall in the first half of the own block.
-        ends = torch.cumsum(own, 0)
-        first = ends.clamp(max=half) - (ends - own).clamp(max=half)
+        first, end = [], 0
+        for rows in own:
+            first.append(min(end + rows, half) - min(end, half))
+            end += rows
+        second = [rows - f for rows, f in zip(own, first)]
+        local = len(own)
+        table = host_counts(
+            first + second + [sum(c) for c in zip(*remote)] + [sum(c) for c in zip(*received)],
+            device,
+        ).split(local)
         return cls(
             group=group,
             remote_send_splits=remote_send,
             remote_receive_splits=remote_receive,
-            own_start=own_start,
+            own_start=sum(send_splits[:rank]),
             own_halves=(half, own_rows - half),
-            own_counts=(first.int(), (own - first).int()),
-            remote_indices=_expert_major_order(remote, sum(remote_receive)),
-            remote_counts=remote.sum(0).int(),
-            tokens_per_local_expert=received.sum(0).int(),
+            own_counts=(table[0], table[1]),
+            remote_indices=expert_major_order(remote, device),
+            remote_counts=table[2],
+            tokens_per_local_expert=table[3],
+            imbalance=counts.imbalance,
         )
+
+
+class _SplitOwnRows(torch.autograd.Function):
+    """rows -> (the rows for other ranks, the two halves of the own block); backward writes the
+    three gradients into one tensor (slicing would have autograd add three zero-filled
+    full-size gradients)."""
+
+    @staticmethod
+    def forward(ctx, rows, own_start, own_halves):
+        own_end = own_start + sum(own_halves)
+        ctx.own_start = own_start
+        remote = torch.cat([rows[:own_start], rows[own_end:]])
+        first, second = rows[own_start:own_end].split(list(own_halves))
+        return remote, first.contiguous(), second.contiguous()
+
+    @staticmethod
+    def backward(ctx, grad_remote, grad_first, grad_second):
+        start = ctx.own_start
+        grad = torch.cat([grad_remote[:start], grad_first, grad_second, grad_remote[start:]])
+        return grad, None, None
+
+
+class _JoinOwnRows(torch.autograd.Function):
+    """The inverse of `_SplitOwnRows`: the other ranks' outputs with the own block's two halves
+    put back at `own_start`; backward splits the gradient without zero-filled copies."""
+
+    @staticmethod
+    def forward(ctx, remote, first, second, own_start):
+        ctx.own_start, ctx.halves = own_start, (first.shape[0], second.shape[0])
+        return torch.cat([remote[:own_start], first, second, remote[own_start:]])
+
+    @staticmethod
+    def backward(ctx, grad):
+        start = ctx.own_start
+        end = start + sum(ctx.halves)
+        grad_remote = torch.cat([grad[:start], grad[end:]])
+        grad_first, grad_second = grad[start:end].split(list(ctx.halves))
+        return grad_remote, grad_first, grad_second, None
 
 
 def _exchange_start(x, output_splits, input_splits, group, flight) -> torch.Tensor:
@@ -164,12 +213,11 @@ def run_experts_overlapped(
     """Rows sorted by global expert (this rank's sends, rank-major) and their router weights ->
     the experts' weighted outputs in the same order, the rows of other ranks' experts computed
     there (module docstring). The weights travel beside the rows, in an exchange of their own."""
-    own_end = exchange.own_start + sum(exchange.own_halves)
-    halves = list(exchange.own_halves)
-    remote_rows = torch.cat([rows[: exchange.own_start], rows[own_end:]])
-    remote_weights = torch.cat([row_weights[: exchange.own_start], row_weights[own_end:]])
-    own_first, own_second = rows[exchange.own_start : own_end].split(halves)
-    weights_first, weights_second = row_weights[exchange.own_start : own_end].split(halves)
+    halves = exchange.own_halves
+    remote_rows, own_first, own_second = _SplitOwnRows.apply(rows, exchange.own_start, halves)
+    remote_weights, weights_first, weights_second = _SplitOwnRows.apply(
+        row_weights, exchange.own_start, halves
+    )
     group = exchange.group
     send, receive = exchange.remote_send_splits, exchange.remote_receive_splits
 
@@ -185,5 +233,4 @@ def run_experts_overlapped(
     pending = _exchange_start(remote_out, send, receive, group, combine)
     out_second = run(own_second, weights_second, None, exchange.own_counts[1])
     returned = _exchange_wait(pending, send, receive, group, combine)
-    before = exchange.own_start
-    return torch.cat([returned[:before], out_first, out_second, returned[before:]])
+    return _JoinOwnRows.apply(returned, out_first, out_second, exchange.own_start)

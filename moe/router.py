@@ -33,7 +33,8 @@ class Router(nn.Module):
 
     In training with `jitter_eps`, the router's input (not the experts') is multiplied by
     U(1 - eps, 1 + eps) noise, as MegaBlocks does. With `router_bias_update_rate` > 0 the
-    buffer `expert_bias` is added to the scores to pick experts but not to weight them.
+    buffer `expert_bias` is added to the scores to pick experts but not to weight them. With
+    `router_force_load_balancing` (benchmarks) the experts are drawn uniformly at random.
     """
 
     def __init__(self, hidden_size: int, config: MoEConfig, init_std: float = 0.02) -> None:
@@ -80,7 +81,15 @@ class Router(nn.Module):
         selection_scores = scores
         if self.expert_bias is not None:
             selection_scores = scores.detach() + self.expert_bias.to(scores.dtype)
-        if config.top_k == 1 and self.expert_bias is None:
+        if config.router_force_load_balancing:
+            # Benchmarks: a uniformly random first expert and the k - 1 after it balance every
+            # expert (and expert-parallel rank) up to sampling noise, at the cost of one small
+            # kernel; the weights still come from the router, so it keeps its gradient and the
+            # layer its work.
+            first = torch.randint(config.num_experts, (scores.shape[0], 1), device=scores.device)
+            steps = torch.arange(config.top_k, device=scores.device)
+            expert_indices = (first + steps) % config.num_experts
+        elif config.top_k == 1 and self.expert_bias is None:
             # A plain reduction, where torch.topk's selection kernel costs a noticeable share of
             # a dMoE 125M training step (docs/benchmark-log.md). Not with the expert bias:
             # equally biased experts tie often there, and argmax breaks ties toward the lowest

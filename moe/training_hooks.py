@@ -4,6 +4,8 @@
   the forwards of every step and evaluation, their held gradients flushed after the backwards.
 - The per-layer expert load (moe.expert_load) at each --log-interval: a line with
   --moe-per-layer-logging, TensorBoard histograms and spreads with --tensorboard-dir.
+- Under expert parallelism, the load imbalance over the expert-parallel ranks: its worst layer
+  at the end of each iteration line, every layer in TensorBoard.
 - The compile choice: only the dropless grouped MoE on torch._grouped_mm (the grouped GEMM a
   run chooses where it is fast, moe.kernels.grouped_gemm.choose_backend) compiles as one graph;
   other MoE layers launch Triton kernels from Python and run faster eagerly.
@@ -20,9 +22,18 @@ from megatron import parallel_state
 from megatron.config import TrainingConfig
 from megatron.training_hooks import TrainingHooks
 from moe.config import MoEConfig
-from moe.expert_load import format_expert_load_line, gather_expert_load, load_spread
+from moe.expert_load import (
+    format_expert_load_line,
+    gather_expert_load,
+    gather_expert_parallel_imbalance,
+    load_spread,
+)
 from moe.experts import flush_expert_gradients, refresh_compute_weights
 from moe.kernels.grouped_gemm import TORCH
+
+# The iteration line's field (and TensorBoard scalar): the worst MoE layer's mean, over the
+# window's forwards, of the most rows an expert-parallel rank received over the mean.
+IMBALANCE_FIELD = "expert-parallel load imbalance"
 
 EAGER_NOTE = (
     "this MoE model runs without torch.compile (only the dropless grouped backend on "
@@ -66,6 +77,7 @@ class MoETrainingHooks(TrainingHooks):
         self.compute_dtype = expert_compute_dtype(training)
         self.grads_in_place = True
         self.device = torch.device("cpu")
+        self.imbalance_per_layer: Dict[int, float] = {}
 
     def compile_veto(self, device: torch.device) -> Optional[str]:
         moe = self.moe
@@ -86,6 +98,14 @@ class MoETrainingHooks(TrainingHooks):
         if self.compute_dtype is not None and self.grads_in_place:
             flush_expert_gradients(model)
 
+    def iteration_fields(self, model: nn.Module) -> Dict[str, float]:
+        if parallel_state.get_expert_model_parallel_world_size() == 1:
+            return {}
+        self.imbalance_per_layer = gather_expert_parallel_imbalance(
+            model, self.moe_layer_numbers, self.device
+        )
+        return {IMBALANCE_FIELD: max(self.imbalance_per_layer.values())}
+
     def log(
         self,
         model: nn.Module,
@@ -93,6 +113,9 @@ class MoETrainingHooks(TrainingHooks):
         print_fn: Callable[[str], None],
         tensorboard: Optional[Any],
     ) -> Dict[str, Any]:
+        if tensorboard is not None:
+            for number, imbalance in self.imbalance_per_layer.items():
+                tensorboard.log_scalars({f"{IMBALANCE_FIELD} layer {number}": imbalance}, iteration)
         if not self.log_expert_load:
             return {}
         load = gather_expert_load(model, self.moe_layer_numbers, self.moe.num_experts, self.device)

@@ -79,6 +79,15 @@ def test_expert_parallel_matches_single_process(single_and_expert_parallel):
     assert parameter_count_line(parallel["stdout"]) == parameter_count_line(single["stdout"])
     assert "sharded over 2 expert-parallel ranks" in parallel["stdout"]
     assert_same_run(single, parallel)
+    # Each iteration line ends with the worst layer's load imbalance over the two ranks.
+    imbalances = [
+        float(line.split("expert-parallel load imbalance:")[1].split("|")[0])
+        for line in parallel["stdout"].splitlines()
+        if " iteration " in line and "consumed samples" in line
+    ]
+    assert len(imbalances) == ITERATIONS and all(1.0 <= value <= 2.0 for value in imbalances)
+    assert len(set(imbalances)) > 1, imbalances  # measured, not a constant
+    assert "expert-parallel load imbalance" not in single["stdout"]
     # The checkpoint holds the unsharded experts, under the keys of a single-process run.
     expected, saved = (saved_state(run["checkpoints"], 5) for run in (single, parallel))
     assert saved["model"].keys() == expected["model"].keys()

@@ -165,3 +165,43 @@ def test_each_all_to_all_has_own_rows_to_overlap():
             "wait reverse dispatch",
             "wait reverse dispatch weights",
         ], log
+
+
+def _exchanged_counts(rank: int, world_size: int):
+    from moe.expert_parallel import exchange_counts
+
+    # Rank s sends (s + 1) * (e + 1) rows to global expert e (2 local experts per rank).
+    counts = torch.tensor([(rank + 1) * (e + 1) for e in range(2 * world_size)])
+    exchanged = exchange_counts(counts, None)
+    return (
+        exchanged.received(),
+        exchanged.send_splits,
+        exchanged.receive_splits,
+        exchanged.rows_received_per_rank,
+        exchanged.imbalance,
+    )
+
+
+def test_count_exchange_gives_every_rank_the_splits_and_the_load_of_every_rank():
+    world_size = 3
+    sent = [[(s + 1) * (e + 1) for e in range(2 * world_size)] for s in range(world_size)]
+    # Rows rank p receives from rank s: its two experts' counts in sent[s].
+    between = [[sent[s][2 * p] + sent[s][2 * p + 1] for p in range(world_size)] for s in range(3)]
+    per_rank = [sum(between[s][p] for s in range(world_size)) for p in range(world_size)]
+    assert per_rank == [18, 42, 66]
+    for rank, result in enumerate(run_distributed(_exchanged_counts, world_size)):
+        received, send_splits, receive_splits, rows_per_rank, imbalance = result
+        assert received == [sent[s][2 * rank : 2 * rank + 2] for s in range(world_size)]
+        assert send_splits == between[rank]
+        assert receive_splits == [between[s][rank] for s in range(world_size)]
+        assert rows_per_rank == per_rank
+        assert imbalance == pytest.approx(66 / 42)
+    # Planned on the host, the local-expert-major permutation of the received rows.
+    from moe.expert_parallel import expert_major_order
+
+    received = [[2, 0], [1, 3], [0, 2]]  # [source][local expert]
+    order = expert_major_order(received, torch.device("cpu")).tolist()
+    # Source-major rows: s0e0 = 0, 1; s1e0 = 2; s1e1 = 3, 4, 5; s2e1 = 6, 7.
+    assert order == [0, 1, 2, 3, 4, 5, 6, 7][:3] + [3, 4, 5, 6, 7]
+    received = [[1, 2], [2, 1]]  # s0e0 = 0; s0e1 = 1, 2; s1e0 = 3, 4; s1e1 = 5
+    assert expert_major_order(received, torch.device("cpu")).tolist() == [0, 3, 4, 1, 2, 5]

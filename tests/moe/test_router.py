@@ -54,6 +54,32 @@ def test_jitter_only_in_training():
     assert (jittered - first).abs().max() < 0.5 * first.abs().max()
 
 
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_forced_load_balancing_draws_experts_evenly_and_weights_them_by_the_router(top_k):
+    """--moe-router-force-load-balancing: a router that prefers expert 0 for every token still
+    spreads the tokens evenly, each weighted by the router's own score for its expert."""
+    router = _router(num_experts=8, top_k=top_k, router_force_load_balancing=True)
+    with torch.no_grad():
+        router.layer.weight.zero_()
+        router.layer.weight[0] = 1.0  # every positive token scores expert 0 highest
+    x = torch.rand(8000, 8) + 0.1
+    x.requires_grad_(True)
+    routing = router(x)
+    assert routing.expert_indices.shape == (8000, top_k)
+    for row in routing.expert_indices:
+        if top_k > 1:
+            assert len(set(row.tolist())) == top_k  # distinct experts per token
+        break
+    counts = torch.bincount(routing.expert_indices.reshape(-1), minlength=8).double()
+    assert counts.max() / counts.mean() < 1.1  # about 1000 +- 32 each
+    torch.testing.assert_close(
+        routing.expert_weights, routing.scores.gather(1, routing.expert_indices)
+    )
+    routing.expert_weights.sum().backward()
+    assert router.layer.weight.grad is not None and router.layer.weight.grad.abs().sum() > 0
+    assert not _router(num_experts=8, top_k=top_k).config.router_force_load_balancing
+
+
 def test_sigmoid_router():
     router = _router(router_score="sigmoid", normalize_expert_weights=1.0)
     x = torch.randn(10, 8)
