@@ -173,7 +173,7 @@ def main(argv: Optional[List[str]] = None) -> TrainingResult:
         context = initialize_distributed(parallel.distributed_backend)
         initialize_model_parallel(
             tensor_parallel_size,
-            _expert_parallel_size(config.extension(MoEConfig)),
+            parallel.expert_model_parallel_size,
             parallel.pipeline_model_parallel_size,
             parallel.virtual_pipeline_model_parallel_size,
         )
@@ -204,15 +204,12 @@ def _refuse_unsupported(args: argparse.Namespace) -> None:
         raise ConfigError(f"{', '.join(unsupported)} are not supported yet")
 
 
-def _expert_parallel_size(moe: Optional[MoEConfig]) -> int:
-    """Ranks each MoE layer's experts are sharded over (moe.expert_parallel); 1 without MoE."""
-    return moe.expert_model_parallel_size if moe is not None else 1
-
-
 def build_mlp_spec(config: Config) -> MlpSpec:
     """The MoE layers' spec when the run has MoE flags, else the dense MLP's."""
     moe = config.extension(MoEConfig)
-    return MoEMlpSpec(moe) if moe is not None else DENSE_MLP
+    if moe is None:
+        return DENSE_MLP
+    return MoEMlpSpec(moe, config.parallel.expert_model_parallel_size)
 
 
 def _setup_and_train(
@@ -227,7 +224,7 @@ def _setup_and_train(
         f"{config.parallel.data_parallel_size}, tensor-model-parallel size: "
         f"{config.parallel.tensor_model_parallel_size}, pipeline-model-parallel size: "
         f"{config.parallel.pipeline_model_parallel_size}, "
-        f"expert-model-parallel size: {_expert_parallel_size(moe)}"
+        f"expert-model-parallel size: {config.parallel.expert_model_parallel_size}"
     )
     print_rank_0(format_arguments_block(config.arguments))
     moe_notes = moe.notes() if moe is not None else []
@@ -265,7 +262,7 @@ def _setup_and_train(
             save_optimizer=not config.checkpoint.no_save_optim,
             data_parallel_size=config.parallel.data_parallel_size,
             expert_data_parallel_size=config.parallel.data_parallel_size
-            // _expert_parallel_size(moe),
+            // config.parallel.expert_model_parallel_size,
             device=context.device,
         ),
         final_iteration=total_train_iters(config),

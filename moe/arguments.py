@@ -97,20 +97,6 @@ def add_moe_args(parser: argparse.ArgumentParser) -> None:
         "Defaults to glu with --swiglu, mlp otherwise.",
     )
     group.add_argument(
-        "--expert-model-parallel-size",
-        type=int,
-        default=1,
-        help="Shard each dMoE layer's experts over this many data-parallel ranks, tokens "
-        "exchanged by all-to-all (Megatron-core's flag); must divide --moe-num-experts and the "
-        "data-parallel size.",
-    )
-    group.add_argument(
-        "--moe-expert-model-parallelism",
-        action="store_true",
-        help="MegaBlocks' switch for expert parallelism over all data-parallel ranks "
-        "(expert parallel size = data-parallel size, which must divide --moe-num-experts).",
-    )
-    group.add_argument(
         "--moe-router-score",
         default="softmax",
         choices=ROUTER_SCORES,

@@ -52,8 +52,6 @@ class MoEConfig:
     memory_optimized_mlp: bool = False
     # Log each MoE layer's expert load after the iteration line (moe.expert_load).
     per_layer_logging: bool = False
-    # Ranks the experts are sharded over (moe.expert_parallel); 1: every rank holds all experts.
-    expert_model_parallel_size: int = 1
     # The dMoE's grouped product (moe.kernels.grouped_gemm.BACKENDS): a run chooses it once for
     # its device and precision (`moe_config`); this default runs everywhere.
     grouped_gemm: str = MOE
@@ -67,18 +65,10 @@ class MoEConfig:
         return sum(self.is_moe_layer(index) for index in range(num_layers))
 
     @classmethod
-    def from_args(
-        cls,
-        args: argparse.Namespace,
-        model: ModelConfig,
-        data_parallel_size: Optional[int] = None,
-    ) -> Optional[MoEConfig]:
+    def from_args(cls, args: argparse.Namespace, model: ModelConfig) -> Optional[MoEConfig]:
         """The MoE config of a parsed command line, or None when --moe-num-experts is unset.
-
-        `data_parallel_size` (default: the namespace's, when resolved) is the expert-parallel
-        size that --moe-expert-model-parallelism asks for, and what --expert-model-parallel-size
-        must divide; unknown, that check is left to `parallel_state.initialize_model_parallel`.
-        """
+        How the experts are split over ranks is the layout's (ParallelConfig's
+        expert_model_parallel_size); `check_expert_parallelism` checks the two together."""
         if getattr(args, "moe_num_experts", None) is None:
             if getattr(args, "expert_model_parallel_size", 1) != 1 or getattr(
                 args, "moe_expert_model_parallelism", False
@@ -95,18 +85,6 @@ class MoEConfig:
                 )
             return None
         mlp_type = args.mlp_type or ("glu" if model.swiglu else "mlp")
-        expert_parallel_size = getattr(args, "expert_model_parallel_size", 1)
-        if data_parallel_size is None:
-            data_parallel_size = getattr(args, "data_parallel_size", None)
-        if args.moe_expert_model_parallelism:
-            if expert_parallel_size > 1:
-                raise ConfigError(
-                    "--moe-expert-model-parallelism (expert parallel size = data-parallel size) "
-                    f"and --expert-model-parallel-size {expert_parallel_size} both set it; "
-                    "pass one of them"
-                )
-            # Unknown here means validation cannot check divisibility; the layers check again.
-            expert_parallel_size = data_parallel_size or 1
         config = cls(
             num_experts=args.moe_num_experts,
             top_k=args.moe_top_k,
@@ -126,7 +104,6 @@ class MoEConfig:
             shared_expert_ffn_hidden_size=args.moe_shared_expert_ffn_hidden_size,
             memory_optimized_mlp=args.moe_memory_optimized_mlp,
             per_layer_logging=args.moe_per_layer_logging,
-            expert_model_parallel_size=expert_parallel_size,
         )
         if args.mlp_type == "mlp" and model.swiglu:
             raise ConfigError(
@@ -134,8 +111,6 @@ class MoEConfig:
                 "use --mlp-type glu (SwiGLU experts) or drop --swiglu"
             )
         config.validate(model)
-        if expert_parallel_size > 1:
-            _check_expert_parallel_layout(expert_parallel_size, data_parallel_size)
         return config
 
     def notes(self) -> List[str]:
@@ -204,7 +179,6 @@ class MoEConfig:
                 "--moe-impl sparse is the dropless dMoE's block-sparse backend; with "
                 "--no-moe-dropless use --moe-impl grouped or reference"
             )
-        self.validate_expert_parallelism()
         self._validate_tensor_parallel_split(model)
         if self.shared_expert_ffn_hidden_size is not None:
             if not self.shared_expert:
@@ -235,12 +209,10 @@ class MoEConfig:
                 f"form blocks of 16), got {model.ffn_hidden_size}; use --moe-impl grouped"
             )
 
-    def validate_expert_parallelism(self) -> None:
-        """Raise ConfigError unless the layers can shard these experts over
-        `expert_model_parallel_size` ranks (the layers call this too)."""
-        size = self.expert_model_parallel_size
-        if size < 1:
-            raise ConfigError(f"--expert-model-parallel-size must be >= 1, got {size}")
+    def check_expert_parallelism(self, size: int) -> None:
+        """Raise ConfigError unless the layers can split these experts over `size`
+        expert-parallel ranks (ParallelConfig.expert_model_parallel_size, which already divides
+        the data-parallel size); the layers check again when placed."""
         if size == 1:
             return
         if self.num_experts % size != 0:
@@ -250,11 +222,6 @@ class MoEConfig:
                 "--moe-expert-model-parallelism): each rank holds an equal block of experts; "
                 f"choose a number of experts that is a multiple of {size}"
             )
-        if not self.dropless:
-            raise ConfigError(
-                "expert parallelism for the capacity-limited MoE (--no-moe-dropless) is not "
-                "available yet; use the dropless dMoE (--moe-dropless) or expert parallel size 1"
-            )
         if self.mlp_impl == "reference":
             raise ConfigError(
                 "--moe-impl reference runs every expert on one rank and has no expert-parallel "
@@ -262,34 +229,22 @@ class MoEConfig:
             )
 
 
-def _check_expert_parallel_layout(
-    expert_parallel_size: int, data_parallel_size: Optional[int]
-) -> None:
-    """Raise ConfigError for an expert-parallel layout the trainer cannot run."""
-    if data_parallel_size is not None and data_parallel_size % expert_parallel_size != 0:
-        raise ConfigError(
-            f"--expert-model-parallel-size {expert_parallel_size} does not divide the "
-            f"data-parallel size {data_parallel_size} (world size / --tensor-model-parallel-size): "
-            "experts are sharded over data-parallel ranks; choose an expert parallel size that "
-            f"divides {data_parallel_size}, or launch a multiple of {expert_parallel_size} "
-            "data-parallel ranks"
-        )
-
-
 def moe_config(args: argparse.Namespace, config: Config) -> Optional[MoEConfig]:
     """The run's MoE config from its resolved flags, for `Config.from_args(extensions=...)`;
     None without --moe-num-experts. The grouped GEMM is chosen here, once, for the device this
     process will compute on and the dtype its experts' rows will have."""
-    moe = MoEConfig.from_args(args, config.model, config.parallel.data_parallel_size)
+    moe = MoEConfig.from_args(args, config.model)
     if moe is None:
         return None
+    expert_parallel_size = config.parallel.expert_model_parallel_size
+    moe.check_expert_parallelism(expert_parallel_size)
     training, model = config.training, config.model
     widths = (model.hidden_size, model.ffn_hidden_size // model.tensor_model_parallel_size)
     backend = grouped_gemm.choose_backend(
         compute_device(),
         getattr(torch, training.params_dtype_name),  # the autocast dtype of the expert rows
         widths,
-        moe.num_experts // moe.expert_model_parallel_size,
+        moe.num_experts // expert_parallel_size,
         training.kernels,
     )
     return dataclasses.replace(moe, grouped_gemm=backend)

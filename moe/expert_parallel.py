@@ -39,19 +39,24 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-from moe.config import MoEConfig
 
+@dataclass
+class ExpertParallelLoad:
+    """The expert-parallel load imbalance (max over mean rows received per rank) of one
+    layer's training forwards since the trainer last took it."""
 
-def check_expert_parallel_size(config: MoEConfig, size: int) -> None:
-    """Raise unless `config` was built for an expert-parallel group of `size` ranks: a layer
-    placed on a group of another size would hold the wrong experts."""
-    if size != config.expert_model_parallel_size:
-        raise RuntimeError(
-            f"MoEConfig.expert_model_parallel_size is {config.expert_model_parallel_size} but "
-            f"megatron.parallel_state's expert-parallel group has {size} rank(s); call "
-            f"parallel_state.initialize_model_parallel(expert_model_parallel_size="
-            f"{config.expert_model_parallel_size}) before placing the experts"
-        )
+    total: float = 0.0
+    forwards: int = 0
+
+    def add(self, imbalance: float) -> None:
+        self.total += imbalance
+        self.forwards += 1
+
+    def take(self) -> Optional[float]:
+        """The window's mean imbalance (None without a forward); starts a new window."""
+        mean = self.total / self.forwards if self.forwards else None
+        self.total, self.forwards = 0.0, 0
+        return mean
 
 
 def _all_to_all(

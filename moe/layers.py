@@ -21,8 +21,9 @@ capacity sorts the same way and moves rows into capacity slots (moe.kernels.perm
 layout), weighting them in the scatter back.
 
 A layer is built whole, as one process runs it; megatron.parallelize's steps then shard it.
-Under expert parallelism (`place_experts`) the dMoE holds only its rank's block of experts and
-moves assignments to the rank of their expert and back by all-to-all (moe.expert_parallel).
+Under expert parallelism (`place_experts`) a layer holds only its rank's block of experts: the
+dMoE moves assignments to the rank of their expert and back by all-to-all (moe.expert_parallel),
+the MoE with capacity moves its fixed-size capacity slots.
 Under tensor parallelism (`apply_tensor_parallel`) each TP rank holds a slice of every expert's
 ffn channels and the layer routes, combines and reduces as moe.tensor_parallel describes; the
 two combine.
@@ -35,13 +36,14 @@ import math
 from typing import Dict, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from megatron import parallel_state
 from megatron.config import ModelConfig
 from megatron.model.mlp import MLP
 from moe.config import MoEConfig
-from moe.expert_parallel import check_expert_parallel_size
+from moe.expert_parallel import ExpertParallelLoad, all_to_all
 from moe.experts import Experts
 from moe.kernels import permute, token_rows
 from moe.overlapped_exchange import OverlappedExchange, run_experts_overlapped
@@ -64,25 +66,6 @@ SPARSE_UNAVAILABLE = (
     "--moe-impl sparse: block-sparse kernels are not available yet "
     "(moe/kernels/block_sparse with sparse_mlp); use --moe-impl grouped"
 )
-
-
-@dataclasses.dataclass
-class ExpertParallelLoad:
-    """The expert-parallel load imbalance (max over mean rows received per rank) of one
-    layer's training forwards since the trainer last took it."""
-
-    total: float = 0.0
-    forwards: int = 0
-
-    def add(self, imbalance: float) -> None:
-        self.total += imbalance
-        self.forwards += 1
-
-    def take(self) -> Optional[float]:
-        """The window's mean imbalance (None without a forward); starts a new window."""
-        mean = self.total / self.forwards if self.forwards else None
-        self.total, self.forwards = 0.0, 0
-        return mean
 
 
 def _compiling() -> bool:
@@ -110,7 +93,6 @@ class MoELayer(nn.Module):
 
     def __init__(self, model_config: ModelConfig, moe_config: MoEConfig) -> None:
         super().__init__()
-        moe_config.validate_expert_parallelism()
         self.config = moe_config
         self.hidden_size = model_config.hidden_size
         # Set by `place_experts` and `apply_tensor_parallel` (megatron.parallelize).
@@ -180,8 +162,8 @@ class MoELayer(nn.Module):
 
     def place_experts(self, size: int, rank: int) -> None:
         """Run the experts of expert-parallel rank `rank` of `size` (the experts keep their
-        block themselves); raises unless the config was built for that size."""
-        check_expert_parallel_size(self.config, size)
+        block themselves); raises ConfigError for a size these experts cannot be split over."""
+        self.config.check_expert_parallelism(size)
         self.expert_parallel_rank, self.expert_parallel_size = rank, size
 
     def compute_experts(
@@ -273,7 +255,14 @@ class MoELayer(nn.Module):
 
 class MoE(MoELayer):
     """MegaBlocks' MoE: each expert takes at most `expert_capacity(T)` assignments, the first
-    ones in token order (assignment t * k + j); the rest contribute nothing."""
+    ones in token order (assignment t * k + j); the rest contribute nothing.
+
+    Under expert parallelism each rank fills the capacity slots of all E experts with its own
+    tokens, as one process would for its micro-batch, and sends each expert's slot block to the
+    expert's rank in one all-to-all of equal splits (the slots have a fixed size: no counts to
+    exchange, no host sync; MegaBlocks' expert-parallel MoE moves them the same way); the
+    experts run on the slots of every rank and the outputs come back the same way.
+    """
 
     def expert_capacity(self, num_tokens: int) -> int:
         """int(capacity_factor * top_k * T / E), MegaBlocks' rule; 0 means no limit."""
@@ -288,14 +277,47 @@ class MoE(MoELayer):
             return self._reference(tokens, routing, capacity or None)
         order, _, tokens_per_expert = self._sort(routing)
         if capacity == 0:
-            capacity = int(tokens_per_expert.max())
+            capacity = self._unlimited_capacity(tokens_per_expert)
         top_k = self.config.top_k
         indices, bins = order.int(), torch.cumsum(tokens_per_expert, 0).int()
         weights = routing.expert_weights.reshape(-1)
         expert_inputs = permute.binned_gather(tokens, indices, bins, capacity, top_k)
-        expert_outputs = self.experts.forward_batched(expert_inputs)
+        if self.expert_parallel_size > 1:
+            expert_outputs = self._run_slots_expert_parallel(expert_inputs)
+        else:
+            expert_outputs = self.experts.forward_batched(expert_inputs)
         output = permute.binned_scatter(expert_outputs, indices, weights, bins, top_k)
         return output, tokens_per_expert
+
+    def _unlimited_capacity(self, tokens_per_expert: torch.Tensor) -> int:
+        """--moe-capacity-factor 0: room for the busiest expert's assignments; under expert
+        parallelism the busiest over the group, so that every rank sends blocks of one size."""
+        busiest = tokens_per_expert.max()
+        if self.expert_parallel_size > 1:
+            busiest = busiest.clone()
+            dist.all_reduce(
+                busiest,
+                op=dist.ReduceOp.MAX,
+                group=parallel_state.get_expert_model_parallel_group(),
+            )
+        return int(busiest)
+
+    def _run_slots_expert_parallel(self, slots: torch.Tensor) -> torch.Tensor:
+        """`forward_batched` with the experts split over the expert-parallel group: slots
+        [E, C, h] of this rank's tokens -> the experts' outputs in the same slots."""
+        size = self.expert_parallel_size
+        num_experts, capacity, hidden = slots.shape
+        local = num_experts // size
+        group = parallel_state.get_expert_model_parallel_group()
+        splits = [local * capacity] * size
+        # Rank p's experts are the p-th block of E / P: one equal split per rank.
+        received = all_to_all(slots.reshape(-1, hidden), splits, splits, group)
+        # [source, local expert, C, h] -> [local expert, source * C, h]
+        by_expert = received.view(size, local, capacity, hidden).transpose(0, 1)
+        outputs = self.experts.forward_batched(by_expert.reshape(local, size * capacity, hidden))
+        outputs = outputs.view(local, size, capacity, hidden).transpose(0, 1).reshape(-1, hidden)
+        returned = all_to_all(outputs, splits, splits, group)
+        return returned.view(num_experts, capacity, hidden)
 
 
 class DroplessMoE(MoELayer):

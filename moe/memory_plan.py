@@ -54,19 +54,20 @@ def expert_row_bytes(model: ModelConfig, moe: MoEConfig, compute_bytes: int) -> 
     return c * model.hidden_size + experts
 
 
-def routed_rows_per_token(moe: MoEConfig) -> Tuple[float, float]:
-    """(expected, worst-case) rows a rank's experts compute per token of its micro-batch."""
+def routed_rows_per_token(moe: MoEConfig, expert_parallel_size: int) -> Tuple[float, float]:
+    """(expected, worst-case) rows a rank's experts compute per token of its micro-batch, with
+    the experts split over `expert_parallel_size` ranks."""
     k = moe.top_k
     if not moe.dropless:
         if moe.capacity_factor > 0:
             rows = moe.capacity_factor * k
             return rows, rows
         return float(k), float(moe.num_experts * k)
-    return float(k), float(moe.expert_model_parallel_size * k)
+    return float(k), float(expert_parallel_size * k)
 
 
 def moe_activation_bytes_per_token(
-    model: ModelConfig, moe: MoEConfig, compute_bytes: int
+    model: ModelConfig, moe: MoEConfig, compute_bytes: int, expert_parallel_size: int
 ) -> Tuple[float, float]:
     """(expected, worst-case) bytes an MoE layer keeps per token (module docstring)."""
     c = compute_bytes
@@ -82,18 +83,20 @@ def moe_activation_bytes_per_token(
             )
             - c * model.hidden_size
         )  # its input is the cast tokens, counted above
-    expected_rows, worst_rows = routed_rows_per_token(moe)
+    expected_rows, worst_rows = routed_rows_per_token(moe, expert_parallel_size)
     row = expert_row_bytes(model, moe, compute_bytes)
     return fixed + expected_rows * row, fixed + worst_rows * row
 
 
-def expert_parameters(model: ModelConfig, moe: MoEConfig, layer_numbers: Sequence[int]) -> int:
+def expert_parameters(
+    model: ModelConfig, moe: MoEConfig, layer_numbers: Sequence[int], expert_parallel_size: int
+) -> int:
     """Expert weight elements a rank holds in layers `layer_numbers`: E / P experts of
     (2, or 3 with GLU) h x f / tp matrices in each MoE layer."""
     matrices = 3 if moe.mlp_type == "glu" else 2
     per_layer = (
         moe.num_experts
-        // moe.expert_model_parallel_size
+        // expert_parallel_size
         * matrices
         * model.hidden_size
         * (model.ffn_hidden_size // model.tensor_model_parallel_size)
@@ -104,7 +107,8 @@ def expert_parameters(model: ModelConfig, moe: MoEConfig, layer_numbers: Sequenc
 def moe_memory(config: Config, moe: MoEConfig, layer_numbers: Sequence[int]) -> MlpMemory:
     """The expert weights' copies, held gradients or per-micro-batch casts (module docstring)."""
     training, parallel = config.training, config.parallel
-    weights = expert_parameters(config.model, moe, layer_numbers)
+    expert_parallel_size = parallel.expert_model_parallel_size
+    weights = expert_parameters(config.model, moe, layer_numbers, expert_parallel_size)
     if expert_compute_dtype(training) is None:
         autocast = training.bf16 or training.fp16
         return MlpMemory(casts_per_micro_batch=2 * weights if autocast else 0)
@@ -115,7 +119,7 @@ def moe_memory(config: Config, moe: MoEConfig, layer_numbers: Sequence[int]) -> 
         and parallel.pipeline_model_parallel_size == 1
         and main_grads_dtype(config.optimizer) is None
     )
-    in_place = not (in_ddp and moe.expert_model_parallel_size == 1)
+    in_place = not (in_ddp and expert_parallel_size == 1)
     return MlpMemory(
         weight_copies=2 * weights,
         held_gradients=2 * weights if in_place else 0,

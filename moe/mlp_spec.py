@@ -7,11 +7,11 @@ capacity, per `MoEConfig.dropless`, moe.layers); the others keep the dense MLP.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence, Tuple
+from typing import List, Sequence, Tuple
 
 from torch import nn
 
-from megatron.config import Config, ModelConfig
+from megatron.config import Config, ConfigError, ModelConfig
 from megatron.model.mlp import MlpMemory, MlpSpec, dense_mlp_flops_per_token
 from moe.config import MoEConfig
 from moe.layers import build_moe_layer
@@ -20,9 +20,12 @@ from moe.memory_plan import moe_activation_bytes_per_token, moe_memory
 
 @dataclass(frozen=True)
 class MoEMlpSpec(MlpSpec):
-    """MoE layers where `moe.is_moe_layer`, the dense MLP elsewhere."""
+    """MoE layers where `moe.is_moe_layer`, the dense MLP elsewhere. `expert_parallel_size`
+    (the run's ParallelConfig.expert_model_parallel_size) is what the memory plan counts per
+    rank; the layers themselves are built whole and split by megatron.parallelize."""
 
     moe: MoEConfig
+    expert_parallel_size: int = 1
 
     def build(self, config: ModelConfig, layer_number: int) -> nn.Module:
         if self.moe.is_moe_layer(layer_number):
@@ -52,9 +55,25 @@ class MoEMlpSpec(MlpSpec):
         (moe.memory_plan), in place of the dense MLP's."""
         if not self.moe.is_moe_layer(layer_number):
             return super().activation_bytes_per_token(config, layer_number, compute_bytes)
-        return moe_activation_bytes_per_token(config, self.moe, compute_bytes)
+        return moe_activation_bytes_per_token(
+            config, self.moe, compute_bytes, self.expert_parallel_size
+        )
 
     def memory(self, config: Config, layer_numbers: Sequence[int]) -> MlpMemory:
         """The expert weights' compute copies and held gradients, or their casts per
         micro-batch (moe.memory_plan)."""
         return moe_memory(config, self.moe, layer_numbers)
+
+    def expert_parallel_sizes(self, data_parallel_size: int) -> List[int]:
+        """The expert-parallel sizes up to `data_parallel_size` whose split of the experts the
+        MoE layers support (moe.config.MoEConfig.check_expert_parallelism)."""
+        sizes = []
+        for size in range(1, data_parallel_size + 1):
+            if data_parallel_size % size != 0:
+                continue
+            try:
+                self.moe.check_expert_parallelism(size)
+            except ConfigError:
+                continue
+            sizes.append(size)
+        return sizes

@@ -5,8 +5,6 @@ process in tests/distributed/."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 import torch
 from torch import nn
@@ -49,11 +47,12 @@ def build(config, moe, device: str = "cpu") -> GPTModel:
 
 
 def test_the_model_is_plain_pytorch_whatever_the_parallel_config():
-    """The config asks for TP=2 with sequence parallelism and EP=2, and no process groups
-    exist: the model still builds, from torch layers only, with nothing marked as a shard."""
+    """The config asks for TP=2 with sequence parallelism (and the spec plans for EP=2), and no
+    process groups exist: the model still builds, from torch layers only, with nothing marked
+    as a shard."""
     config = tiny_model_config(tensor_model_parallel_size=2, sequence_parallel=True)
-    moe = replace(MOE, expert_model_parallel_size=2)
-    model = build(config, moe)
+    with torch.device("cpu"):
+        model = GPTModel(config, MoEMlpSpec(MOE, expert_parallel_size=2))
     parallel_layers = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
     assert not any(isinstance(module, parallel_layers) for module in model.modules())
     marks = ("tensor_model_parallel", "sequence_parallel", "expert_model_parallel")

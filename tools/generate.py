@@ -79,9 +79,10 @@ def inference_config(config: Config, device: torch.device, dtype: torch.dtype) -
         moe.num_experts,
         config.training.kernels,
     )
-    moe = dataclasses.replace(moe, expert_model_parallel_size=1, grouped_gemm=backend)
+    moe = dataclasses.replace(moe, grouped_gemm=backend)
     extensions = tuple(moe if isinstance(e, MoEConfig) else e for e in config.extensions)
-    return dataclasses.replace(config, extensions=extensions)
+    parallel = dataclasses.replace(config.parallel, expert_model_parallel_size=1)
+    return dataclasses.replace(config, extensions=extensions, parallel=parallel)
 
 
 def load_text_generator(

@@ -280,6 +280,19 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
         "run with the 1F1B schedule.",
     )
     group.add_argument(
+        "--expert-model-parallel-size",
+        type=int,
+        default=1,
+        help="Expert model-parallel degree (Megatron-core's flag): each MoE layer's experts are "
+        "split over this many adjacent data-parallel ranks, tokens exchanged by all-to-all; "
+        "must divide the data-parallel size and the number of experts.",
+    )
+    group.add_argument(
+        "--moe-expert-model-parallelism",
+        action="store_true",
+        help="MegaBlocks' switch for --expert-model-parallel-size = the data-parallel size.",
+    )
+    group.add_argument(
         "--num-layers-per-virtual-pipeline-stage",
         type=int,
         default=None,

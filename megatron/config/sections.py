@@ -63,6 +63,9 @@ class ParallelConfig:
     data_parallel_size: int
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
+    # Data-parallel ranks each expert layer's experts are split over (megatron.parallel_state:
+    # expert-parallel groups are carved out of data parallelism); 1: every rank holds them all.
+    expert_model_parallel_size: int = 1
     # Model chunks per pipeline rank (interleaved 1F1B); None for the plain 1F1B schedule.
     virtual_pipeline_model_parallel_size: int | None = None
     distributed_backend: str = "nccl"
@@ -307,7 +310,11 @@ class Config:
                 profile_ranks=tuple(args.profile_ranks),
             ),
             parallel=ParallelConfig(
-                ddp_impl=args.DDP_impl, **_pick(args, ParallelConfig, skip=("ddp_impl",))
+                ddp_impl=args.DDP_impl,
+                # Absent from the arguments of checkpoints saved before expert parallelism was
+                # a layout degree of its own.
+                expert_model_parallel_size=getattr(args, "expert_model_parallel_size", 1),
+                **_pick(args, ParallelConfig, skip=("ddp_impl", "expert_model_parallel_size")),
             ),
             notes=tuple(notes),
             arguments=MappingProxyType(dict(vars(args))),

@@ -135,6 +135,32 @@ def _resolve_parallelism(args: argparse.Namespace, world_size: int) -> None:
         )
     args.world_size = world_size
     args.data_parallel_size = world_size // model_parallel
+    _resolve_expert_parallelism(args)
+
+
+def _resolve_expert_parallelism(args: argparse.Namespace) -> None:
+    """Expert parallelism is a degree of the layout, carved out of data parallelism (as in
+    Megatron-core): MegaBlocks' switch asks for all of it, and any size must divide it. Whether
+    the model has experts to split, and how many, its MoE extension checks."""
+    size = args.expert_model_parallel_size
+    if args.moe_expert_model_parallelism:
+        if size != 1:
+            raise ConfigError(
+                "--moe-expert-model-parallelism (expert parallel size = data-parallel size) "
+                f"and --expert-model-parallel-size {size} both set it; pass one of them"
+            )
+        size = args.data_parallel_size
+    if size < 1:
+        raise ConfigError(f"--expert-model-parallel-size must be >= 1, got {size}")
+    if args.data_parallel_size % size != 0:
+        raise ConfigError(
+            f"--expert-model-parallel-size {size} does not divide the data-parallel size "
+            f"{args.data_parallel_size} (world size / (--tensor-model-parallel-size x "
+            "--pipeline-model-parallel-size)): experts are sharded over data-parallel ranks; "
+            f"choose an expert parallel size that divides {args.data_parallel_size}, or launch "
+            f"a multiple of {size} data-parallel ranks"
+        )
+    args.expert_model_parallel_size = size
 
 
 def _resolve_batch_size(args: argparse.Namespace, notes: List[str]) -> None:

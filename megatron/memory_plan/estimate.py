@@ -196,9 +196,7 @@ def _estimate_stage(
     extra = mlp_spec.memory(config, numbers)
 
     # Replica groups the distributed optimizer shards over.
-    expert_parallel = max(
-        [getattr(ext, "expert_model_parallel_size", 1) for ext in config.extensions], default=1
-    )
+    expert_parallel = parallel.expert_model_parallel_size
     dense_shards = parallel.data_parallel_size if parallel.use_distributed_optimizer else 1
     expert_shards = max(1, dense_shards // expert_parallel)
     sharded = -(-counts.dense // dense_shards) + -(-counts.expert // expert_shards)

@@ -100,7 +100,7 @@ def count_parameters(config: Config, mlp_spec: MlpSpec) -> ModelParameterCounts:
     (see the module docstring for the sharding rules)."""
     model_config = config.model
     tensor = model_config.tensor_model_parallel_size
-    expert = _expert_parallel_size(config)
+    expert = config.parallel.expert_model_parallel_size
     with torch.device("meta"):
         model = GPTModel(model_config, mlp_spec)
     for module in list(model.modules()):
@@ -120,12 +120,6 @@ def count_parameters(config: Config, mlp_spec: MlpSpec) -> ModelParameterCounts:
         output_layer=output_layer,
         tied=model.output_layer is None,
     )
-
-
-def _expert_parallel_size(config: Config) -> int:
-    """The expert-parallel size an extension config carries (MoEConfig's field), else 1."""
-    sizes = [getattr(ext, "expert_model_parallel_size", 1) for ext in config.extensions]
-    return max(sizes, default=1)
 
 
 def _count(module: nn.Module, tensor: int, name: str = "") -> ParameterCounts:

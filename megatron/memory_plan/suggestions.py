@@ -40,8 +40,9 @@ def _micro_batch(config: Config, size: int) -> Config:
     )
 
 
-def _changes(config: Config) -> List[Tuple[str, Callable[[Config], Config]]]:
-    """(flags, change) candidates that apply to `config`, in the module docstring's order."""
+def _changes(config: Config, mlp_spec: MlpSpec) -> List[Tuple[str, Callable[[Config], Config]]]:
+    """(flags, change) candidates that apply to `config` (whose layers `mlp_spec` builds), in
+    the module docstring's order."""
     model, optimizer, parallel = config.model, config.optimizer, config.parallel
     changes: List[Tuple[str, Callable[[Config], Config]]] = []
     if model.recompute_granularity != "full":
@@ -96,7 +97,7 @@ def _changes(config: Config) -> List[Tuple[str, Callable[[Config], Config]]]:
                 ),
             )
         )
-    expert_size = _expert_parallel_size_to_try(config)
+    expert_size = _expert_parallel_size_to_try(config, mlp_spec)
     if expert_size is not None:
         changes.append(
             (
@@ -107,28 +108,19 @@ def _changes(config: Config) -> List[Tuple[str, Callable[[Config], Config]]]:
     return changes
 
 
-def _expert_parallel_size_to_try(config: Config) -> Optional[int]:
-    """The largest expert-parallel size the data-parallel ranks and the experts allow, above
-    the current one; None without an extension that shards experts."""
-    for extension in config.extensions:
-        experts = getattr(extension, "num_experts", None)
-        current = getattr(extension, "expert_model_parallel_size", None)
-        if experts is None or current is None:
-            continue
-        data = config.parallel.data_parallel_size
-        sizes = [n for n in range(current + 1, data + 1) if data % n == 0 and experts % n == 0]
-        return sizes[-1] if sizes else None
-    return None
+def _expert_parallel_size_to_try(config: Config, mlp_spec: MlpSpec) -> Optional[int]:
+    """The largest expert-parallel size above the current one that the data-parallel ranks and
+    the model's expert layers allow; None if there is none."""
+    parallel = config.parallel
+    sizes = mlp_spec.expert_parallel_sizes(parallel.data_parallel_size)
+    larger = [size for size in sizes if size > parallel.expert_model_parallel_size]
+    return larger[-1] if larger else None
 
 
 def _with_expert_parallel_size(config: Config, size: int) -> Config:
-    extensions = tuple(
-        dataclasses.replace(extension, expert_model_parallel_size=size)
-        if hasattr(extension, "expert_model_parallel_size")
-        else extension
-        for extension in config.extensions
+    return dataclasses.replace(
+        config, parallel=dataclasses.replace(config.parallel, expert_model_parallel_size=size)
     )
-    return dataclasses.replace(config, extensions=extensions)
 
 
 def suggest_fits(
@@ -151,7 +143,7 @@ def suggest_fits(
             if smaller.fits:
                 found.append(Suggestion(f"--micro-batch-size {size}", smaller))
                 break
-    changes = _changes(config)
+    changes = _changes(config, build_mlp_spec(config))
     for flags, change in changes:
         changed = estimate(change(config))
         if changed.fits:

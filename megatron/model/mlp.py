@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence, Tuple
+from typing import TYPE_CHECKING, List, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -77,6 +77,11 @@ class MlpSpec:
             compute_bytes,
         )
         return per_token, per_token
+
+    def expert_parallel_sizes(self, data_parallel_size: int) -> List[int]:
+        """The expert-parallel sizes (ParallelConfig.expert_model_parallel_size, dividing
+        `data_parallel_size`) its modules can be split over; the dense MLP has no experts."""
+        return [1]
 
     def memory(self, config: Config, layer_numbers: Sequence[int]) -> MlpMemory:
         """What the modules of layers `layer_numbers` (a rank's pipeline stage) hold beyond

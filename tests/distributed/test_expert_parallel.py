@@ -8,7 +8,6 @@ input gradients, and (after the non-expert gradients are averaged over data para
 
 from __future__ import annotations
 
-import argparse
 from typing import Optional
 
 import pytest
@@ -16,7 +15,15 @@ import torch
 import torch.distributed as dist
 
 from megatron import parallel_state
-from megatron.config import ConfigError, ModelConfig, OptimizerConfig, TrainingConfig
+from megatron.config import (
+    Config,
+    ConfigError,
+    ModelConfig,
+    OptimizerConfig,
+    TrainingConfig,
+    parse_arguments,
+)
+from megatron.config.validation import resolve_arguments_with_notes
 from megatron.distributed import data_parallel_ignored_names, wrap_data_parallel
 from megatron.expert_parameters import (
     expert_parameters,
@@ -28,9 +35,10 @@ from megatron.model import GPTModel
 from megatron.optimizer import build_optimizer
 from megatron.parallelize import place_experts
 from moe.arguments import add_moe_args
-from moe.config import MoEConfig
+from moe.config import MoEConfig, moe_config
 from moe.layers import build_moe_layer
 from moe.mlp_spec import MoEMlpSpec
+from tests.config.command_lines import argv
 from tests.distributed.launch import run_distributed
 from tests.tiny_gpt import moe_layer_model_config, sharded_gpt_model
 
@@ -44,16 +52,13 @@ def model_config(**overrides) -> ModelConfig:
     return moe_layer_model_config(HIDDEN, FFN, TOKENS, **overrides)
 
 
-def make_layer(impl: str, top_k: int, expert_parallel_size: int, targets: Optional[list]):
-    """The layer every run builds from seed 0; with `targets`, a router that sends a token
-    whose feature e is large to expert e (see `make_tokens`)."""
+def make_layer(
+    impl: str, top_k: int, expert_parallel_size: int, targets: Optional[list], **overrides
+):
+    """The layer every run builds from seed 0 (MoEConfig `overrides`); with `targets`, a router
+    that sends a token whose feature e is large to expert e (see `make_tokens`)."""
     torch.manual_seed(0)
-    config = MoEConfig(
-        num_experts=EXPERTS,
-        top_k=top_k,
-        mlp_impl=impl,
-        expert_model_parallel_size=expert_parallel_size,
-    )
+    config = MoEConfig(num_experts=EXPERTS, top_k=top_k, mlp_impl=impl, **overrides)
     layer = place_experts(build_moe_layer(model_config(), config))
     if targets is not None:
         with torch.no_grad():
@@ -86,11 +91,17 @@ def local_loss(layer, tokens: torch.Tensor, direction: torch.Tensor) -> torch.Te
 
 
 def _expert_parallel_step(
-    rank: int, world_size: int, impl: str, top_k: int, ep: int, targets: Optional[list]
+    rank: int,
+    world_size: int,
+    impl: str,
+    top_k: int,
+    ep: int,
+    targets: Optional[list],
+    overrides: Optional[dict] = None,
 ) -> dict:
     parallel_state.initialize_model_parallel(expert_model_parallel_size=ep)
     try:
-        layer = make_layer(impl, top_k, ep, targets)
+        layer = make_layer(impl, top_k, ep, targets, **(overrides or {}))
         tokens = make_tokens(world_size, targets)[rank : rank + 1].clone().requires_grad_(True)
         loss, output = local_loss(layer, tokens, probe(world_size)[rank : rank + 1])
         loss.backward()
@@ -190,12 +201,67 @@ def test_grouped_backend_on_the_triton_kernels(triton_kernels):
 def _gpt_expert_weights(rank: int, world_size: int) -> list:
     parallel_state.initialize_model_parallel(expert_model_parallel_size=world_size)
     try:
-        moe = MoEConfig(num_experts=EXPERTS, expert_model_parallel_size=world_size)
+        moe = MoEConfig(num_experts=EXPERTS)
         torch.manual_seed(0)
         model = sharded_gpt_model(model_config(padded_vocab_size=32), MoEMlpSpec(moe))
         return [param.detach() for param in expert_parameters(model)]
     finally:
         parallel_state.destroy_model_parallel()
+
+
+def check_capacity_moe_against_each_rank(
+    capacity_factor: float, top_k: int, world_size: int, ep: int, targets=None
+):
+    """The capacity-limited MoE under expert parallelism: each rank's output is what one
+    process gives for that rank's tokens alone (the same drops), and the gradients are the
+    data-parallel mean of those processes' gradients."""
+    overrides = {"dropless": False, "capacity_factor": capacity_factor}
+    results = run_distributed(
+        _expert_parallel_step, world_size, "grouped", top_k, ep, targets, overrides
+    )
+    reference = make_layer("grouped", top_k, 1, targets, **overrides)
+    tokens, directions = make_tokens(world_size, targets), probe(world_size)
+    outputs, input_grads, balance = [], [], []
+    for rank in range(world_size):
+        rank_tokens = tokens[rank : rank + 1].clone().requires_grad_(True)
+        loss, output = local_loss(reference, rank_tokens, directions[rank : rank + 1])
+        (loss / world_size).backward()
+        outputs.append(output.detach()[0])
+        input_grads.append(rank_tokens.grad[0] * world_size)
+        balance.append(reference.load_balancing_loss.detach())
+    reference_grads = dict(reference.named_parameters())
+    local_experts = EXPERTS // ep
+    for rank, result in enumerate(results):
+        close = dict(atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(result["output"], outputs[rank], **close)
+        torch.testing.assert_close(result["input_grad"], input_grads[rank], **close)
+        torch.testing.assert_close(result["load_balancing_loss"], balance[rank])
+        first = (rank % ep) * local_experts
+        for name, grad in result["grads"].items():
+            expected = reference_grads[name].grad
+            if name in result["expert_names"]:
+                expected = expected[first : first + local_experts]
+            torch.testing.assert_close(grad, expected, msg=f"rank {rank} {name}", **close)
+    return results
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_capacity_moe_two_ranks(top_k):
+    check_capacity_moe_against_each_rank(1.0, top_k, world_size=2, ep=2)
+
+
+def test_capacity_moe_drops_as_each_rank_alone():
+    """Every token steered to experts 2 and 3 with capacity int(1 x 1 x 6 / 4) = 1: most
+    assignments are dropped, the same ones as in one process per rank."""
+    targets = [[2, 3, 2, 2, 3, 3], [3, 3, 2, 3, 2, 2]]
+    results = check_capacity_moe_against_each_rank(1.0, 1, world_size=2, ep=2, targets=targets)
+    dropped = [(result["output"].abs().sum(-1) == 0).sum().item() for result in results]
+    assert dropped == [4, 4], dropped  # 6 tokens, 2 slots each rank (one per busy expert)
+
+
+def test_capacity_moe_without_a_limit_and_expert_data_parallel_replicas():
+    """--moe-capacity-factor 0: slots for the busiest expert of the group; world 4 at EP2."""
+    check_capacity_moe_against_each_rank(0.0, 2, world_size=4, ep=2)
 
 
 def test_gpt_model_expert_shards_are_slices_of_the_single_process_weights():
@@ -300,78 +366,69 @@ def test_data_parallel_wrapper_leaves_experts_alone():
 
 
 def test_experts_not_divisible_by_expert_parallel_size():
-    config = MoEConfig(num_experts=6, expert_model_parallel_size=4)
+    config = MoEConfig(num_experts=6)
     with pytest.raises(ConfigError, match=r"--moe-num-experts 6 .* expert parallel size 4"):
-        config.validate(model_config())
+        config.check_expert_parallelism(4)
+    layer = build_moe_layer(model_config(), config)
     with pytest.raises(ConfigError, match=r"--moe-num-experts 6 .* expert parallel size 4"):
-        build_moe_layer(model_config(), config)
+        layer.place_experts(4, 0)
 
 
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (dict(dropless=False), "capacity-limited MoE .* not available yet"),
         (dict(mlp_impl="reference"), "--moe-impl reference"),
     ],
 )
 def test_unsupported_expert_parallel_layers_say_so(overrides, message):
-    config = MoEConfig(num_experts=4, expert_model_parallel_size=2, **overrides)
+    layer = build_moe_layer(model_config(), MoEConfig(num_experts=4, **overrides))
     with pytest.raises(ConfigError, match=message):
-        build_moe_layer(model_config(), config)
+        layer.place_experts(2, 0)
 
 
-def test_placing_experts_needs_the_expert_parallel_groups():
-    layer = build_moe_layer(model_config(), MoEConfig(num_experts=4, expert_model_parallel_size=2))
-    with pytest.raises(RuntimeError, match="initialize_model_parallel"):
-        place_experts(layer)
-
-
-def parse(*argv: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    add_moe_args(parser)
-    return parser.parse_args(["--moe-num-experts", "6", *argv])
+def run_config(*flags: str, world_size: int) -> Config:
+    """pretrain_gpt.py's config of a small dMoE with 6 experts and `flags` on `world_size`."""
+    namespace = parse_arguments(argv("--moe-num-experts", "6", *flags), [add_moe_args])
+    resolved, notes = resolve_arguments_with_notes(namespace, world_size)
+    return Config.from_resolved(resolved, notes, 64, extensions=[moe_config])
 
 
 @pytest.mark.parametrize(
-    "argv, data_parallel_size, message",
+    "flags, world_size, message",
     [
-        (["--expert-model-parallel-size", "4"], None, "--moe-num-experts 6 is not divisible"),
+        (["--expert-model-parallel-size", "4"], 4, "--moe-num-experts 6 is not divisible"),
         (["--moe-expert-model-parallelism"], 4, "--moe-num-experts 6 is not divisible"),
         (["--expert-model-parallel-size", "3"], 2, "does not divide the data-parallel size 2"),
+        (["--expert-model-parallel-size", "0"], 2, "must be >= 1"),
         (
             ["--moe-expert-model-parallelism", "--expert-model-parallel-size", "2"],
-            None,
+            2,
             "pass one of them",
         ),
     ],
 )
-def test_expert_parallel_flags(argv, data_parallel_size, message):
+def test_expert_parallel_flags(flags, world_size, message):
     with pytest.raises(ConfigError, match=message):
-        MoEConfig.from_args(parse(*argv), model_config(), data_parallel_size)
+        run_config(*flags, world_size=world_size)
 
 
-def test_unset_expert_parallel_flags_keep_one_rank():
-    config = MoEConfig.from_args(parse(), model_config())
-    assert config.expert_model_parallel_size == 1
-
-
-def test_expert_parallel_sizes_from_flags():
-    assert (
-        MoEConfig.from_args(
-            parse("--expert-model-parallel-size", "2"), model_config(), 4
-        ).expert_model_parallel_size
-        == 2
+def test_expert_parallelism_is_a_layout_degree():
+    """One owner: ParallelConfig; MegaBlocks' switch is its alias for the data-parallel size."""
+    assert run_config(world_size=2).parallel.expert_model_parallel_size == 1
+    explicit = run_config("--expert-model-parallel-size", "2", world_size=4)
+    assert explicit.parallel.expert_model_parallel_size == 2
+    assert explicit.parallel.data_parallel_size == 4
+    switch = run_config("--moe-expert-model-parallelism", world_size=3)
+    assert switch.parallel.expert_model_parallel_size == 3
+    assert not hasattr(switch.extension(MoEConfig), "expert_model_parallel_size")
+    tensor = run_config(
+        "--moe-expert-model-parallelism", "--tensor-model-parallel-size", "2", world_size=4
     )
-    assert (
-        MoEConfig.from_args(
-            parse("--moe-expert-model-parallelism"), model_config(), 3
-        ).expert_model_parallel_size
-        == 3
-    )
+    assert tensor.parallel.expert_model_parallel_size == 2  # the data-parallel size
 
 
 def test_expert_parallel_flags_without_experts():
-    args = parse("--expert-model-parallel-size", "2")
-    args.moe_num_experts = None
+    namespace = parse_arguments(argv("--expert-model-parallel-size", "2"), [add_moe_args])
+    resolved, notes = resolve_arguments_with_notes(namespace, 2)
     with pytest.raises(ConfigError, match="the model has none"):
-        MoEConfig.from_args(args, model_config(), 2)
+        Config.from_resolved(resolved, notes, 64, extensions=[moe_config])

@@ -175,8 +175,8 @@ def test_checkpoint_resumes_at_another_expert_parallel_size(
         ),
         (
             2,
-            "--expert-model-parallel-size 2 --no-moe-dropless",
-            "expert parallelism for the capacity-limited MoE (--no-moe-dropless)",
+            "--expert-model-parallel-size 2 --moe-impl reference",
+            "--moe-impl reference runs every expert on one rank",
         ),
     ],
 )
@@ -189,3 +189,17 @@ def test_bad_expert_parallel_sizes_stop_before_any_work(
     assert exit_info.value.code == 2
     error = capsys.readouterr().err
     assert error.startswith("error: ") and message in error, error
+
+
+def test_capacity_moe_expert_parallel_matches_single_process(data_prefix, tmp_path):
+    """MegaBlocks' MoE with capacity factor 1 (assignments dropped) at EP2: the single-process
+    losses, load-balancing losses and grad norms (each micro-batch holds the same samples)."""
+    capacity = ["--no-moe-dropless", "--moe-capacity-factor", "1.0"]
+    single = run(1, moe_gpt_args(data_prefix, *capacity), tmp_path / "single")
+    parallel = run(
+        2,
+        moe_gpt_args(data_prefix, *capacity, "--expert-model-parallel-size", "2"),
+        tmp_path / "ep2",
+    )
+    assert "expert-model-parallel size: 2" in parallel["stdout"]
+    assert_same_run(single, parallel)

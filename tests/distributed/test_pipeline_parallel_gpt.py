@@ -47,7 +47,9 @@ def saving(directory: Path) -> list:
 @pytest.fixture(scope="module")
 def single_process(data_prefix, tmp_path_factory):
     root = tmp_path_factory.mktemp("single")
-    run = pretrain_ranks(1, gpt_args(data_prefix, *PIPELINE_MODEL, *saving(root / "ckpt")), root / "tb")
+    run = pretrain_ranks(
+        1, gpt_args(data_prefix, *PIPELINE_MODEL, *saving(root / "ckpt")), root / "tb"
+    )
     return {**run, "checkpoints": root / "ckpt"}
 
 

@@ -50,7 +50,9 @@ def args(data_prefix, *extra):
 
 @pytest.fixture(scope="module")
 def single(data_prefix, tmp_path_factory):
-    return pretrain_ranks(1, args(data_prefix), tmp_path_factory.mktemp("single") / "tb", scalars=SCALARS)
+    return pretrain_ranks(
+        1, args(data_prefix), tmp_path_factory.mktemp("single") / "tb", scalars=SCALARS
+    )
 
 
 def _assert_close(expected, actual):

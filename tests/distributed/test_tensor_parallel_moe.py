@@ -76,7 +76,6 @@ def make_layer(name: str, tensor_parallel: int = 1, sequence_parallel: bool = Fa
         num_experts=EXPERTS,
         top_k=2,
         zloss_weight=0.1,
-        expert_model_parallel_size=ep,
         **moe_overrides,
     )
     torch.manual_seed(0)

@@ -1,0 +1,137 @@
+"""pretrain_gpt.py under torchrun on 2-4 GPUs over NCCL: every parallel layout of a tiny dMoE GPT
+gives the one-GPU run's losses, load-balancing losses and grad norms, and a torch_dist
+checkpoint saved at one layout resumes at another.
+
+GPU-marked (`pytest -m gpu tests/distributed/test_gpu_layouts.py` on a machine with 2 or 4
+GPUs); each test skips cleanly where the machine has fewer GPUs than its layout needs. The runs
+are fp32 with --deterministic-mode, so that one layout repeats itself bit for bit and layouts
+differ only by the order of their sums (within RELATIVE). Global batch 8 in micro-batches of 2,
+as in test_expert_parallel_gpt: every micro-batch holds the same samples at any data-parallel
+size, so the load-balancing loss is the same number too.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.tiny_gpt import MOE_ARGS, tensorboard_scalars, tiny_gpt_args
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+ITERATIONS = 6
+SCALARS = ("lm loss", "load balancing loss", "grad-norm")
+RELATIVE = 1e-4
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+        reason="needs 2 or more GPUs",
+    ),
+]
+
+
+def gpus(count: int):
+    """Skip unless the machine has `count` GPUs."""
+    return pytest.mark.skipif(torch.cuda.device_count() < count, reason=f"needs {count} GPUs")
+
+
+def dmoe_args(data_prefix: str, *extra: str) -> list:
+    return tiny_gpt_args(
+        data_prefix, *MOE_ARGS, "--deterministic-mode", "--ckpt-format", "torch_dist",
+        # The vocabulary padded to 50304 at TP = 1 and 2 alike (a multiple of 64 x TP).
+        "--make-vocab-size-divisible-by", "64", *extra,
+        seq_length=32, micro_batch=2, global_batch=8, train_iters=ITERATIONS, eval_iters=0,
+    )  # fmt: skip
+
+
+def torchrun(nproc: int, args: list, tensorboard: Path) -> dict:
+    """pretrain_gpt.py on `nproc` GPUs under torchrun (NCCL); stdout and the scalars."""
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        "--nproc_per_node", str(nproc), str(REPO_ROOT / "pretrain_gpt.py"),
+        *args, "--tensorboard-dir", str(tensorboard),
+    ]  # fmt: skip
+    # NVLink multicast stays off, as the lent machines require.
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
+    done = subprocess.run(
+        command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=900
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return {"stdout": done.stdout, **tensorboard_scalars(tensorboard, SCALARS)}
+
+
+def assert_same(expected: dict, actual: dict, iterations) -> None:
+    for name in SCALARS:
+        for step in iterations:
+            assert actual[name][step] == pytest.approx(expected[name][step], rel=RELATIVE), (
+                name, step, expected[name], actual[name],
+            )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def one_gpu(data_prefix, tmp_path_factory):
+    root = tmp_path_factory.mktemp("one_gpu")
+    return torchrun(1, dmoe_args(data_prefix), root / "tb")
+
+
+LAYOUTS = {
+    "ep2": (2, ["--expert-model-parallel-size", "2"]),
+    "dp2_distributed_optimizer": (2, ["--use-distributed-optimizer"]),
+    "pp2": (2, ["--pipeline-model-parallel-size", "2"]),
+    "tp2_ep2_sequence_parallel": (
+        4,
+        [
+            "--tensor-model-parallel-size",
+            "2",
+            "--sequence-parallel",
+            "--expert-model-parallel-size",
+            "2",
+        ],
+    ),  # fmt: skip
+    "ep2_dp2_distributed_optimizer": (
+        4,
+        ["--expert-model-parallel-size", "2", "--use-distributed-optimizer"],
+    ),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layout_equals_one_gpu(layout, one_gpu, data_prefix, tmp_path):
+    nproc, flags = LAYOUTS[layout]
+    if torch.cuda.device_count() < nproc:
+        pytest.skip(f"needs {nproc} GPUs")
+    run = torchrun(nproc, dmoe_args(data_prefix, *flags), tmp_path / "tb")
+    assert_same(one_gpu, run, range(1, ITERATIONS + 1))
+
+
+@gpus(2)
+def test_torch_dist_checkpoint_resumes_at_another_layout(one_gpu, data_prefix, tmp_path):
+    """Saved at EP2 (with the distributed optimizer) at iteration 3, resumed at PP2 and on one
+    GPU: iterations 4-6 are the one-GPU run's."""
+    save = tmp_path / "ckpt"
+    torchrun(
+        2,
+        dmoe_args(
+            data_prefix, "--expert-model-parallel-size", "2", "--use-distributed-optimizer",
+            "--save", str(save), "--save-interval", "3", "--exit-interval", "3",
+        ),
+        tmp_path / "tb_saved",
+    )  # fmt: skip
+    for nproc, flags, name in (
+        (2, ["--pipeline-model-parallel-size", "2"], "pp2"),
+        (1, [], "one_gpu"),
+    ):
+        resumed = torchrun(
+            nproc,
+            dmoe_args(data_prefix, *flags, "--load", str(save), "--no-load-rng"),
+            tmp_path / f"tb_{name}",
+        )
+        assert "loaded checkpoint" in resumed["stdout"] and "at iteration 3" in resumed["stdout"]
+        assert sorted(resumed["lm loss"]) == [4, 5, 6], resumed["lm loss"]
+        assert_same(one_gpu, resumed, range(4, ITERATIONS + 1))
