@@ -101,9 +101,12 @@ class MoETrainingHooks(TrainingHooks):
     def iteration_fields(self, model: nn.Module) -> Dict[str, float]:
         if parallel_state.get_expert_model_parallel_world_size() == 1:
             return {}
-        self.imbalance_per_layer = gather_expert_parallel_imbalance(
-            model, self.moe_layer_numbers, self.device
-        )
+        imbalance = gather_expert_parallel_imbalance(model, self.moe_layer_numbers, self.device)
+        # The capacity-limited MoE exchanges fixed-size slots, balanced by construction: it
+        # measures nothing, and the line carries no field rather than a 0.
+        self.imbalance_per_layer = imbalance if max(imbalance.values()) > 0 else {}
+        if not self.imbalance_per_layer:
+            return {}
         return {IMBALANCE_FIELD: max(self.imbalance_per_layer.values())}
 
     def log(
