@@ -19,7 +19,7 @@ import torch
 
 import pretrain_gpt
 from tests.distributed.launch import pretrain_ranks
-from tests.tiny_gpt import MOE_ARGS, saved_state, tiny_gpt_args
+from tests.tiny_gpt import MOE_ARGS, saved_state, tensorboard_scalars, tiny_gpt_args
 
 ITERATIONS = 5
 SCALARS = ("lm loss", "load balancing loss", "grad-norm")
@@ -69,6 +69,7 @@ def single_and_expert_parallel(data_prefix, tmp_path_factory):
         save = ["--save", str(root / f"{name}_ckpt"), "--save-interval", "3"]
         runs[name] = run(nproc, moe_gpt_args(data_prefix, *extra, *save), root / f"{name}_tb")
         runs[name]["checkpoints"] = root / f"{name}_ckpt"
+        runs[name]["tensorboard"] = root / f"{name}_tb"
     return runs
 
 
@@ -87,6 +88,17 @@ def test_expert_parallel_matches_single_process(single_and_expert_parallel):
     ]
     assert len(imbalances) == ITERATIONS and all(1.0 <= value <= 2.0 for value in imbalances)
     assert len(set(imbalances)) > 1, imbalances  # measured, not a constant
+    # TensorBoard: the worst layer (the line's number) and every layer.
+    names = ["expert-parallel load imbalance"] + [
+        f"expert-parallel load imbalance layer {n}" for n in (0, 1)
+    ]
+    scalars = tensorboard_scalars(parallel["tensorboard"], names)
+    worst = scalars["expert-parallel load imbalance"]
+    for step, printed in zip(range(1, ITERATIONS + 1), imbalances):
+        assert worst[step] == pytest.approx(printed, abs=6e-4)
+    for step in range(1, ITERATIONS + 1):
+        per_layer = [scalars[name][step] for name in names[1:]]
+        assert worst[step] == pytest.approx(max(per_layer))
     assert "expert-parallel load imbalance" not in single["stdout"]
     # The checkpoint holds the unsharded experts, under the keys of a single-process run.
     expected, saved = (saved_state(run["checkpoints"], 5) for run in (single, parallel))
