@@ -19,6 +19,7 @@ from megatron import parallel_state
 from megatron.checkpointing import load_checkpoint, save_checkpoint
 from megatron.checkpointing.async_save import AsyncCheckpointWriter
 from megatron.checkpointing.model_arguments import MODEL_ARGUMENTS
+from megatron.checkpointing.rng import capture_rng_state, restore_rng_state
 from megatron.config import Config
 from megatron.distributed import (
     all_reduce_data_parallel_gradients,
@@ -135,21 +136,32 @@ class Trainer:
 
         Returns (reported losses, skipped, grad norm, got nan).
         """
-        self.hooks.before_forwards(self.unwrapped_model)
-        self.optimizer.zero_grad()
+        self.hooks.before_step(self.unwrapped_model)
+        random_state = capture_rng_state()
+        micro_batches = _Recorded(data_iterator)
+        source: Iterator = micro_batches
+        for attempt in range(MAX_STEP_RERUNS + 1):
+            means = self._forwards_and_backwards(source)
+            note = self.hooks.rerun_step(self.unwrapped_model)
+            if note is None:
+                break
+            if attempt == MAX_STEP_RERUNS:
+                raise RuntimeError(
+                    f"iteration {self.iteration + 1} ran {attempt + 1} times and still asks for "
+                    f"another run: {note}"
+                )
+            print_rank_0(f"note: iteration {self.iteration + 1} runs again: {note}")
+            # The same micro-batches, dropout masks and expert choices as the first run.
+            restore_rng_state([random_state], 0, "the step's start")
+            source = micro_batches.replay()
         if self.pipeline:
-            means = self._pipeline_step(data_iterator)
-            self.hooks.after_backwards(self.unwrapped_model)
             if not self.config.parallel.use_distributed_optimizer:
                 # The distributed optimizer reduce-scatters the gradients in its step instead.
                 all_reduce_data_parallel_gradients(self.unwrapped_model)
             reduce_tied_embedding_gradients(list(self.unwrapped_model))
-        else:
-            means = self._accumulate_micro_batches(data_iterator)
-            self.hooks.after_backwards(self.unwrapped_model)
-            if not self.wrapped_in_ddp and not self.config.parallel.use_distributed_optimizer:
-                # Main gradients leave DDP out (megatron.parallelize.data_parallel).
-                all_reduce_data_parallel_gradients(self.unwrapped_model)
+        elif not self.wrapped_in_ddp and not self.config.parallel.use_distributed_optimizer:
+            # Main gradients leave DDP out (megatron.parallelize.data_parallel).
+            all_reduce_data_parallel_gradients(self.unwrapped_model)
         finalize_gradients(self.unwrapped_model, self.config)
         update_successful, grad_norm, _ = self.optimizer.step()
         if update_successful:
@@ -164,6 +176,18 @@ class Trainer:
             value != value or value in (float("inf"), float("-inf")) for value in averaged.values()
         )
         return averaged, not update_successful, grad_norm, got_nan
+
+    def _forwards_and_backwards(self, data_iterator: Iterator) -> Dict[str, torch.Tensor]:
+        """Every micro-batch's forward and backward from fresh gradients, then the hooks' work
+        after the backwards; the reported means."""
+        self.hooks.before_forwards(self.unwrapped_model)
+        self.optimizer.zero_grad()
+        if self.pipeline:
+            means = self._pipeline_step(data_iterator)
+        else:
+            means = self._accumulate_micro_batches(data_iterator)
+        self.hooks.after_backwards(self.unwrapped_model)
+        return means
 
     def _accumulate_micro_batches(self, data_iterator: Iterator) -> Dict[str, torch.Tensor]:
         """Forward and backward of every micro-batch in turn; the reported means."""
@@ -297,3 +321,28 @@ class Trainer:
         seconds = time.perf_counter() - start
         times = min_max_across_ranks(seconds, self.context.device)
         print_rank_0(format_times_across_ranks({name: times}))
+
+
+# A hook asks for another run only when the first one could not stand (moe.static_exchange's
+# blocks overflowed), and fixes the cause before asking: more than this is a bug.
+MAX_STEP_RERUNS = 3
+
+
+class _Recorded:
+    """An iterator's items as they are taken, for `replay`."""
+
+    def __init__(self, iterator: Iterator) -> None:
+        self._iterator = iterator
+        self._taken: list = []
+
+    def __iter__(self) -> _Recorded:
+        return self
+
+    def __next__(self):
+        item = next(self._iterator)
+        self._taken.append(item)
+        return item
+
+    def replay(self) -> Iterator:
+        """The items taken so far, again."""
+        return iter(list(self._taken))

@@ -16,7 +16,8 @@ from torch import nn
 
 class TrainingHooks:
     """Called by the trainer on every rank, in this order: `compile_veto` once, `setup` once,
-    then per step `before_forwards` ... forwards and backwards ... `after_backwards`, and
+    then per step `before_step`, `before_forwards` ... forwards and backwards ...
+    `after_backwards`, `rerun_step` (the step may run again from `before_forwards`), and
     `iteration_fields` and `log` at each --log-interval."""
 
     def compile_veto(self, device: torch.device) -> Optional[str]:
@@ -27,6 +28,18 @@ class TrainingHooks:
     def setup(self, model: nn.Module, wrapped_in_ddp: bool, device: torch.device) -> None:
         """Once, with the unwrapped model on `device`; `wrapped_in_ddp`: whether torch DDP
         reduces its gradients (its hooks then wait on autograd's accumulation)."""
+
+    def before_step(self, model: nn.Module) -> None:
+        """At the start of each training step, before its first forward: where an extension
+        keeps what it needs to run the step again (`rerun_step`)."""
+
+    def rerun_step(self, model: nn.Module) -> Optional[str]:
+        """After `after_backwards` (a collective: every rank calls it, and all must answer
+        alike): a note when the step's forwards and backwards must run again, before any
+        gradient is reduced or stepped; the extension has already put back its own state and
+        changed what made the step invalid. The trainer then restores the random generators of
+        the step's start and replays its micro-batches. None: the step stands."""
+        return None
 
     def before_forwards(self, model: nn.Module) -> None:
         """Before the first forward of each training step and of each evaluation: the

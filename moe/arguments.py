@@ -119,6 +119,15 @@ def add_moe_args(parser: argparse.ArgumentParser) -> None:
         "a model.",
     )
     group.add_argument(
+        "--moe-expert-parallel-buffer-factor",
+        type=float,
+        default=None,
+        help="Under expert parallelism, exchange the dMoE's rows in fixed-size blocks of this "
+        "many times the balanced share (no host sync per layer) instead of exact splits; a step "
+        "whose routing needs larger blocks runs again with them (still dropless), and the "
+        "factor stays grown.",
+    )
+    group.add_argument(
         "--moe-shared-expert",
         action="store_true",
         help="Add a dense MLP every token goes through to the experts' output.",

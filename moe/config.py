@@ -47,6 +47,9 @@ class MoEConfig:
     router_bias_update_rate: float = 0.0  # DeepSeek-V3 aux-loss-free bias; 0 disables it
     # Benchmarks only: experts drawn uniformly at random instead of the top-k (moe.router).
     router_force_load_balancing: bool = False
+    # Under expert parallelism, exchange fixed-size blocks of this many times the balanced
+    # share instead of exact splits (moe.static_exchange: no host sync); None: exact splits.
+    expert_parallel_buffer_factor: Optional[float] = None
     shared_expert: bool = False
     shared_expert_ffn_hidden_size: Optional[int] = None
     memory_optimized_mlp: bool = False
@@ -100,6 +103,7 @@ class MoEConfig:
             router_score=args.moe_router_score,
             router_bias_update_rate=args.moe_router_bias_update_rate,
             router_force_load_balancing=args.moe_router_force_load_balancing,
+            expert_parallel_buffer_factor=args.moe_expert_parallel_buffer_factor,
             shared_expert=args.moe_shared_expert,
             shared_expert_ffn_hidden_size=args.moe_shared_expert_ffn_hidden_size,
             memory_optimized_mlp=args.moe_memory_optimized_mlp,
@@ -173,6 +177,12 @@ class MoEConfig:
         if self.router_score not in ROUTER_SCORES:
             raise ConfigError(
                 f"--moe-router-score {self.router_score!r} is not one of {ROUTER_SCORES}"
+            )
+        factor = self.expert_parallel_buffer_factor
+        if factor is not None and factor < 1.0:
+            raise ConfigError(
+                f"--moe-expert-parallel-buffer-factor must be >= 1 (blocks of at least the "
+                f"balanced share), got {factor}"
             )
         if self.mlp_impl == "sparse" and not self.dropless:
             raise ConfigError(

@@ -34,7 +34,7 @@ gradients are reduced.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -48,13 +48,14 @@ class ExpertParallelLoad:
     total: float = 0.0
     forwards: int = 0
 
-    def add(self, imbalance: float) -> None:
+    def add(self, imbalance) -> None:
+        """A float, or a device scalar (summed on the device, read at the window's end)."""
         self.total += imbalance
         self.forwards += 1
 
     def take(self) -> Optional[float]:
         """The window's mean imbalance (None without a forward); starts a new window."""
-        mean = self.total / self.forwards if self.forwards else None
+        mean = float(self.total) / self.forwards if self.forwards else None
         self.total, self.forwards = 0.0, 0
         return mean
 
@@ -94,6 +95,28 @@ def all_to_all(
 ) -> torch.Tensor:
     """Differentiable all_to_all_single of the rows of x with variable split sizes."""
     return _AllToAll.apply(x, output_splits, input_splits, group)
+
+
+def run_slots_expert_parallel(
+    slots: torch.Tensor,
+    size: int,
+    group: Optional[dist.ProcessGroup],
+    forward_batched: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """The capacity-limited MoE's experts split over `size` ranks: this rank's capacity slots
+    of all E experts [E, C, h] go to the experts' ranks in one all-to-all of equal splits (rank
+    p's experts are the p-th block of E / P), `forward_batched` runs the local experts on the
+    slots of every rank, and the outputs come back the same way."""
+    num_experts, capacity, hidden = slots.shape
+    local = num_experts // size
+    splits = [local * capacity] * size
+    received = all_to_all(slots.reshape(-1, hidden), splits, splits, group)
+    # [source, local expert, C, h] -> [local expert, source * C, h]
+    by_expert = received.view(size, local, capacity, hidden).transpose(0, 1)
+    outputs = forward_batched(by_expert.reshape(local, size * capacity, hidden))
+    outputs = outputs.view(local, size, capacity, hidden).transpose(0, 1).reshape(-1, hidden)
+    returned = all_to_all(outputs, splits, splits, group)
+    return returned.view(num_experts, capacity, hidden)
 
 
 @dataclass

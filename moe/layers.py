@@ -43,7 +43,7 @@ from megatron import parallel_state
 from megatron.config import ModelConfig
 from megatron.model.mlp import MLP
 from moe.config import MoEConfig
-from moe.expert_parallel import ExpertParallelLoad, all_to_all
+from moe.expert_parallel import ExpertParallelLoad, run_slots_expert_parallel
 from moe.experts import Experts
 from moe.kernels import permute, token_rows
 from moe.overlapped_exchange import OverlappedExchange, run_experts_overlapped
@@ -56,6 +56,7 @@ from moe.router import (
     router_z_loss,
     update_expert_bias,
 )
+from moe.static_exchange import BlockOverflow, StaticExchange, block_capacity, run_experts_static
 from moe.tensor_parallel import (
     mark_sequence_parallel_parameters,
     reduce_expert_output,
@@ -142,6 +143,10 @@ class MoELayer(nn.Module):
         # Under expert parallelism: each training forward's load imbalance over the ranks
         # (moe.expert_load); host numbers, kept outside any compiled graph.
         self.expert_parallel_load = ExpertParallelLoad()
+        self.expert_parallel_overflow = BlockOverflow()
+        # The fixed-size exchange's blocks (moe.static_exchange); grown by the training hooks
+        # when a step's routing needed more, which then run the step again.
+        self.expert_parallel_buffer_factor = moe_config.expert_parallel_buffer_factor
 
     @torch.no_grad()
     def init_own_weights(self, std: float, output_std: float) -> None:
@@ -283,7 +288,12 @@ class MoE(MoELayer):
         weights = routing.expert_weights.reshape(-1)
         expert_inputs = permute.binned_gather(tokens, indices, bins, capacity, top_k)
         if self.expert_parallel_size > 1:
-            expert_outputs = self._run_slots_expert_parallel(expert_inputs)
+            expert_outputs = run_slots_expert_parallel(
+                expert_inputs,
+                self.expert_parallel_size,
+                parallel_state.get_expert_model_parallel_group(),
+                self.experts.forward_batched,
+            )
         else:
             expert_outputs = self.experts.forward_batched(expert_inputs)
         output = permute.binned_scatter(expert_outputs, indices, weights, bins, top_k)
@@ -301,23 +311,6 @@ class MoE(MoELayer):
                 group=parallel_state.get_expert_model_parallel_group(),
             )
         return int(busiest)
-
-    def _run_slots_expert_parallel(self, slots: torch.Tensor) -> torch.Tensor:
-        """`forward_batched` with the experts split over the expert-parallel group: slots
-        [E, C, h] of this rank's tokens -> the experts' outputs in the same slots."""
-        size = self.expert_parallel_size
-        num_experts, capacity, hidden = slots.shape
-        local = num_experts // size
-        group = parallel_state.get_expert_model_parallel_group()
-        splits = [local * capacity] * size
-        # Rank p's experts are the p-th block of E / P: one equal split per rank.
-        received = all_to_all(slots.reshape(-1, hidden), splits, splits, group)
-        # [source, local expert, C, h] -> [local expert, source * C, h]
-        by_expert = received.view(size, local, capacity, hidden).transpose(0, 1)
-        outputs = self.experts.forward_batched(by_expert.reshape(local, size * capacity, hidden))
-        outputs = outputs.view(local, size, capacity, hidden).transpose(0, 1).reshape(-1, hidden)
-        returned = all_to_all(outputs, splits, splits, group)
-        return returned.view(num_experts, capacity, hidden)
 
 
 class DroplessMoE(MoELayer):
@@ -373,10 +366,19 @@ class DroplessMoE(MoELayer):
         by global expert (so by destination rank) and their router weights go to the ranks of
         their experts, run there, and come back (moe.expert_parallel), the all-to-alls
         overlapped with this rank's own rows (moe.overlapped_exchange)."""
-        exchange = OverlappedExchange.plan(
-            tokens_per_expert, parallel_state.get_expert_model_parallel_group()
-        )
-        if self.training and not _in_backward():
+        group = parallel_state.get_expert_model_parallel_group()
+        counted = self.training and not _in_backward()
+        factor = self.expert_parallel_buffer_factor
+        if factor is not None:
+            capacity = block_capacity(rows.shape[0], self.expert_parallel_size, factor)
+            exchange = StaticExchange.plan(tokens_per_expert, rows.shape[0], capacity, group)
+            if counted:
+                self.expert_parallel_load.add(exchange.imbalance)
+                self.expert_parallel_overflow.note(exchange.needed, capacity)
+            with self.experts.weights_cast_once(rows.dtype):
+                return run_experts_static(rows, row_weights, exchange, self._run_local_experts)
+        exchange = OverlappedExchange.plan(tokens_per_expert, group)
+        if counted:
             self.expert_parallel_load.add(exchange.imbalance)
         with self.experts.weights_cast_once(rows.dtype):
             return run_experts_overlapped(rows, row_weights, exchange, self._run_local_experts)

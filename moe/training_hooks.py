@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Dict, Optional
 
 import torch
@@ -30,6 +31,7 @@ from moe.expert_load import (
 )
 from moe.experts import flush_expert_gradients, refresh_compute_weights
 from moe.kernels.grouped_gemm import TORCH
+from moe.layers import moe_layers
 
 # The iteration line's field (and TensorBoard scalar): the worst MoE layer's mean, over the
 # window's forwards, of the most rows an expert-parallel rank received over the mean.
@@ -78,6 +80,7 @@ class MoETrainingHooks(TrainingHooks):
         self.grads_in_place = True
         self.device = torch.device("cpu")
         self.imbalance_per_layer: Dict[int, float] = {}
+        self.step_start: Optional[StepStart] = None
 
     def compile_veto(self, device: torch.device) -> Optional[str]:
         moe = self.moe
@@ -87,6 +90,40 @@ class MoETrainingHooks(TrainingHooks):
     def setup(self, model: nn.Module, wrapped_in_ddp: bool, device: torch.device) -> None:
         self.grads_in_place = _expert_grads_in_place(wrapped_in_ddp)
         self.device = device
+
+    def before_step(self, model: nn.Module) -> None:
+        if self.moe.expert_parallel_buffer_factor is not None:
+            self.step_start = StepStart.of(model)
+
+    def rerun_step(self, model: nn.Module) -> Optional[str]:
+        """With fixed-size expert-parallel blocks: a step whose routing needed larger blocks
+        than some layer had dropped rows, so it runs again with blocks that fit (the same
+        routing: same weights, micro-batches and random draws). One sync and one all-reduce
+        per step."""
+        if self.moe.expert_parallel_buffer_factor is None:
+            return None
+        layers = [layer for _, layer in moe_layers(model)]
+        worst = torch.zeros((), dtype=torch.float64, device=self.device)
+        for layer in layers:
+            ratio = layer.expert_parallel_overflow.take()
+            if ratio is not None:
+                worst = torch.maximum(worst, ratio.to(self.device))
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(worst, op=torch.distributed.ReduceOp.MAX)
+        ratio = float(worst)
+        if ratio <= 1.0:
+            return None
+        old = max(layer.expert_parallel_buffer_factor for layer in layers)
+        # A margin, so that the next steps' routing rarely needs another rerun.
+        factor = math.ceil(old * ratio * 1.1 * 100) / 100
+        for layer in layers:
+            layer.expert_parallel_buffer_factor = factor
+        self.step_start.restore(model)
+        return (
+            f"the expert-parallel blocks were {ratio:.2f}x too small for its routing; "
+            f"the buffer factor grows from {old} to {factor} (pass "
+            f"--moe-expert-parallel-buffer-factor {factor} to start there)"
+        )
 
     def before_forwards(self, model: nn.Module) -> None:
         if self.compute_dtype is not None:
@@ -138,3 +175,32 @@ class MoETrainingHooks(TrainingHooks):
                     f"moe/tokens-per-expert layer {number}", counts, iteration
                 )
         return {"expert load": {number: counts.tolist() for number, counts in load.items()}}
+
+
+class StepStart:
+    """What a training step changes in the MoE layers beyond their weights (counters, the
+    expert bias and its pending counts, the imbalance window), kept so that a step run again
+    starts from the same state."""
+
+    def __init__(self, saved: Dict[nn.Module, Dict[str, Any]]) -> None:
+        self.saved = saved
+
+    @classmethod
+    @torch.no_grad()
+    def of(cls, model: nn.Module) -> StepStart:
+        saved = {}
+        for _, layer in moe_layers(model):
+            buffers = {
+                name: buffer.clone() for name, buffer in layer.named_buffers() if buffer is not None
+            }
+            load = layer.expert_parallel_load
+            saved[layer] = {"buffers": buffers, "load": (load.total, load.forwards)}
+        return cls(saved)
+
+    @torch.no_grad()
+    def restore(self, model: nn.Module) -> None:
+        for _, layer in moe_layers(model):
+            state = self.saved[layer]
+            for name, buffer in layer.named_buffers():
+                buffer.copy_(state["buffers"][name])
+            layer.expert_parallel_load.total, layer.expert_parallel_load.forwards = state["load"]

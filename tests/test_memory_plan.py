@@ -94,6 +94,20 @@ def test_expert_parallel_and_distributed_optimizer_shard_experts_and_state():
     assert sharded.gradients == pytest.approx(plain.gradients * 1.5, abs=16)
 
 
+def test_fixed_size_expert_parallel_blocks_plan_their_padding():
+    """Under expert parallelism the dMoE's worst case is every rank's rows at one rank (P x k
+    rows per token); fixed-size blocks hold factor x k rows per token, whatever the routing."""
+    exact = config_of(*DMOE, "--expert-model-parallel-size", "2", world_size=2)
+    blocks = config_of(
+        *DMOE, "--expert-model-parallel-size", "2", "--moe-expert-parallel-buffer-factor", "1.5",
+        world_size=2,
+    )  # fmt: skip
+    spec, blocked_spec = build_mlp_spec(exact), build_mlp_spec(blocks)
+    bytes_exact = spec.activation_bytes_per_token(exact.model, 0, 2)
+    bytes_blocks = blocked_spec.activation_bytes_per_token(blocks.model, 0, 2)
+    assert bytes_exact[0] < bytes_blocks[0] == bytes_blocks[1] < bytes_exact[1]
+
+
 def test_pipeline_stages_add_up_to_the_model_and_the_tied_copy():
     config = config_of("--pipeline-model-parallel-size", "2", world_size=2)
     counts = count_parameters(config, build_mlp_spec(config))

@@ -217,3 +217,21 @@ def test_capacity_moe_expert_parallel_matches_single_process(data_prefix, tmp_pa
     assert_same_run(single, parallel)
     # Fixed-size slots are balanced by construction: no imbalance field on the line.
     assert "expert-parallel load imbalance" not in parallel["stdout"]
+
+
+def test_fixed_size_blocks_match_single_process(single_and_expert_parallel, data_prefix, tmp_path):
+    """--moe-expert-parallel-buffer-factor: the dMoE's rows exchanged in fixed-size blocks (no
+    host sync) give the single-process run, with the imbalance still on every line; blocks too
+    small for a step's routing make it run again with larger ones, still the same run."""
+    single = single_and_expert_parallel["single"]
+    for factor, reruns in (("2", False), ("1", True)):
+        flags = ["--expert-model-parallel-size", "2", "--moe-expert-parallel-buffer-factor", factor]
+        parallel = run(2, moe_gpt_args(data_prefix, *flags), tmp_path / f"tb_{factor}")
+        assert_same_run(single, parallel)
+        assert parallel["stdout"].count("expert-parallel load imbalance:") == ITERATIONS
+        notes = [line for line in parallel["stdout"].splitlines() if "runs again" in line]
+        assert bool(notes) == reruns, notes
+        if reruns:
+            # Once grown, the factor stays: only the first steps can need a rerun.
+            assert "the buffer factor grows from 1.0 to" in notes[0]
+            assert len(notes) < ITERATIONS

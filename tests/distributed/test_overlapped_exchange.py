@@ -205,3 +205,39 @@ def test_count_exchange_gives_every_rank_the_splits_and_the_load_of_every_rank()
     assert order == [0, 1, 2, 3, 4, 5, 6, 7][:3] + [3, 4, 5, 6, 7]
     received = [[1, 2], [2, 1]]  # s0e0 = 0; s0e1 = 1, 2; s1e0 = 3, 4; s1e1 = 5
     assert expert_major_order(received, torch.device("cpu")).tolist() == [0, 3, 4, 1, 2, 5]
+
+
+def _static_against_overlapped(rank: int, world_size: int, capacity: int):
+    from moe import static_exchange
+
+    counts, rows, row_weights, block = _rank_inputs(rank, world_size)
+    results = {}
+    for name in ("overlapped", "static"):
+        x = rows.clone().requires_grad_()
+        scale = row_weights.clone().requires_grad_()
+        weights = block.clone().requires_grad_()
+        run = _experts_runner(weights, [])
+        if name == "overlapped":
+            exchange = overlapped.OverlappedExchange.plan(counts, None)
+            out = overlapped.run_experts_overlapped(x, scale, exchange, run)
+            overflow = None
+        else:
+            exchange = static_exchange.StaticExchange.plan(counts, x.shape[0], capacity, None)
+            out = static_exchange.run_experts_static(x, scale, exchange, run)
+            overflow = bool(exchange.overflowed())
+        generator = torch.Generator().manual_seed(5 + rank)
+        grad = torch.randn(out.shape, generator=generator, dtype=torch.float64)
+        out.backward(grad)
+        results[name] = (out.detach(), x.grad, scale.grad, weights.grad)
+    errors = [(a - b).abs().max().item() for a, b in zip(results["overlapped"], results["static"])]
+    return errors, overflow
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_static_exchange_matches_the_overlapped_exchange(world_size):
+    """Fixed-size blocks (padding included) give the same rows and gradients; a capacity too
+    small for the busiest block is flagged on every rank."""
+    for errors, overflow in run_distributed(_static_against_overlapped, world_size, 40):
+        assert max(errors) < 1e-12 and not overflow, errors
+    flags = [overflow for _, overflow in run_distributed(_static_against_overlapped, world_size, 2)]
+    assert all(flags), flags
