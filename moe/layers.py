@@ -46,6 +46,7 @@ from moe.config import MoEConfig
 from moe.expert_parallel import ExpertParallelLoad, run_slots_expert_parallel
 from moe.experts import Experts
 from moe.kernels import permute, token_rows
+from moe.kernels.grouped_gemm import TORCH
 from moe.overlapped_exchange import OverlappedExchange, run_experts_overlapped
 from moe.reference import reference_moe
 from moe.router import (
@@ -375,8 +376,11 @@ class DroplessMoE(MoELayer):
             if counted:
                 self.expert_parallel_load.add(exchange.imbalance)
                 self.expert_parallel_overflow.note(exchange.needed, capacity)
+            # torch._grouped_mm computes only its groups: the padding rows need no work there.
+            padded = self.config.mlp_impl != "grouped" or self.config.grouped_gemm != TORCH
             with self.experts.weights_cast_once(rows.dtype):
-                return run_experts_static(rows, row_weights, exchange, self._run_local_experts)
+                run = self._run_local_experts
+                return run_experts_static(rows, row_weights, exchange, run, padded)
         exchange = OverlappedExchange.plan(tokens_per_expert, group)
         if counted:
             self.expert_parallel_load.add(exchange.imbalance)

@@ -53,6 +53,7 @@ class StaticExchange:
     received_position: torch.Tensor  # [P*C] int64: local-expert-major position of each slot
     sorted_slot: torch.Tensor  # [P*C] int64: the inverse permutation
     tokens_per_local_expert: torch.Tensor  # [E/P], the last one with the padding rows
+    real_tokens_per_local_expert: torch.Tensor  # [E/P], without them
     needed: torch.Tensor  # int64 scalar: the largest block any rank of the group needed
     imbalance: torch.Tensor  # float64 scalar: max over mean rows received per rank
 
@@ -120,6 +121,7 @@ class StaticExchange:
             received_position=position,
             sorted_slot=token_rows.inverse_permutation(position),
             tokens_per_local_expert=tokens_per_local_expert,
+            real_tokens_per_local_expert=per_expert,
             needed=needed,
             imbalance=imbalance,
         )
@@ -143,9 +145,18 @@ def _from_blocks(blocks: torch.Tensor, exchange: StaticExchange) -> torch.Tensor
 
 
 def run_experts_static(
-    rows: torch.Tensor, row_weights: torch.Tensor, exchange: StaticExchange, run: RunExperts
+    rows: torch.Tensor,
+    row_weights: torch.Tensor,
+    exchange: StaticExchange,
+    run: RunExperts,
+    padding_in_groups: bool = True,
 ) -> torch.Tensor:
-    """moe.overlapped_exchange.run_experts_overlapped's contract with fixed-size blocks."""
+    """moe.overlapped_exchange.run_experts_overlapped's contract with fixed-size blocks.
+
+    `padding_in_groups`: the padding rows (after all real ones in local-expert order) are
+    counted in the last expert's group, which computes them as zeros; False leaves them out of
+    every group, for a `run` that takes rows past its groups and leaves them alone (whatever it
+    writes there is never read, and their gradients are never used)."""
     group, size, capacity = exchange.group, exchange.world_size, exchange.capacity
     splits = [capacity] * size
     received = all_to_all(_to_blocks(rows, exchange), splits, splits, group)
@@ -153,7 +164,12 @@ def run_experts_static(
     position, slot = exchange.received_position, exchange.sorted_slot
     sorted_rows = token_rows.gather_rows(received, slot, position, 1)
     sorted_weights = received_weights.index_select(0, slot)
-    outputs = run(sorted_rows, sorted_weights, None, exchange.tokens_per_local_expert)
+    counts = (
+        exchange.tokens_per_local_expert
+        if padding_in_groups
+        else exchange.real_tokens_per_local_expert
+    )
+    outputs = run(sorted_rows, sorted_weights, None, counts)
     returned = all_to_all(token_rows.sum_rows(outputs, slot, position, 1), splits, splits, group)
     return _from_blocks(returned, exchange)
 

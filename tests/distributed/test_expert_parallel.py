@@ -36,6 +36,8 @@ from megatron.optimizer import build_optimizer
 from megatron.parallelize import place_experts
 from moe.arguments import add_moe_args
 from moe.config import MoEConfig, moe_config
+from moe.kernels.grouped_gemm import MOE as MOE_GEMM
+from moe.kernels.grouped_gemm import TORCH
 from moe.layers import build_moe_layer
 from moe.mlp_spec import MoEMlpSpec
 from tests.config.command_lines import argv
@@ -123,9 +125,13 @@ def _expert_parallel_step(
         parallel_state.destroy_model_parallel()
 
 
-def check_against_one_process(impl: str, top_k: int, world_size: int, ep: int, targets=None):
-    results = run_distributed(_expert_parallel_step, world_size, impl, top_k, ep, targets)
-    reference = make_layer(impl, top_k, 1, targets)
+def check_against_one_process(
+    impl: str, top_k: int, world_size: int, ep: int, targets=None, overrides=None
+):
+    results = run_distributed(
+        _expert_parallel_step, world_size, impl, top_k, ep, targets, overrides
+    )
+    reference = make_layer(impl, top_k, 1, targets, **(overrides or {}))
     all_tokens = make_tokens(world_size, targets).view(1, world_size * TOKENS, HIDDEN)
     all_tokens.requires_grad_(True)
     loss, output = local_loss(reference, all_tokens, probe(world_size).view_as(all_tokens))
@@ -163,6 +169,21 @@ def check_against_one_process(impl: str, top_k: int, world_size: int, ep: int, t
 @pytest.mark.parametrize("top_k", [1, 2])
 def test_two_ranks_match_one_process(impl, top_k):
     check_against_one_process(impl, top_k, world_size=2, ep=2)
+
+
+@pytest.mark.parametrize(
+    "impl, grouped_gemm",
+    [("grouped", MOE_GEMM), ("grouped", TORCH), ("sparse", MOE_GEMM)],
+    ids=["grouped", "grouped_torch_grouped_mm", "sparse"],
+)
+def test_fixed_size_blocks_match_one_process(impl, grouped_gemm):
+    """--moe-expert-parallel-buffer-factor (blocks large enough): the layer's outputs and
+    every gradient are one process's, on each backend (torch._grouped_mm leaves the padding
+    rows out of its groups, the others compute them as zeros)."""
+    overrides = {"expert_parallel_buffer_factor": 4.0, "grouped_gemm": grouped_gemm}
+    check_against_one_process(impl, 2, world_size=2, ep=2, overrides=overrides)
+    targets = [[2, 3, 2, 2, 3, 3], [3, 3, 2, 3, 2, 2]]
+    check_against_one_process(impl, 1, world_size=2, ep=2, targets=targets, overrides=overrides)
 
 
 @pytest.mark.parametrize("impl", ["grouped", "sparse"])
