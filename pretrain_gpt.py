@@ -51,8 +51,8 @@ from megatron.tokenizer import MegatronTokenizer, build_tokenizer, vocab_size_wi
 from megatron.training import TrainingResult, pretrain, total_train_iters
 from megatron.training_hooks import TrainingHooks
 from moe.arguments import MOE_MODEL_ARGUMENTS, add_moe_args
+from moe.auxiliary_losses import MoEAuxiliaryLosses
 from moe.config import MoEConfig, moe_config
-from moe.layers import MoEAuxiliaryLosses
 from moe.mlp_spec import MoEMlpSpec
 from moe.training_hooks import MoETrainingHooks
 

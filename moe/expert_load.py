@@ -97,7 +97,10 @@ def gather_expert_parallel_imbalance(
     means: Dict[int, Optional[float]] = {}
     for module in model.modules():
         if isinstance(module, TransformerLayer) and isinstance(module.mlp, MoELayer):
-            means[module.layer_number] = module.mlp.expert_parallel_load.take()
+            window = module.mlp.window_expert_parallel_imbalance
+            total, forwards = window.tolist()
+            window.zero_()
+            means[module.layer_number] = total / forwards if forwards else None
     row_of = {number: row for row, number in enumerate(moe_layer_numbers)}
     table = torch.zeros(len(moe_layer_numbers), dtype=torch.float64, device=device)
     for number, mean in means.items():

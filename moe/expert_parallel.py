@@ -40,26 +40,6 @@ import torch
 import torch.distributed as dist
 
 
-@dataclass
-class ExpertParallelLoad:
-    """The expert-parallel load imbalance (max over mean rows received per rank) of one
-    layer's training forwards since the trainer last took it."""
-
-    total: float = 0.0
-    forwards: int = 0
-
-    def add(self, imbalance) -> None:
-        """A float, or a device scalar (summed on the device, read at the window's end)."""
-        self.total += imbalance
-        self.forwards += 1
-
-    def take(self) -> Optional[float]:
-        """The window's mean imbalance (None without a forward); starts a new window."""
-        mean = float(self.total) / self.forwards if self.forwards else None
-        self.total, self.forwards = 0.0, 0
-        return mean
-
-
 def _all_to_all(
     x: torch.Tensor,
     output_splits: List[int],

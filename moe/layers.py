@@ -6,7 +6,8 @@ leaves on the layer, for the training step to collect:
   `tokens_per_expert`: a buffer with this forward's assignments per expert (before drops);
   `window_tokens_per_expert`: their sum over the training forwards since the trainer last took
   it (moe.expert_load: the per-layer expert load in the log and TensorBoard).
-`MoEAuxiliaryLosses(model)()` turns them into the weighted terms added to the LM loss.
+`moe.auxiliary_losses.MoEAuxiliaryLosses(model)()` turns them into the weighted terms added to
+the LM loss.
 
 Backends (`--moe-impl`): "grouped" multiplies with torch.bmm over capacity slots (MoE) or a
 grouped GEMM over rows sorted by expert (dMoE); "sparse" uses the block-sparse kernels (dMoE
@@ -33,7 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Dict, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -43,7 +44,7 @@ from megatron import parallel_state
 from megatron.config import ModelConfig
 from megatron.model.mlp import MLP
 from moe.config import MoEConfig
-from moe.expert_parallel import ExpertParallelLoad, run_slots_expert_parallel
+from moe.expert_parallel import run_slots_expert_parallel
 from moe.experts import Experts
 from moe.kernels import permute, token_rows
 from moe.kernels.grouped_gemm import TORCH
@@ -57,7 +58,7 @@ from moe.router import (
     router_z_loss,
     update_expert_bias,
 )
-from moe.static_exchange import BlockOverflow, StaticExchange, block_capacity, run_experts_static
+from moe.static_exchange import StaticExchange, block_capacity, run_experts_static
 from moe.tensor_parallel import (
     mark_sequence_parallel_parameters,
     reduce_expert_output,
@@ -143,8 +144,14 @@ class MoELayer(nn.Module):
         self.router_z_loss: Optional[torch.Tensor] = None
         # Under expert parallelism: each training forward's load imbalance over the ranks
         # (moe.expert_load); host numbers, kept outside any compiled graph.
-        self.expert_parallel_load = ExpertParallelLoad()
-        self.expert_parallel_overflow = BlockOverflow()
+        # Under expert parallelism, for the trainer (moe.expert_load, moe.training_hooks):
+        # [sum, count] of the training forwards' load imbalance since it last looked, and the
+        # most the step's fixed-size blocks needed over their size. Device buffers, updated
+        # in place, so that a compiled layer can keep them.
+        self.register_buffer(
+            "window_expert_parallel_imbalance", torch.zeros(2, dtype=torch.float64), False
+        )
+        self.register_buffer("step_block_need", torch.zeros((), dtype=torch.float64), False)
         # The fixed-size exchange's blocks (moe.static_exchange); grown by the training hooks
         # when a step's routing needed more, which then run the step again.
         self.expert_parallel_buffer_factor = moe_config.expert_parallel_buffer_factor
@@ -357,33 +364,55 @@ class DroplessMoE(MoELayer):
         offsets = torch.cumsum(tokens_per_expert, 0, dtype=torch.int32)
         return self.experts.forward_grouped(rows, tokens_per_expert, offsets, row_weights)
 
-    # The all-to-all split sizes need a host sync, which no traced graph can hold: under
-    # torch.compile this method runs eagerly, between graphs (docs/moe.md).
-    @torch.compiler.disable
     def _run_experts_expert_parallel(
         self, rows: torch.Tensor, row_weights: torch.Tensor, tokens_per_expert: torch.Tensor
     ) -> torch.Tensor:
         """`_run_experts` with the experts sharded over the expert-parallel group: rows sorted
         by global expert (so by destination rank) and their router weights go to the ranks of
-        their experts, run there, and come back (moe.expert_parallel), the all-to-alls
-        overlapped with this rank's own rows (moe.overlapped_exchange)."""
+        their experts, run there, and come back: in fixed-size blocks with
+        --moe-expert-parallel-buffer-factor (moe.static_exchange), else exactly
+        (moe.expert_parallel), the all-to-alls overlapped with this rank's own rows
+        (moe.overlapped_exchange)."""
+        if self.expert_parallel_buffer_factor is not None:
+            return self._run_experts_in_blocks(rows, row_weights, tokens_per_expert)
+        return self._run_experts_exactly(rows, row_weights, tokens_per_expert)
+
+    def _run_experts_in_blocks(
+        self, rows: torch.Tensor, row_weights: torch.Tensor, tokens_per_expert: torch.Tensor
+    ) -> torch.Tensor:
+        """Fixed shapes and no host sync: torch.compile traces this with the rest."""
         group = parallel_state.get_expert_model_parallel_group()
-        counted = self.training and not _in_backward()
-        factor = self.expert_parallel_buffer_factor
-        if factor is not None:
-            capacity = block_capacity(rows.shape[0], self.expert_parallel_size, factor)
-            exchange = StaticExchange.plan(tokens_per_expert, rows.shape[0], capacity, group)
-            if counted:
-                self.expert_parallel_load.add(exchange.imbalance)
-                self.expert_parallel_overflow.note(exchange.needed, capacity)
-            # torch._grouped_mm computes only its groups: the padding rows need no work there.
-            padded = self.config.mlp_impl != "grouped" or self.config.grouped_gemm != TORCH
-            with self.experts.weights_cast_once(rows.dtype):
-                run = self._run_local_experts
-                return run_experts_static(rows, row_weights, exchange, run, padded)
-        exchange = OverlappedExchange.plan(tokens_per_expert, group)
-        if counted:
-            self.expert_parallel_load.add(exchange.imbalance)
+        size = self.expert_parallel_size
+        capacity = block_capacity(rows.shape[0], size, self.expert_parallel_buffer_factor)
+        exchange = StaticExchange.plan(tokens_per_expert, rows.shape[0], capacity, group)
+        if self.training and not _in_backward():
+            with torch.no_grad():
+                imbalance = exchange.imbalance
+                self.window_expert_parallel_imbalance.add_(
+                    torch.stack([imbalance, torch.ones_like(imbalance)])
+                )
+                need = exchange.needed.double() / capacity
+                self.step_block_need.copy_(torch.maximum(self.step_block_need, need))
+        # torch._grouped_mm computes only its groups: the padding rows need no work there.
+        padded = self.config.mlp_impl != "grouped" or self.config.grouped_gemm != TORCH
+        with self.experts.weights_cast_once(rows.dtype):
+            run = self._run_local_experts
+            return run_experts_static(rows, row_weights, exchange, run, padded)
+
+    # The all-to-all split sizes need a host sync, which no traced graph can hold: under
+    # torch.compile this method runs eagerly, between graphs (docs/moe.md).
+    @torch.compiler.disable
+    def _run_experts_exactly(
+        self, rows: torch.Tensor, row_weights: torch.Tensor, tokens_per_expert: torch.Tensor
+    ) -> torch.Tensor:
+        """The exact exchange: split sizes on the host, one sync."""
+        exchange = OverlappedExchange.plan(
+            tokens_per_expert, parallel_state.get_expert_model_parallel_group()
+        )
+        if self.training and not _in_backward():
+            with torch.no_grad():
+                self.window_expert_parallel_imbalance[0] += exchange.imbalance
+                self.window_expert_parallel_imbalance[1] += 1
         with self.experts.weights_cast_once(rows.dtype):
             return run_experts_overlapped(rows, row_weights, exchange, self._run_local_experts)
 
@@ -457,43 +486,3 @@ def moe_layers(model: nn.Module) -> List[Tuple[str, MoELayer]]:
     return [
         (name, module) for name, module in model.named_modules() if isinstance(module, MoELayer)
     ]
-
-
-class MoEAuxiliaryLosses:
-    """Collects the weighted auxiliary losses of a model's MoE layers after each forward.
-
-    "load balancing loss": --moe-loss-weight * mean over MoE layers of each layer's loss
-    (MegaBlocks' batched_load_balancing_loss when every layer is an MoE layer);
-    "router z loss" (only with --moe-zloss-weight > 0): --moe-zloss-weight * mean over layers.
-
-    Under pipeline parallelism each stage holds some of the layers: called with the model
-    chunk that just ran, it returns that chunk's share, the weighted sum of its layers' losses
-    over `num_moe_layers` (the whole model's count), so the shares add up to the terms of one
-    process.
-    """
-
-    def __init__(self, model: nn.Module, num_moe_layers: Optional[int] = None) -> None:
-        self.layers = [layer for _, layer in moe_layers(model)]
-        self.num_moe_layers = num_moe_layers or len(self.layers)
-
-    def __call__(self, chunk: Optional[nn.Module] = None) -> Dict[str, torch.Tensor]:
-        """The losses of the latest forward of `chunk` (default: the whole model); clears
-        them from its layers. {} when it holds no MoE layer."""
-        layers = self.layers if chunk is None else [layer for _, layer in moe_layers(chunk)]
-        if not layers:
-            return {}
-        config = layers[0].config
-        if any(layer.load_balancing_loss is None for layer in layers):
-            raise RuntimeError(
-                "MoEAuxiliaryLosses called before every MoE layer ran a forward; call it once "
-                "after each model forward"
-            )
-        # Sum over count: the shares of the stages add up to the mean over the model's layers.
-        balance = torch.stack([layer.load_balancing_loss for layer in layers]).sum()
-        losses = {"load balancing loss": config.loss_weight * (balance / self.num_moe_layers)}
-        if config.zloss_weight > 0:
-            z_loss = torch.stack([layer.router_z_loss for layer in layers]).sum()
-            losses["router z loss"] = config.zloss_weight * (z_loss / self.num_moe_layers)
-        for layer in layers:
-            layer.load_balancing_loss = layer.router_z_loss = None
-        return losses

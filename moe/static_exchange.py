@@ -9,6 +9,9 @@ them), so both all-to-alls have equal, static splits; the per-expert counts trav
 all-to-all of their own and stay on the device, where the receiving rank works out the
 local-expert order of the rows it got.
 
+The collectives are functional collectives, so that torch.compile traces the exchange with the
+rest of the layer (on the torch._grouped_mm backend the whole dMoE layer is one graph).
+
 Rows beyond a block's capacity do not travel: the plan records on the device the largest block
 any rank needed (`needed`), and a step whose layers needed more than their capacity runs again
 with larger blocks (moe.training_hooks.MoETrainingHooks.rerun_step; the trainer replays the
@@ -21,10 +24,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, List, Optional
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as functional
 
 from moe.expert_parallel import all_to_all
 from moe.kernels import token_rows
@@ -32,6 +36,21 @@ from moe.kernels import token_rows
 RunExperts = Callable[
     [torch.Tensor, torch.Tensor, Optional[torch.Tensor], torch.Tensor], torch.Tensor
 ]
+
+
+def _group(group: Optional[dist.ProcessGroup]) -> dist.ProcessGroup:
+    return group if group is not None else dist.group.WORLD
+
+
+def _equal_all_to_all(
+    x: torch.Tensor, splits: List[int], group: Optional[dist.ProcessGroup]
+) -> torch.Tensor:
+    """Differentiable all-to-all of fixed splits, as a functional collective that torch.compile
+    traces where the running torch has its autograd form; else moe.expert_parallel's."""
+    traced = getattr(functional, "all_to_all_single_autograd", None)
+    if traced is None:
+        return all_to_all(x, splits, splits, group)
+    return traced(x.contiguous(), splits, splits, _group(group))
 
 
 def block_capacity(rows: int, world_size: int, capacity_factor: float) -> int:
@@ -83,9 +102,10 @@ class StaticExchange:
         )
         # Every rank's counts (one all-gather, as the synced exchange): this rank's column of
         # them is what it receives, and the per-rank totals give the load imbalance.
-        gathered = [torch.empty_like(sends) for _ in range(size)]
-        dist.all_gather(gathered, sends.contiguous(), group=group)
-        matrix = torch.stack(gathered)  # [source, destination, expert]
+        # all_gather_single is all_gather_tensor's name from torch 2.13 on.
+        gather = getattr(functional, "all_gather_single", None) or functional.all_gather_tensor
+        matrix = gather(sends.contiguous(), 0, _group(group))
+        matrix = matrix.reshape(size, size, local)  # [source, destination, expert]
         received = matrix[:, dist.get_rank(group)]  # [source, expert]
         rows_per_rank = matrix.sum((0, 2)).double()
         imbalance = rows_per_rank.max() / rows_per_rank.mean().clamp(min=1.0)
@@ -159,8 +179,8 @@ def run_experts_static(
     writes there is never read, and their gradients are never used)."""
     group, size, capacity = exchange.group, exchange.world_size, exchange.capacity
     splits = [capacity] * size
-    received = all_to_all(_to_blocks(rows, exchange), splits, splits, group)
-    received_weights = all_to_all(_to_blocks(row_weights, exchange), splits, splits, group)
+    received = _equal_all_to_all(_to_blocks(rows, exchange), splits, group)
+    received_weights = _equal_all_to_all(_to_blocks(row_weights, exchange), splits, group)
     position, slot = exchange.received_position, exchange.sorted_slot
     sorted_rows = token_rows.gather_rows(received, slot, position, 1)
     sorted_weights = received_weights.index_select(0, slot)
@@ -170,21 +190,5 @@ def run_experts_static(
         else exchange.real_tokens_per_local_expert
     )
     outputs = run(sorted_rows, sorted_weights, None, counts)
-    returned = all_to_all(token_rows.sum_rows(outputs, slot, position, 1), splits, splits, group)
+    returned = _equal_all_to_all(token_rows.sum_rows(outputs, slot, position, 1), splits, group)
     return _from_blocks(returned, exchange)
-
-
-class BlockOverflow:
-    """The most any of one layer's blocks needed over its capacity, since the trainer last
-    asked (a device number: reading it is the step's one sync)."""
-
-    def __init__(self) -> None:
-        self.worst: Optional[torch.Tensor] = None
-
-    def note(self, needed: torch.Tensor, capacity: int) -> None:
-        ratio = needed.double() / capacity
-        self.worst = ratio if self.worst is None else torch.maximum(self.worst, ratio)
-
-    def take(self) -> Optional[torch.Tensor]:
-        worst, self.worst = self.worst, None
-        return worst

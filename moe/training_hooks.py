@@ -105,9 +105,8 @@ class MoETrainingHooks(TrainingHooks):
         layers = [layer for _, layer in moe_layers(model)]
         worst = torch.zeros((), dtype=torch.float64, device=self.device)
         for layer in layers:
-            ratio = layer.expert_parallel_overflow.take()
-            if ratio is not None:
-                worst = torch.maximum(worst, ratio.to(self.device))
+            worst = torch.maximum(worst, layer.step_block_need.to(self.device))
+            layer.step_block_need.zero_()
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.all_reduce(worst, op=torch.distributed.ReduceOp.MAX)
         ratio = float(worst)
@@ -182,7 +181,7 @@ class StepStart:
     expert bias and its pending counts, the imbalance window), kept so that a step run again
     starts from the same state."""
 
-    def __init__(self, saved: Dict[nn.Module, Dict[str, Any]]) -> None:
+    def __init__(self, saved: Dict[nn.Module, Dict[str, torch.Tensor]]) -> None:
         self.saved = saved
 
     @classmethod
@@ -190,17 +189,11 @@ class StepStart:
     def of(cls, model: nn.Module) -> StepStart:
         saved = {}
         for _, layer in moe_layers(model):
-            buffers = {
-                name: buffer.clone() for name, buffer in layer.named_buffers() if buffer is not None
-            }
-            load = layer.expert_parallel_load
-            saved[layer] = {"buffers": buffers, "load": (load.total, load.forwards)}
+            saved[layer] = {name: buffer.clone() for name, buffer in layer.named_buffers()}
         return cls(saved)
 
     @torch.no_grad()
     def restore(self, model: nn.Module) -> None:
         for _, layer in moe_layers(model):
-            state = self.saved[layer]
             for name, buffer in layer.named_buffers():
-                buffer.copy_(state["buffers"][name])
-            layer.expert_parallel_load.total, layer.expert_parallel_load.forwards = state["load"]
+                buffer.copy_(self.saved[layer][name])

@@ -9,8 +9,9 @@ import torch
 from megatron.config import ConfigError, ModelConfig
 from megatron.model import GPTModel
 from megatron.model.mlp import MLP
+from moe.auxiliary_losses import MoEAuxiliaryLosses
 from moe.config import MoEConfig
-from moe.layers import DroplessMoE, MoE, MoEAuxiliaryLosses, build_moe_layer
+from moe.layers import DroplessMoE, MoE, build_moe_layer
 from moe.mlp_spec import MoEMlpSpec
 from moe.reference import kept_assignments
 
