@@ -82,6 +82,10 @@ def one_gpu(data_prefix, tmp_path_factory):
 
 LAYOUTS = {
     "ep2": (2, ["--expert-model-parallel-size", "2"]),
+    "ep2_fixed_size_blocks": (
+        2,
+        ["--expert-model-parallel-size", "2", "--moe-expert-parallel-buffer-factor", "1.5"],
+    ),
     "dp2_distributed_optimizer": (2, ["--use-distributed-optimizer"]),
     "pp2": (2, ["--pipeline-model-parallel-size", "2"]),
     "tp2_ep2_sequence_parallel": (
