@@ -112,7 +112,11 @@ class MoETrainingHooks(TrainingHooks):
         ratio = float(worst)
         if ratio <= 1.0:
             return None
-        old = max(layer.expert_parallel_buffer_factor for layer in layers)
+        # A pipeline stage may hold no MoE layer; it reruns all the same.
+        old = max(
+            (layer.expert_parallel_buffer_factor for layer in layers),
+            default=self.moe.expert_parallel_buffer_factor,
+        )
         # A margin, so that the next steps' routing rarely needs another rerun.
         factor = math.ceil(old * ratio * 1.1 * 100) / 100
         for layer in layers:

@@ -235,3 +235,17 @@ def test_fixed_size_blocks_match_single_process(single_and_expert_parallel, data
             # Once grown, the factor stays: only the first steps can need a rerun.
             assert "the buffer factor grows from 1.0 to" in notes[0]
             assert len(notes) < ITERATIONS
+
+
+def test_fixed_size_blocks_rerun_under_a_pipeline(
+    single_and_expert_parallel, data_prefix, tmp_path
+):
+    """PP2 x EP2 (world 4) with blocks too small at first: every stage runs the step again with
+    the pipeline's micro-batches replayed, and the run is still the single-process one."""
+    flags = [
+        "--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2",
+        "--moe-expert-parallel-buffer-factor", "1",
+    ]  # fmt: skip
+    parallel = run(4, moe_gpt_args(data_prefix, *flags), tmp_path / "tb")
+    assert "runs again" in parallel["stdout"]
+    assert_same_run(single_and_expert_parallel["single"], parallel)
