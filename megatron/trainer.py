@@ -136,24 +136,10 @@ class Trainer:
 
         Returns (reported losses, skipped, grad norm, got nan).
         """
-        self.hooks.before_step(self.unwrapped_model)
-        random_state = capture_rng_state()
-        micro_batches = _Recorded(data_iterator)
-        source: Iterator = micro_batches
-        for attempt in range(MAX_STEP_RERUNS + 1):
-            means = self._forwards_and_backwards(source)
-            note = self.hooks.rerun_step(self.unwrapped_model)
-            if note is None:
-                break
-            if attempt == MAX_STEP_RERUNS:
-                raise RuntimeError(
-                    f"iteration {self.iteration + 1} ran {attempt + 1} times and still asks for "
-                    f"another run: {note}"
-                )
-            print_rank_0(f"note: iteration {self.iteration + 1} runs again: {note}")
-            # The same micro-batches, dropout masks and expert choices as the first run.
-            restore_rng_state([random_state], 0, "the step's start")
-            source = micro_batches.replay()
+        if not self.hooks.before_step(self.unwrapped_model):
+            means = self._forwards_and_backwards(data_iterator)
+        else:
+            means = self._forwards_and_backwards_until_valid(data_iterator)
         if self.pipeline:
             if not self.config.parallel.use_distributed_optimizer:
                 # The distributed optimizer reduce-scatters the gradients in its step instead.
@@ -188,6 +174,31 @@ class Trainer:
             means = self._accumulate_micro_batches(data_iterator)
         self.hooks.after_backwards(self.unwrapped_model)
         return means
+
+    def _forwards_and_backwards_until_valid(
+        self, data_iterator: Iterator
+    ) -> Dict[str, torch.Tensor]:
+        """`_forwards_and_backwards`, run again from the step's random state and micro-batches
+        while the hooks ask for it (`TrainingHooks.rerun_step`)."""
+        random_state = capture_rng_state()
+        micro_batches = _Recorded(data_iterator)
+        source: Iterator = micro_batches
+        runs = 1
+        while True:
+            means = self._forwards_and_backwards(source)
+            note = self.hooks.rerun_step(self.unwrapped_model)
+            if note is None:
+                return means
+            if runs > MAX_STEP_RERUNS:
+                raise RuntimeError(
+                    f"iteration {self.iteration + 1} ran {runs} times and still asks for "
+                    f"another run: {note}"
+                )
+            print_rank_0(f"note: iteration {self.iteration + 1} runs again: {note}")
+            # The same micro-batches, dropout masks and expert choices as the first run.
+            restore_rng_state([random_state], 0, "the step's start")
+            source = micro_batches.replay()
+            runs += 1
 
     def _accumulate_micro_batches(self, data_iterator: Iterator) -> Dict[str, torch.Tensor]:
         """Forward and backward of every micro-batch in turn; the reported means."""

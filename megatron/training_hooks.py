@@ -29,13 +29,15 @@ class TrainingHooks:
         """Once, with the unwrapped model on `device`; `wrapped_in_ddp`: whether torch DDP
         reduces its gradients (its hooks then wait on autograd's accumulation)."""
 
-    def before_step(self, model: nn.Module) -> None:
-        """At the start of each training step, before its first forward: where an extension
-        keeps what it needs to run the step again (`rerun_step`)."""
+    def before_step(self, model: nn.Module) -> bool:
+        """At the start of each training step, before its first forward: whether this step
+        may ask to run again (`rerun_step`; the extension then keeps what it needs for that,
+        and the trainer its random state and micro-batches). False: it never asks."""
+        return False
 
     def rerun_step(self, model: nn.Module) -> Optional[str]:
-        """After `after_backwards` (a collective: every rank calls it, and all must answer
-        alike): a note when the step's forwards and backwards must run again, before any
+        """After `after_backwards` of a step `before_step` said may run again (a collective:
+        every rank calls it, and all must answer alike): a note when the step's forwards and backwards must run again, before any
         gradient is reduced or stepped; the extension has already put back its own state and
         changed what made the step invalid. The trainer then restores the random generators of
         the step's start and replays its micro-batches. None: the step stands."""

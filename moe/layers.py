@@ -142,8 +142,6 @@ class MoELayer(nn.Module):
             self.register_buffer("pending_tokens_per_expert", torch.zeros(moe_config.num_experts))
         self.load_balancing_loss: Optional[torch.Tensor] = None
         self.router_z_loss: Optional[torch.Tensor] = None
-        # Under expert parallelism: each training forward's load imbalance over the ranks
-        # (moe.expert_load); host numbers, kept outside any compiled graph.
         # Under expert parallelism, for the trainer (moe.expert_load, moe.training_hooks):
         # [sum, count] of the training forwards' load imbalance since it last looked, and the
         # most the step's fixed-size blocks needed over their size. Device buffers, updated

@@ -5,9 +5,9 @@ moe.expert_parallel moves exactly the rows each rank needs, which takes split si
 one device-to-host sync per layer and micro-batch, after which the host launches the rest of
 the layer while the GPU waits (docs/benchmark-log.md, issue 38). Here every source rank sends
 every destination a block of `capacity` rows (the rows for that destination first, zeros after
-them), so both all-to-alls have equal, static splits; the per-expert counts travel in an
-all-to-all of their own and stay on the device, where the receiving rank works out the
-local-expert order of the rows it got.
+them), so both all-to-alls have equal, static splits; every rank's per-expert counts travel in
+one all-gather and stay on the device, where the receiving rank works out the local-expert
+order of the rows it got.
 
 The collectives are functional collectives, so that torch.compile traces the exchange with the
 rest of the layer (on the torch._grouped_mm backend the whole dMoE layer is one graph).
@@ -15,9 +15,10 @@ rest of the layer (on the torch._grouped_mm backend the whole dMoE layer is one 
 Rows beyond a block's capacity do not travel: the plan records on the device the largest block
 any rank needed (`needed`), and a step whose layers needed more than their capacity runs again
 with larger blocks (moe.training_hooks.MoETrainingHooks.rerun_step; the trainer replays the
-step's micro-batches from its random state), so the layer stays dropless. Padding rows are zeros with a zero
-router weight; they are given to the last local expert, where they contribute exactly nothing
-(to the outputs and to every gradient), so every grouped GEMM backend runs them unchanged.
+step's micro-batches from its random state), so the layer stays dropless. Padding rows are
+zeros with a zero router weight, after all real rows: torch._grouped_mm leaves them out of its
+groups; for the other backends they are counted in the last local expert, where they contribute
+exactly nothing (to the outputs and to every gradient).
 """
 
 from __future__ import annotations

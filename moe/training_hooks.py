@@ -91,17 +91,17 @@ class MoETrainingHooks(TrainingHooks):
         self.grads_in_place = _expert_grads_in_place(wrapped_in_ddp)
         self.device = device
 
-    def before_step(self, model: nn.Module) -> None:
-        if self.moe.expert_parallel_buffer_factor is not None:
-            self.step_start = StepStart.of(model)
+    def before_step(self, model: nn.Module) -> bool:
+        if self.moe.expert_parallel_buffer_factor is None:
+            return False
+        self.step_start = StepStart.of(model)
+        return True
 
     def rerun_step(self, model: nn.Module) -> Optional[str]:
         """With fixed-size expert-parallel blocks: a step whose routing needed larger blocks
         than some layer had dropped rows, so it runs again with blocks that fit (the same
         routing: same weights, micro-batches and random draws). One sync and one all-reduce
         per step."""
-        if self.moe.expert_parallel_buffer_factor is None:
-            return None
         layers = [layer for _, layer in moe_layers(model)]
         worst = torch.zeros((), dtype=torch.float64, device=self.device)
         for layer in layers:

@@ -125,6 +125,19 @@ def _expert_parallel_step(
         parallel_state.destroy_model_parallel()
 
 
+def assert_rank_gradients(result: dict, reference, rank: int, ep: int) -> None:
+    """Every parameter gradient of an expert-parallel rank equals the one-process reference's,
+    its block of the experts for the expert weights."""
+    local_experts = EXPERTS // ep
+    first = (rank % ep) * local_experts
+    reference_grads = dict(reference.named_parameters())
+    for name, grad in result["grads"].items():
+        expected = reference_grads[name].grad
+        if name in result["expert_names"]:
+            expected = expected[first : first + local_experts]
+        torch.testing.assert_close(grad, expected, msg=f"rank {rank} {name}", atol=1e-5, rtol=1e-5)
+
+
 def check_against_one_process(
     impl: str, top_k: int, world_size: int, ep: int, targets=None, overrides=None
 ):
@@ -139,20 +152,13 @@ def check_against_one_process(
     per_rank_output = output.detach().view(world_size, TOKENS, HIDDEN)
     # d(mean over ranks)/d(rank r's tokens) is 1/world_size of rank r's own loss gradient.
     per_rank_input_grad = all_tokens.grad.view(world_size, TOKENS, HIDDEN) * world_size
-    reference_grads = dict(reference.named_parameters())
-    local_experts = EXPERTS // ep
     total_tokens_per_expert = torch.zeros(EXPERTS, dtype=torch.long)
     for rank, result in enumerate(results):
         close = dict(atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(result["output"], per_rank_output[rank], **close)
         torch.testing.assert_close(result["input_grad"], per_rank_input_grad[rank], **close)
         assert sorted(result["expert_names"]) == ["experts.w1", "experts.w2"]
-        first = (rank % ep) * local_experts
-        for name, grad in result["grads"].items():
-            expected = reference_grads[name].grad
-            if name in result["expert_names"]:
-                expected = expected[first : first + local_experts]
-            torch.testing.assert_close(grad, expected, msg=f"rank {rank} {name}", **close)
+        assert_rank_gradients(result, reference, rank, ep)
         # Routing statistics are each rank's own: its tokens, all experts.
         rank_tokens = make_tokens(world_size, targets)[rank : rank + 1]
         with torch.no_grad():
@@ -250,19 +256,12 @@ def check_capacity_moe_against_each_rank(
         outputs.append(output.detach()[0])
         input_grads.append(rank_tokens.grad[0] * world_size)
         balance.append(reference.load_balancing_loss.detach())
-    reference_grads = dict(reference.named_parameters())
-    local_experts = EXPERTS // ep
     for rank, result in enumerate(results):
         close = dict(atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(result["output"], outputs[rank], **close)
         torch.testing.assert_close(result["input_grad"], input_grads[rank], **close)
         torch.testing.assert_close(result["load_balancing_loss"], balance[rank])
-        first = (rank % ep) * local_experts
-        for name, grad in result["grads"].items():
-            expected = reference_grads[name].grad
-            if name in result["expert_names"]:
-                expected = expected[first : first + local_experts]
-            torch.testing.assert_close(grad, expected, msg=f"rank {rank} {name}", **close)
+        assert_rank_gradients(result, reference, rank, ep)
     return results
 
 
