@@ -301,11 +301,16 @@ def data_parallel(
     return wrap_data_parallel(model, context.device, group), True
 
 
-def compile_model(model: nn.Module, veto: Optional[str]) -> nn.Module:
-    """torch.compile(`model`), which fuses the elementwise work (norms, GELU, dropout, the
-    loss) around the matmuls; with a `veto` the model stays eager and the reason is printed
-    (a graph broken around Triton-launched kernels can run slower than eager)."""
+def compile_model(model: nn.Module, veto: Optional[str], **options) -> nn.Module:
+    """torch.compile(`model`) (with torch.compile's `options`), which fuses the elementwise
+    work (norms, GELU, dropout, the loss) around the matmuls; with a `veto` the model stays
+    eager and the reason is printed (a graph broken around Triton-launched kernels can run
+    slower than eager)."""
     if veto is not None:
         print_rank_0(f"note: {veto}")
         return model
-    return torch.compile(model)
+    # Static shapes: a run's shapes are fixed, and a number that changes between steps (the
+    # expert-parallel block size, grown after an overflow) recompiles as a new constant
+    # instead of becoming a symbol; a buffer size derived from a symbolic float cannot be
+    # traced at all.
+    return torch.compile(model, dynamic=False, **options)

@@ -33,7 +33,7 @@ from megatron.expert_parameters import (
 )
 from megatron.model import GPTModel
 from megatron.optimizer import build_optimizer
-from megatron.parallelize import place_experts
+from megatron.parallelize import compile_model, place_experts
 from moe.arguments import add_moe_args
 from moe.config import MoEConfig, moe_config
 from moe.kernels.grouped_gemm import MOE as MOE_GEMM
@@ -456,33 +456,42 @@ def test_expert_parallel_flags_without_experts():
 
 def _compiled_blocks_step(rank: int, world_size: int, grouped_gemm: str) -> list:
     """The fixed-size-block layer eagerly and compiled as one graph (fullgraph: no break, so no
-    host sync), forward and backward: the differences."""
+    host sync), forward and backward, at a first block size and at a grown one (as after an
+    overflow, which recompiles): the differences."""
     parallel_state.initialize_model_parallel(expert_model_parallel_size=world_size)
     try:
         overrides = {"expert_parallel_buffer_factor": 4.0, "grouped_gemm": grouped_gemm}
-        results = []
+        runs = {}
         for compiled in (False, True):
             layer = make_layer("grouped", 2, world_size, None, **overrides)
-            tokens = make_tokens(world_size, None)[rank : rank + 1].clone().requires_grad_(True)
-            run = torch.compile(layer, backend="aot_eager", fullgraph=True) if compiled else layer
-            # bf16, where torch._grouped_mm (the backend that compiles) has its kernels.
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                output = run(tokens).float()
-            (output * probe(world_size)[rank : rank + 1]).sum().backward()
-            grads = [p.grad.clone() for p in layer.parameters()]
-            imbalance = layer.window_expert_parallel_imbalance.clone()
-            results.append((output.detach(), tokens.grad, grads, imbalance))
-        (out, x_grad, grads, load), (c_out, c_x_grad, c_grads, c_load) = results
-        errors = [(out - c_out).abs().max().item(), (x_grad - c_x_grad).abs().max().item()]
-        errors += [(a - b).abs().max().item() for a, b in zip(grads, c_grads)]
-        return errors, load.tolist(), c_load.tolist()
+            run = compile_model(layer, None, backend="aot_eager", fullgraph=True)
+            run = run if compiled else layer
+            runs[compiled] = []
+            for factor in (4.0, 4.4):
+                layer.expert_parallel_buffer_factor = factor
+                layer.zero_grad()
+                tokens = make_tokens(world_size, None)[rank : rank + 1].clone()
+                tokens.requires_grad_(True)
+                # bf16, where torch._grouped_mm (the backend that compiles) has its kernels.
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    output = run(tokens).float()
+                (output * probe(world_size)[rank : rank + 1]).sum().backward()
+                grads = [p.grad.clone() for p in layer.parameters()]
+                runs[compiled] += [output.detach(), tokens.grad, *grads]
+            runs[compiled].append(layer.window_expert_parallel_imbalance.clone())
+        *eager, load = runs[False]
+        *compiled_runs, compiled_load = runs[True]
+        errors = [(a - b).abs().max().item() for a, b in zip(eager, compiled_runs)]
+        return errors, load.tolist(), compiled_load.tolist()
     finally:
         parallel_state.destroy_model_parallel()
 
 
 def test_fixed_size_blocks_compile_as_one_graph():
     """With torch._grouped_mm (the grouped GEMM a run on Hopper compiles), the expert-parallel
-    layer in fixed-size blocks traces whole: no graph break, no host sync; the same numbers."""
+    layer in fixed-size blocks traces whole: no graph break, no host sync; the same numbers,
+    also after its blocks grew (a recompile with the new size as a constant:
+    megatron.parallelize.compile_model)."""
     for errors, load, compiled_load in run_distributed(_compiled_blocks_step, 2, TORCH):
         assert max(errors) < 1e-2, errors  # bf16; eager and compiled round alike or nearly
-        assert load[1] == compiled_load[1] == 1.0 and load == pytest.approx(compiled_load)
+        assert load[1] == compiled_load[1] == 2.0 and load == pytest.approx(compiled_load)
