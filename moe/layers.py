@@ -144,12 +144,13 @@ class MoELayer(nn.Module):
         self.router_z_loss: Optional[torch.Tensor] = None
         # Under expert parallelism, for the trainer (moe.expert_load, moe.training_hooks):
         # [sum, count] of the training forwards' load imbalance since it last looked, and the
-        # most the step's fixed-size blocks needed over their size. Device buffers, updated
-        # in place, so that a compiled layer can keep them.
+        # most rows the step's fullest fixed-size block needed, [over the block size, over
+        # the balanced share]. Device buffers, updated in place, so that a compiled layer can
+        # keep them.
         self.register_buffer(
             "window_expert_parallel_imbalance", torch.zeros(2, dtype=torch.float64), False
         )
-        self.register_buffer("step_block_need", torch.zeros((), dtype=torch.float64), False)
+        self.register_buffer("step_block_need", torch.zeros(2, dtype=torch.float64), False)
         # The fixed-size exchange's blocks (moe.static_exchange); grown by the training hooks
         # when a step's routing needed more, which then run the step again.
         self.expert_parallel_buffer_factor = moe_config.expert_parallel_buffer_factor
@@ -389,7 +390,8 @@ class DroplessMoE(MoELayer):
                 self.window_expert_parallel_imbalance.add_(
                     torch.stack([imbalance, torch.ones_like(imbalance)])
                 )
-                need = exchange.needed.double() / capacity
+                needed = exchange.needed.double()
+                need = torch.stack([needed / capacity, needed * size / rows.shape[0]])
                 self.step_block_need.copy_(torch.maximum(self.step_block_need, need))
         # torch._grouped_mm computes only its groups: the padding rows need no work there.
         padded = self.config.mlp_impl != "grouped" or self.config.grouped_gemm != TORCH

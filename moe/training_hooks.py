@@ -13,15 +13,16 @@
 
 from __future__ import annotations
 
-import math
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 from torch import nn
 
 from megatron import parallel_state
 from megatron.config import TrainingConfig
+from megatron.initialize import print_rank_0
 from megatron.training_hooks import TrainingHooks
+from moe.block_factor import SHRINK_WINDOW, BlockFactor
 from moe.config import MoEConfig
 from moe.expert_load import (
     format_expert_load_line,
@@ -81,6 +82,8 @@ class MoETrainingHooks(TrainingHooks):
         self.device = torch.device("cpu")
         self.imbalance_per_layer: Dict[int, float] = {}
         self.step_start: Optional[StepStart] = None
+        factor = moe.expert_parallel_buffer_factor
+        self.block_factor = BlockFactor(factor) if factor is not None else None
 
     def compile_veto(self, device: torch.device) -> Optional[str]:
         moe = self.moe
@@ -100,33 +103,43 @@ class MoETrainingHooks(TrainingHooks):
     def rerun_step(self, model: nn.Module) -> Optional[str]:
         """With fixed-size expert-parallel blocks: a step whose routing needed larger blocks
         than some layer had dropped rows, so it runs again with blocks that fit (the same
-        routing: same weights, micro-batches and random draws). One sync and one all-reduce
-        per step."""
+        routing: same weights, micro-batches and random draws); a stretch of steps that needed
+        much smaller blocks shrinks them from the next step (moe.block_factor). One sync and
+        one all-reduce per step."""
         layers = [layer for _, layer in moe_layers(model)]
-        worst = torch.zeros((), dtype=torch.float64, device=self.device)
+        worst = torch.zeros(2, dtype=torch.float64, device=self.device)
         for layer in layers:
             worst = torch.maximum(worst, layer.step_block_need.to(self.device))
             layer.step_block_need.zero_()
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.all_reduce(worst, op=torch.distributed.ReduceOp.MAX)
-        ratio = float(worst)
+        # A pipeline stage may hold no MoE layer; it decides as the others do.
+        ratio, need = worst.tolist()
+        old = self.block_factor.factor
         if ratio <= 1.0:
+            shrunk = self.block_factor.after_step(need)
+            if shrunk is not None:
+                window_need, smaller = shrunk
+                self._set_block_factor(layers, smaller)
+                print_rank_0(
+                    f"note: the expert-parallel blocks shrink: the last {SHRINK_WINDOW} "
+                    f"iterations needed at most {window_need:.2f}x the balanced share in their "
+                    f"fullest block; the buffer factor goes from {old} to {smaller}"
+                )
             return None
-        # A pipeline stage may hold no MoE layer; it reruns all the same.
-        old = max(
-            (layer.expert_parallel_buffer_factor for layer in layers),
-            default=self.moe.expert_parallel_buffer_factor,
-        )
-        # A margin, so that the next steps' routing rarely needs another rerun.
-        factor = math.ceil(old * ratio * 1.1 * 100) / 100
-        for layer in layers:
-            layer.expert_parallel_buffer_factor = factor
+        factor = self.block_factor.grown(need)
+        self._set_block_factor(layers, factor)
         self.step_start.restore(model)
         return (
             f"the expert-parallel blocks were {ratio:.2f}x too small for its routing; "
             f"the buffer factor grows from {old} to {factor} (pass "
             f"--moe-expert-parallel-buffer-factor {factor} to start there)"
         )
+
+    @staticmethod
+    def _set_block_factor(layers: List[nn.Module], factor: float) -> None:
+        for layer in layers:
+            layer.expert_parallel_buffer_factor = factor
 
     def before_forwards(self, model: nn.Module) -> None:
         if self.compute_dtype is not None:
