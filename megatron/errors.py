@@ -12,3 +12,8 @@ from __future__ import annotations
 
 class UserError(Exception):
     """A run cannot go on because of its inputs; the message says what, where and what to do."""
+
+
+class TrainingDiverged(UserError):
+    """A non-finite loss, gradient norm or weight (--check-for-nan-in-loss-and-grad): the run
+    stops at that iteration, before anything of it is saved."""

@@ -94,7 +94,8 @@ def format_validation_block(prefix: str, losses: Dict[str, float]) -> str:
     text = f" validation loss at {prefix} | "
     for name, value in losses.items():
         text += f"{name} value: {value:.6E} | "
-        text += f"{name} PPL: {math.exp(min(20.0, value)):.6E} | "
+        if math.isfinite(value):  # no perplexity of a NaN (exp(min(20, nan)) is exp(20))
+            text += f"{name} PPL: {math.exp(min(20.0, value)):.6E} | "
     rule = "-" * (len(text) + 1)
     return f"{rule}\n{text}\n{rule}"
 

@@ -7,6 +7,7 @@ The loop around it (schedule, logging, exits) is megatron.training.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import time
 from collections import defaultdict
@@ -18,6 +19,8 @@ import torch.distributed as dist
 from megatron import parallel_state
 from megatron.checkpointing import load_checkpoint, save_checkpoint
 from megatron.checkpointing.async_save import AsyncCheckpointWriter
+from megatron.checkpointing.finite import agreed_first_non_finite
+from megatron.checkpointing.layout import iteration_directory_name
 from megatron.checkpointing.model_arguments import MODEL_ARGUMENTS
 from megatron.checkpointing.rng import capture_rng_state, restore_rng_state
 from megatron.config import Config
@@ -27,6 +30,7 @@ from megatron.distributed import (
     micro_batch_context,
     reduce_tied_embedding_gradients,
 )
+from megatron.errors import TrainingDiverged
 from megatron.initialize import DistributedContext, print_rank_0
 from megatron.logging import (
     TensorBoardLogger,
@@ -126,6 +130,7 @@ class Trainer:
         self.consumed_train_samples = 0
         self.consumed_valid_samples = 0
         self.last_saved_iteration: Optional[int] = None
+        self.loaded_from: Optional[str] = None
         self.async_writer = AsyncCheckpointWriter() if config.checkpoint.async_save else None
 
     # ------------------------------------------------------------------ steps
@@ -150,6 +155,13 @@ class Trainer:
             all_reduce_data_parallel_gradients(self.unwrapped_model)
         finalize_gradients(self.unwrapped_model, self.config)
         update_successful, grad_norm, _ = self.optimizer.step()
+        averaged = _average_across_data_parallel(means)
+        # A skipped fp16 step's gradients overflowed by design: only its loss counts.
+        got_nan = not all(math.isfinite(value) for value in averaged.values()) or (
+            update_successful and grad_norm is not None and not math.isfinite(grad_norm)
+        )
+        if self.config.training.check_for_nan_in_loss_and_grad:
+            self._stop_if_diverged(got_nan, averaged, grad_norm if update_successful else None)
         if update_successful:
             self.scheduler.step(increment=self.config.training.global_batch_size)
             if self.async_writer is not None:  # the optimizer has its state now
@@ -157,11 +169,40 @@ class Trainer:
                 self.async_writer.prepare(
                     self.unwrapped_model, self.optimizer if saves_optimizer else None
                 )
-        averaged = _average_across_data_parallel(means)
-        got_nan = any(
-            value != value or value in (float("inf"), float("-inf")) for value in averaged.values()
-        )
         return averaged, not update_successful, grad_norm, got_nan
+
+    def _stop_if_diverged(
+        self, got_nan: bool, losses: Dict[str, float], grad_norm: Optional[float]
+    ) -> None:
+        """Raise TrainingDiverged on every rank when any rank saw a non-finite loss or gradient
+        norm (pipeline stages other than the last have no loss: they learn it here)."""
+        if self.pipeline:
+            flag = torch.tensor([float(got_nan)], device=self.context.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            got_nan = bool(flag.item())
+        if not got_nan:
+            return
+        values = [
+            f"{name} is {value}" for name, value in losses.items() if not math.isfinite(value)
+        ]
+        if grad_norm is not None and not math.isfinite(grad_norm):
+            values.append(f"the gradient norm is {grad_norm}")
+        what = ", ".join(values) or "the loss on the last pipeline stage is not finite"
+        raise TrainingDiverged(
+            f"iteration {self.iteration + 1}: {what}; the run stops before saving anything of "
+            f"it ({self.last_good_checkpoint()}); lower the learning rate or check the data, "
+            "or pass --no-check-for-nan-in-loss-and-grad to train on"
+        )
+
+    def last_good_checkpoint(self) -> str:
+        """Where this run's state was last saved or loaded from, for messages."""
+        save = self.config.checkpoint.save
+        if save and self.last_saved_iteration is not None:
+            name = iteration_directory_name(self.last_saved_iteration)
+            return f"the last good checkpoint is {os.path.join(save, name)}"
+        if self.loaded_from is not None:
+            return f"the last good checkpoint is the one loaded, {self.loaded_from}"
+        return "this run has saved no checkpoint yet"
 
     def _forwards_and_backwards(self, data_iterator: Iterator) -> Dict[str, torch.Tensor]:
         """Every micro-batch's forward and backward from fresh gradients, then the hooks' work
@@ -282,6 +323,7 @@ class Trainer:
         if checkpoint.load:
             self._log_time("load-checkpoint", start)
         self.iteration = state.iteration
+        self.loaded_from = state.loaded_from
         self.consumed_train_samples = state.consumed_train_samples
         self.consumed_valid_samples = state.consumed_valid_samples
         if (
@@ -297,6 +339,14 @@ class Trainer:
         """Save this iteration under --save unless it is saved already, then log the time."""
         if not self.config.checkpoint.save or self.last_saved_iteration == self.iteration:
             return
+        # Never a checkpoint with non-finite weights (with --no-check-for-nan-in-loss-and-grad
+        # a diverged run gets this far): it would be the one the next run resumes from.
+        bad = agreed_first_non_finite(self.unwrapped_model.named_parameters())
+        if bad is not None:
+            raise TrainingDiverged(
+                f"iteration {self.iteration}: the weight {bad} is not finite, so it is not saved "
+                f"({self.last_good_checkpoint()})"
+            )
         start = self._timer_start()
         save_checkpoint(
             self.config.checkpoint,

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from megatron.checkpointing.model_arguments import MODEL_ARGUMENTS
 from megatron.config import Config
 from megatron.data.loader import build_data_iterator
+from megatron.errors import TrainingDiverged
 from megatron.initialize import DistributedContext, print_rank_0
 from megatron.logging import (
     IterationStats,
@@ -108,6 +109,10 @@ def train(trainer: Trainer, train_iterator, valid_iterator, result: TrainingResu
     profiler = StepProfiler(trainer.config.logging, trainer.context.rank, trainer.context.device)
     try:
         _train_loop(trainer, train_iterator, valid_iterator, result, profiler)
+    except TrainingDiverged:
+        # A checkpoint of an earlier iteration still being written is good: it completes.
+        trainer.finish_saves()
+        raise
     finally:
         profiler.stop()  # a run that ends before --profile-step-end still writes its trace
 
@@ -138,10 +143,11 @@ def _train_loop(
         trainer.consumed_train_samples += training.global_batch_size
         window_iterations += 1
         result.losses.append(losses)
+        # Megatron's count: iterations whose loss (or here gradient norm) was not finite.
+        window_nan += int(got_nan)
         if skipped:
             window_skipped += 1
             result.skipped_iterations += 1
-            window_nan += int(got_nan)
         else:
             window_advanced += 1
             for name, value in losses.items():

@@ -88,6 +88,9 @@ def test_fp16_overflow_is_skipped_and_counted(data_prefix, tmp_path):
         int(count) for count in re.findall(r"number of skipped iterations: +(\d+)", output)
     ]
     assert len(skipped_counts) == 16 and 0 < sum(skipped_counts) < 16, skipped_counts
+    # Overflowing gradients with a finite loss are skips, not NaN iterations, and do not stop
+    # the run (--check-for-nan-in-loss-and-grad is on).
+    assert set(re.findall(r"number of nan iterations: +(\d+)", output)) == {"0"}
     scales = [float(scale) for scale in re.findall(r"loss scale: ([0-9.]+)", output)]
     assert scales[0] == 2.0**23, scales  # halved once by the first overflow (hysteresis 1)
     assert all(later <= earlier for earlier, later in zip(scales, scales[1:]))

@@ -93,6 +93,22 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
         help="Save a checkpoint and exit when SIGTERM is received.",
     )
     group.add_argument(
+        "--check-for-nan-in-loss-and-grad",
+        action="store_true",
+        default=True,
+        help="Stop the run at an iteration whose loss or gradient norm is NaN or infinite, "
+        "before anything of it is saved, naming the last good checkpoint (the default; fp16 "
+        "loss-scale skips go on as before).",
+    )
+    group.add_argument(
+        "--no-check-for-nan-in-loss-and-grad",
+        action="store_false",
+        dest="check_for_nan_in_loss_and_grad",
+        help="Train on through non-finite losses and gradient norms (they are counted in the "
+        "log line's `number of nan iterations`); a checkpoint is still never saved with "
+        "non-finite weights.",
+    )
+    group.add_argument(
         "--tensorboard-dir", type=str, default=None, help="Write TensorBoard logs here."
     )
     group.add_argument(

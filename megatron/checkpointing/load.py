@@ -22,6 +22,7 @@ from megatron.checkpointing.checksums import (
     read_manifest,
 )
 from megatron.checkpointing.chunks import ChunkedTensor
+from megatron.checkpointing.finite import agreed_first_non_finite, optimizer_tensors
 from megatron.checkpointing.full_state import (
     load_full_model_state_dict,
     load_full_optimizer_state_dict,
@@ -147,6 +148,8 @@ def load_checkpoint(
                 scheduler.load_state_dict(scheduler_state)
             except ValueError as error:
                 raise CheckpointError(f"{path}: {error}") from None
+    if not checkpoint.verified:
+        _refuse_non_finite(checkpoint, model, optimizer, config, iteration, print_fn)
     if not model_only and not config.no_load_rng:
         rng_states = _required(state, "rng_state", path, "--no-load-rng")
         index, seeded_streams = saved_rng_state_index(
@@ -179,6 +182,40 @@ def load_checkpoint(
     return loaded
 
 
+def _unverified_note(checkpoint: Any, checked: str) -> str:
+    if checkpoint.state.get("checksums"):
+        why = "though it was saved with one: deleted or lost since"
+    else:
+        why = "saved by an older version or by Megatron-LM"
+    return (
+        f"note: {checkpoint.directory} has no {CHECKSUMS_FILENAME} ({why}): it is loaded "
+        f"unverified, {checked}"
+    )
+
+
+def _refuse_non_finite(
+    checkpoint: Any,
+    model: nn.Module,
+    optimizer: Any,
+    config: Any,
+    iteration: Iteration,
+    print_fn: Callable[[str], None],
+) -> None:
+    """A checkpoint without checksums may be damaged where nothing else would notice: the
+    weights and optimizer state it gave must be finite (a collective over all ranks)."""
+    print_fn(_unverified_note(checkpoint, "its tensors checked for NaN and inf"))
+    tensors = list(unwrap_model(model).named_parameters())
+    if optimizer is not None:
+        names = {id(param): name for name, param in tensors}
+        tensors += list(optimizer_tensors(optimizer, names))
+    bad = agreed_first_non_finite(tensors)
+    if bad is not None:
+        raise CheckpointError(
+            f"{checkpoint.directory} (loaded without checksums) holds non-finite values: {bad}; "
+            f"{earlier_checkpoint_advice(config.load, iteration)}"
+        )
+
+
 class _TorchCheckpoint:
     """`--ckpt-format torch`: one model_optim_rng.pt with the single-process tensors. It and
     `_ShardedCheckpoint` offer `path` (the name in messages), `state` (everything but the
@@ -186,7 +223,8 @@ class _TorchCheckpoint:
 
     def __init__(self, root: str, iteration: Iteration, print_fn: Callable[[str], None]):
         self.path = checkpoint_file(root, iteration)
-        self.state = _read_verified(root, iteration, self.path, print_fn)
+        self.directory = os.path.join(root, iteration_directory_name(iteration))
+        self.state, self.verified = _read_verified(root, iteration, self.path, print_fn)
 
     def load_model(self, model: nn.Module, differences: List[str]) -> None:
         _load_model_state(model, self.state["model"], self.path, differences)
@@ -215,7 +253,8 @@ class _ShardedCheckpoint:
         self.path = directory
         self.advice = earlier_checkpoint_advice(root, iteration)
         self.group = parallel_state.get_checkpoint_group()
-        verify_sharded_checkpoint(root, iteration, directory, self.group, print_fn)
+        self.directory = directory
+        self.verified = verify_sharded_checkpoint(root, iteration, directory, self.group, print_fn)
         try:
             self.state = read_common(directory)
             self.stored = read_tensor_metadata(directory).state_dict_metadata
@@ -265,8 +304,9 @@ class _ShardedCheckpoint:
 
 def _read_verified(
     root: str, iteration: Iteration, path: str, print_fn: Callable[[str], None]
-) -> Dict[str, Any]:
-    """The checkpoint file's contents, once its checksums match those recorded at save.
+) -> Tuple[Dict[str, Any], bool]:
+    """The checkpoint file's contents, once its checksums match those recorded at save, and
+    whether there were checksums to match.
 
     Global rank 0 verifies the file (a pass over its bytes on a pool of threads) while every
     rank reads it, so the two share the disk reads; nothing read is used before the outcome,
@@ -286,18 +326,25 @@ def _read_verified(
             read_error = error
         outcome = outcome.result() if outcome is not None else None
     outcome = broadcast_from(outcome)
+    verified = True
     if outcome is not None:
         damaged, message = outcome
         if damaged:
             raise CheckpointError(message)
-        print_fn(message)
+        if message is None:
+            verified = False
+        else:
+            print_fn(message)
     if read_error is not None:
         raise read_error
-    return state
+    return state, verified
 
 
-def _checksum_outcome(root: str, iteration: Iteration, path: str) -> Optional[Tuple[bool, str]]:
-    """(damaged, message), or None when there is no file to check (reported when reading)."""
+def _checksum_outcome(
+    root: str, iteration: Iteration, path: str
+) -> Optional[Tuple[bool, Optional[str]]]:
+    """(damaged, message), the message None when there are no checksums; or None when there is
+    no file to check (reported when reading)."""
     if not os.path.isfile(path):
         return None
     directory = os.path.join(root, iteration_directory_name(iteration))
@@ -309,10 +356,7 @@ def _checksum_outcome(root: str, iteration: Iteration, path: str) -> Optional[Tu
             f" (or delete {CHECKSUMS_FILENAME} to load the file unverified)"
         )
     if manifest is None:
-        return False, (
-            f"note: {directory} has no {CHECKSUMS_FILENAME} (saved by an older version or by "
-            f"Megatron-LM): {path} is loaded unverified"
-        )
+        return False, None  # said by load_checkpoint, which knows what the state records
     name = os.path.relpath(path, directory)
     expected = manifest.files.get(name)
     if expected is None:
@@ -337,7 +381,10 @@ def read_torch_checkpoint(
     root: str, iteration: Iteration, print_fn: Callable[[str], None] = print_rank_0
 ) -> Dict[str, Any]:
     """The whole state of a --ckpt-format torch checkpoint, its checksums verified."""
-    return _TorchCheckpoint(root, iteration, print_fn).state
+    checkpoint = _TorchCheckpoint(root, iteration, print_fn)
+    if not checkpoint.verified:
+        print_fn(_unverified_note(checkpoint, "its tensors are not checked"))
+    return checkpoint.state
 
 
 def read_checkpoint_args(load_dir: str) -> argparse.Namespace | None:

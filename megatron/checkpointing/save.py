@@ -21,6 +21,7 @@ from megatron import parallel_state
 from megatron.checkpointing.async_save import AsyncCheckpointWriter
 from megatron.checkpointing.checksums import (
     BLOCK_SIZE,
+    CHECKSUMS_FILENAME,
     ChecksumWriter,
     FileChecksum,
     hashing_threads,
@@ -268,6 +269,9 @@ def _checkpoint_state(
     state: Dict[str, Any] = {
         "args": saved_args,
         "checkpoint_version": CHECKPOINT_VERSION,
+        # Says the directory had a checksums.json, so that a load which finds none knows it
+        # was lost rather than never written.
+        "checksums": CHECKSUMS_FILENAME,
         "iteration": iteration,
         "consumed_train_samples": consumed_train_samples,
         "consumed_valid_samples": consumed_valid_samples,

@@ -33,9 +33,10 @@ def verify_sharded_checkpoint(
     directory: str,
     group: Optional[dist.ProcessGroup],
     print_fn: Callable[[str], None],
-) -> None:
+) -> bool:
     """Check every file of `directory` against `checksums.json`, the files shared out over the
-    ranks of `group` (a collective); raise CheckpointError on every rank at the first damage."""
+    ranks of `group` (a collective); raise CheckpointError on every rank at the first damage.
+    False when there is no checksums.json (the caller says so: megatron.checkpointing.load)."""
     try:
         manifest = read_manifest(directory)
     except ManifestError as error:
@@ -45,11 +46,7 @@ def verify_sharded_checkpoint(
             "to load it unverified)"
         ) from None
     if manifest is None:
-        print_fn(
-            f"note: {directory} has no {CHECKSUMS_FILENAME} (saved without checksums): it is "
-            "loaded unverified"
-        )
-        return
+        return False
     rank, size = rank_and_size(group)
     names = sorted(manifest.files)
     start = time.perf_counter()
@@ -81,6 +78,7 @@ def verify_sharded_checkpoint(
         f"verified the checksums of {directory} ({len(names)} files, {total / 1e9:.2f} GB) "
         f"in {seconds:.1f} s"
     )
+    return True
 
 
 def load_inner_optimizer_state(

@@ -102,6 +102,8 @@ class TrainingConfig:
     exit_interval: int | None = None
     exit_duration_in_mins: int | None = None
     exit_signal_handler: bool = False
+    # A non-finite loss or gradient norm stops the run (megatron.trainer); off: trains on.
+    check_for_nan_in_loss_and_grad: bool = True
 
     @property
     def params_dtype_name(self) -> str:
