@@ -51,8 +51,8 @@ class ChecksumWriter:
     Blocks that a write covers entirely are hashed straight from the caller's buffer while the
     same bytes go to the file, and the write returns once both are done (the caller may reuse
     its buffer then); the pieces of blocks that span writes are copied and hashed when complete.
-    `error` keeps the first OSError of the file, which torch.save reports only as its own
-    RuntimeError.
+    `error` keeps the first OSError of the file (or the KeyboardInterrupt of a Ctrl-C that came
+    during a write), which torch.save reports only as its own RuntimeError.
     """
 
     def __init__(self, file: BinaryIO, pool: ThreadPoolExecutor, block_size: int = BLOCK_SIZE):
@@ -62,14 +62,15 @@ class ChecksumWriter:
         self._partial = bytearray()
         self._digests: List[Future] = []
         self.size = 0
-        self.error: Optional[OSError] = None
+        self.error: Optional[BaseException] = None
 
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
-        direct = self._queue_blocks(view)
+        direct: List[Future] = []
         try:
+            direct = self._queue_blocks(view)
             self._file.write(view)
-        except OSError as error:
+        except (OSError, KeyboardInterrupt) as error:
             self.error = self.error or error
             raise
         finally:
@@ -81,7 +82,7 @@ class ChecksumWriter:
     def flush(self) -> None:
         try:
             self._file.flush()
-        except OSError as error:
+        except (OSError, KeyboardInterrupt) as error:
             self.error = self.error or error
             raise
 

@@ -4,10 +4,13 @@ and saved again)."""
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, Iterator, Optional, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+
+from megatron.checkpointing.checksums import CHECKSUMS_FILENAME
+from megatron.checkpointing.layout import CheckpointError, Iteration, earlier_checkpoint_advice
 
 
 def optimizer_tensors(
@@ -54,3 +57,38 @@ def agreed_first_non_finite(named: Iterable[Tuple[str, torch.Tensor]]) -> Option
         if answer is not None:
             return f"{answer} on rank {rank}"
     return None
+
+
+def unverified_note(checkpoint: Any, checked: str) -> str:
+    """The note for a checkpoint (`directory`, `state`) loaded without checksums: whether it
+    had some (new saves record so) and what is `checked` instead."""
+    if checkpoint.state.get("checksums"):
+        why = "though it was saved with one: deleted or lost since"
+    else:
+        why = "saved by an older version or by Megatron-LM"
+    return (
+        f"note: {checkpoint.directory} has no {CHECKSUMS_FILENAME} ({why}): it is loaded "
+        f"unverified, {checked}"
+    )
+
+
+def refuse_non_finite_load(
+    parameters: List[Tuple[str, torch.Tensor]],
+    optimizer: Any,
+    directory: str,
+    root: str,
+    iteration: Iteration,
+) -> None:
+    """A checkpoint without checksums may be damaged where nothing else would notice: the
+    weights (named `parameters`) and optimizer state it gave must be finite, else
+    CheckpointError (a collective over all ranks)."""
+    tensors = list(parameters)
+    if optimizer is not None:
+        names = {id(param): name for name, param in parameters}
+        tensors += list(optimizer_tensors(optimizer, names))
+    bad = agreed_first_non_finite(tensors)
+    if bad is not None:
+        raise CheckpointError(
+            f"{directory} (loaded without checksums) holds non-finite values: {bad}; "
+            f"{earlier_checkpoint_advice(root, iteration)}"
+        )

@@ -281,14 +281,19 @@ def remove_leftovers(root: str) -> None:
 
 
 def save_failure_message(root: str, iteration: int, exc: BaseException) -> str:
-    """One line: what failed (the errno's meaning and the file), and what is still on disk."""
-    if isinstance(exc, OSError) and exc.errno is not None:
+    """One line: what failed (the errno's meaning and the file, or an interrupt), and what is
+    still on disk."""
+    advice = f"resume with --load {root}"
+    if isinstance(exc, KeyboardInterrupt):
+        what = "was interrupted (Ctrl-C)"
+    elif isinstance(exc, OSError) and exc.errno is not None:
         symbol = errno.errorcode.get(exc.errno, f"errno {exc.errno}")
-        what = f"{os.strerror(exc.errno)} ({symbol})"
+        what = f"failed: {os.strerror(exc.errno)} ({symbol})"
         if exc.filename:
             what += f" writing {exc.filename}"
+        advice = f"free space under {root} (or fix the I/O error) and {advice}"
     else:
-        what = repr(exc)
+        what = f"failed: {exc!r}"
     try:
         latest = read_tracker(root)
     except CheckpointError:
@@ -299,9 +304,8 @@ def save_failure_message(root: str, iteration: int, exc: BaseException) -> str:
         else "no earlier checkpoint is there"
     )
     return (
-        f"saving iteration {iteration} under {root} failed: {what}; its partial files were "
-        f"removed and {kept}; free space under {root} (or fix the I/O error) and resume with "
-        f"--load {root}"
+        f"saving iteration {iteration} under {root} {what}; its partial files were removed "
+        f"and {kept}; {advice}"
     )
 
 
@@ -319,4 +323,32 @@ def earlier_checkpoint_advice(root: str, iteration: Iteration) -> str:
     return (
         f"point {tracker} at the previous checkpoint, iteration {previous}: "
         f"echo {previous} > {tracker}"
+    )
+
+
+def refuse_missing_checkpoint(root: str, iteration: Iteration, path: str) -> None:
+    """Raise CheckpointError when the checkpoint the tracker names is not there to load: its
+    directory is gone, or it is a torch_dist checkpoint that lost its marker file, or the
+    torch format's file `path` is missing. The message names what is missing."""
+    directory = os.path.join(root, iteration_directory_name(iteration))
+    advice = earlier_checkpoint_advice(root, iteration)
+    interrupted = [p for p in leftover_temporaries(root, iteration) if os.path.isdir(p)]
+    hint = f"; interrupted saves of this iteration remain in {interrupted}" if interrupted else ""
+    if not os.path.isdir(directory):
+        raise CheckpointError(
+            f"the tracker names iteration {iteration}, but its directory {directory} does not "
+            f"exist{hint}; {advice}"
+        )
+    if os.path.isfile(os.path.join(directory, SHARDED_MARKER_FILENAME)) or os.path.isfile(path):
+        return
+    names = sorted(os.listdir(directory))
+    sharded = [n for n in names if n in (DCP_INDEX_FILENAME, "common.pt") or n.endswith(".distcp")]
+    if sharded:
+        raise CheckpointError(
+            f"{directory} is a torch_dist checkpoint (it holds {', '.join(sharded)}) whose "
+            f"{SHARDED_MARKER_FILENAME} is missing; {advice}"
+        )
+    raise CheckpointError(
+        f"the tracker names iteration {iteration}, but checkpoint file {path} does not "
+        f"exist{hint}; {advice}"
     )

@@ -22,7 +22,7 @@ from megatron.checkpointing.checksums import (
     read_manifest,
 )
 from megatron.checkpointing.chunks import ChunkedTensor
-from megatron.checkpointing.finite import agreed_first_non_finite, optimizer_tensors
+from megatron.checkpointing.finite import refuse_non_finite_load, unverified_note
 from megatron.checkpointing.full_state import (
     load_full_model_state_dict,
     load_full_optimizer_state_dict,
@@ -34,8 +34,8 @@ from megatron.checkpointing.layout import (
     checkpoint_file,
     earlier_checkpoint_advice,
     iteration_directory_name,
-    leftover_temporaries,
     read_tracker,
+    refuse_missing_checkpoint,
     refuse_untracked_checkpoints,
     tracker_file,
 )
@@ -117,6 +117,7 @@ def load_checkpoint(
         )
         return LoadedState(0, 0, 0, None)
     directory = os.path.join(config.load, iteration_directory_name(iteration))
+    refuse_missing_checkpoint(config.load, iteration, checkpoint_file(config.load, iteration))
     if is_sharded_checkpoint(directory):
         checkpoint: _TorchCheckpoint | _ShardedCheckpoint = _ShardedCheckpoint(
             config.load, iteration, directory, print_fn
@@ -149,7 +150,9 @@ def load_checkpoint(
             except ValueError as error:
                 raise CheckpointError(f"{path}: {error}") from None
     if not checkpoint.verified:
-        _refuse_non_finite(checkpoint, model, optimizer, config, iteration, print_fn)
+        print_fn(unverified_note(checkpoint, "its tensors checked for NaN and inf"))
+        tensors = list(unwrap_model(model).named_parameters())
+        refuse_non_finite_load(tensors, optimizer, checkpoint.directory, config.load, iteration)
     if not model_only and not config.no_load_rng:
         rng_states = _required(state, "rng_state", path, "--no-load-rng")
         index, seeded_streams = saved_rng_state_index(
@@ -180,40 +183,6 @@ def load_checkpoint(
     converted = f" (optimizer state converted: {conversion})" if conversion else ""
     print_fn(f"loaded checkpoint {path} at iteration {iteration}{converted}")
     return loaded
-
-
-def _unverified_note(checkpoint: Any, checked: str) -> str:
-    if checkpoint.state.get("checksums"):
-        why = "though it was saved with one: deleted or lost since"
-    else:
-        why = "saved by an older version or by Megatron-LM"
-    return (
-        f"note: {checkpoint.directory} has no {CHECKSUMS_FILENAME} ({why}): it is loaded "
-        f"unverified, {checked}"
-    )
-
-
-def _refuse_non_finite(
-    checkpoint: Any,
-    model: nn.Module,
-    optimizer: Any,
-    config: Any,
-    iteration: Iteration,
-    print_fn: Callable[[str], None],
-) -> None:
-    """A checkpoint without checksums may be damaged where nothing else would notice: the
-    weights and optimizer state it gave must be finite (a collective over all ranks)."""
-    print_fn(_unverified_note(checkpoint, "its tensors checked for NaN and inf"))
-    tensors = list(unwrap_model(model).named_parameters())
-    if optimizer is not None:
-        names = {id(param): name for name, param in tensors}
-        tensors += list(optimizer_tensors(optimizer, names))
-    bad = agreed_first_non_finite(tensors)
-    if bad is not None:
-        raise CheckpointError(
-            f"{checkpoint.directory} (loaded without checksums) holds non-finite values: {bad}; "
-            f"{earlier_checkpoint_advice(config.load, iteration)}"
-        )
 
 
 class _TorchCheckpoint:
@@ -383,7 +352,7 @@ def read_torch_checkpoint(
     """The whole state of a --ckpt-format torch checkpoint, its checksums verified."""
     checkpoint = _TorchCheckpoint(root, iteration, print_fn)
     if not checkpoint.verified:
-        print_fn(_unverified_note(checkpoint, "its tensors are not checked"))
+        print_fn(unverified_note(checkpoint, "its tensors are not checked"))
     return checkpoint.state
 
 
@@ -401,15 +370,7 @@ def read_checkpoint_args(load_dir: str) -> argparse.Namespace | None:
 
 def _read_checkpoint_file(root: str, iteration: Iteration, path: str) -> Dict[str, Any]:
     advice = earlier_checkpoint_advice(root, iteration)
-    if not os.path.isfile(path):
-        interrupted = [p for p in leftover_temporaries(root, iteration) if os.path.isdir(p)]
-        hint = (
-            f"; interrupted saves of this iteration remain in {interrupted}" if interrupted else ""
-        )
-        raise CheckpointError(
-            f"the tracker names iteration {iteration}, but checkpoint file {path} does not "
-            f"exist{hint}; {advice}"
-        )
+    refuse_missing_checkpoint(root, iteration, path)
     try:
         # map_location="cpu": a checkpoint saved on GPUs loads on any machine, and tensors
         # move to the model's device through load_state_dict. weights_only=False: the file

@@ -180,7 +180,8 @@ def save_checkpoint(
             path = write_torch_checkpoint(
                 config.save, iteration, state, checksums, config.keep_latest_checkpoints
             )
-        except Exception as exc:  # reported on every rank below, so none waits forever
+        # Reported on every rank below, so none waits forever; Ctrl-C too, as an interrupt.
+        except (Exception, KeyboardInterrupt) as exc:
             error, cause = save_failure_message(config.save, iteration, exc), exc
     # The final barrier: every rank leaves once the writer has finished, knowing its outcome.
     error = _from_writer(error, data_parallel_group)

@@ -84,7 +84,7 @@ def write_sharded_checkpoint(
     if rank == 0:
         try:
             temporary = prepare_temporary_directory(root, iteration)
-        except Exception as exc:
+        except (Exception, KeyboardInterrupt) as exc:
             error = save_failure_message(root, iteration, exc)
     temporary, error = broadcast_from((temporary, error), group=group)
     if error is not None:
@@ -94,7 +94,7 @@ def write_sharded_checkpoint(
         records = write_sharded_files(
             temporary, tensors, common if rank == 0 else None, group, checksums
         )
-    except (Exception, CheckpointException) as exc:  # every rank reports below
+    except (Exception, KeyboardInterrupt, CheckpointException) as exc:  # every rank reports
         error = save_failure_message(root, iteration, first_failure(exc))
     gathered = _gather_to_first((records, error), group)
     if rank == 0:
@@ -111,7 +111,7 @@ def write_sharded_checkpoint(
                     write_manifest(temporary, merged, BLOCK_SIZE)
                 fsync_directory(temporary)
                 move_into_place(root, iteration, temporary, keep_latest)
-        except Exception as exc:
+        except (Exception, KeyboardInterrupt) as exc:
             error = save_failure_message(root, iteration, exc)
         if error is not None:
             shutil.rmtree(temporary, ignore_errors=True)

@@ -68,7 +68,7 @@ def resolve_arguments_with_notes(
     _check_tensor_parallel(args, notes)
     _check_pipeline_parallel(args)
     _resolve_recompute(args, notes)
-    _check_data(args)
+    _check_data(args, notes)
     _check_checkpointing(args, notes)
     _check_profiling(args)
     return args, notes
@@ -390,7 +390,7 @@ def _resolve_recompute(args: argparse.Namespace, notes: List[str]) -> None:
             )
 
 
-def _check_data(args: argparse.Namespace) -> None:
+def _check_data(args: argparse.Namespace, notes: List[str]) -> None:
     per_split = {name: getattr(args, f"{name}_data_path") for name in ("train", "valid", "test")}
     given_per_split = {name: paths for name, paths in per_split.items() if paths is not None}
     if args.data_path is None and not given_per_split:
@@ -418,9 +418,17 @@ def _check_data(args: argparse.Namespace) -> None:
                 )
     if args.data_path is not None:
         try:
-            parse_split_string(args.split)
+            fractions = parse_split_string(args.split)
         except ValueError as error:
             raise ConfigError(str(error)) from None
+        given = len(str(args.split).replace("/", ",").split(","))
+        if given == 2:  # "1" alone is a common way to say "all for training"
+            train, valid, test = (f"{100 * fraction:.1f}%" for fraction in fractions)
+            notes.append(
+                f"--split {args.split} has 2 weights, read as train, validation (test gets "
+                f"none): train {train}, validation {valid}, test {test}; give three weights, "
+                "e.g. 949,50,1, to say so"
+            )
     if args.data_impl in ("lazy", "cached"):
         raise ConfigError(
             f"--data-impl {args.data_impl} is not supported; only mmap datasets are read "
@@ -456,6 +464,11 @@ def _check_checkpointing(args: argparse.Namespace, notes: List[str]) -> None:
         notes.append(f"--load {args.load} does not exist; training starts from scratch")
     if args.finetune and args.load is None:
         notes.append("--finetune without --load: there is no checkpoint to start from")
+    if args.async_save and not args.save:
+        raise ConfigError(
+            "--async-save was given without --save, so nothing would be saved; add --save DIR "
+            "--save-interval N or drop --async-save"
+        )
     if args.async_save and args.ckpt_format != "torch_dist":
         raise ConfigError(
             f"--async-save writes torch_dist checkpoints, not --ckpt-format {args.ckpt_format}; "

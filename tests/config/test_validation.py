@@ -28,6 +28,7 @@ from tests.config.command_lines import config, error_message
         (("--train-samples", "100"), {}, 1, ["--train-iters", "--train-samples", "both"]),
         ((), {"drop": ("--train-iters",)}, 1, ["--train-iters", "--train-samples", "neither"]),
         (("--bf16", "--fp16"), {}, 1, ["--fp16", "--bf16"]),
+        (("--async-save",), {}, 1, ["--async-save was given without --save", "add --save DIR"]),
         ((), {"seq_length": "64"}, 1, ["--seq-length 64", "--max-position-embeddings 32"]),
         (
             ("--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "2"),
@@ -227,3 +228,13 @@ def test_precision_aware_flags_reach_the_config():
     assert optimizer.optimizer_cpu_offload and optimizer.optimizer_offload_fraction == 0.25
     # bf16 main gradients replace Megatron's fp32 accumulation note.
     assert not built.arguments["accumulate_allreduce_grads_in_fp32"]
+
+
+def test_a_two_weight_split_is_a_note_saying_how_it_is_read():
+    notes = config("--split", "1,2").notes
+    assert any(
+        "--split 1,2 has 2 weights" in note and "train 33.3%, validation 66.7%, test 0.0%" in note
+        for note in notes
+    ), notes
+    assert not any("--split" in note for note in config("--split", "949,50,1").notes)
+    assert not any("--split" in note for note in config("--split", "1").notes)
