@@ -67,13 +67,37 @@ def initialize_distributed(
     if world_size == 1 and "MASTER_ADDR" not in os.environ:
         return DistributedContext(0, 1, 0, device, None)
     if not dist.is_initialized():
+        timeout = timedelta(minutes=timeout_minutes)
         dist.init_process_group(
             backend=backend,
             world_size=world_size,
             rank=rank,
-            timeout=timedelta(minutes=timeout_minutes),
+            timeout=timeout,
+            store=_restart_store(world_size, timeout),
         )
     return DistributedContext(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
+
+
+def _restart_store(world_size: int, timeout: timedelta) -> Optional[dist.Store]:
+    """The store the process groups meet in, under torchrun's restarts (--max-restarts).
+
+    torchrun shares its own TCPStore with the workers (TORCHELASTIC_USE_AGENT_STORE) and keeps
+    it across restarts, and torch prefixes nothing per attempt: the workers of a restarted
+    attempt read the addresses the dead attempt's workers left there, and connecting to them
+    fails or hangs (pytorch/pytorch#135712). Each attempt gets its own key prefix here, from
+    TORCHELASTIC_RESTART_COUNT, which all workers of one node share. None (torch's own store)
+    otherwise."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
+        return None
+    store = dist.TCPStore(
+        host_name=os.environ["MASTER_ADDR"],
+        port=int(os.environ["MASTER_PORT"]),
+        world_size=world_size,
+        is_master=False,
+        timeout=timeout,
+    )
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"megatron/attempt_{attempt}", store)
 
 
 def initialize_model_parallel(
