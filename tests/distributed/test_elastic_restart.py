@@ -139,9 +139,10 @@ def test_killed_ranks_restart_from_the_latest_checkpoint_with_the_same_losses(
     assert len(moments) == KILLS_PER_JOB
     output = _run_with_kills(_args(data_prefix, *flags), save, moments, seed=len(saving))
 
-    assert output.count("loaded checkpoint") + output.count("training from scratch") == len(
-        moments
-    ) + 1
+    assert (
+        output.count("loaded checkpoint") + output.count("training from scratch")
+        == len(moments) + 1
+    )
     logged = _losses(output)
     assert sorted(logged) == list(range(1, ITERATIONS + 1))
     bad = {
