@@ -354,8 +354,18 @@ def _model_config(args: argparse.Namespace, padded_vocab_size: int) -> ModelConf
 
 
 def _pick(args: argparse.Namespace, section: type, skip: Sequence[str] = ()) -> dict:
-    """The namespace values for `section`'s fields (which share Megatron's attribute names)."""
-    return {name: getattr(args, name) for name in section.__dataclass_fields__ if name not in skip}
+    """The namespace values for `section`'s fields (which share Megatron's attribute names); a
+    field with a default that `args` lacks (the arguments saved in a checkpoint from before the
+    flag existed) takes the default."""
+    picked = {}
+    for name, spec in section.__dataclass_fields__.items():
+        if name in skip:
+            continue
+        if hasattr(args, name) or spec.default is dataclasses.MISSING:
+            picked[name] = getattr(args, name)
+        else:
+            picked[name] = spec.default
+    return picked
 
 
 def _as_tuple(paths: Sequence[str] | None) -> Tuple[str, ...] | None:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
-from megatron.config import ConfigError, parse_arguments
+from megatron.config import Config, ConfigError, parse_arguments
 from tests.config.command_lines import config, error_message
 
 
@@ -238,3 +240,13 @@ def test_a_two_weight_split_is_a_note_saying_how_it_is_read():
     ), notes
     assert not any("--split" in note for note in config("--split", "949,50,1").notes)
     assert not any("--split" in note for note in config("--split", "1").notes)
+
+
+def test_saved_arguments_from_before_a_flag_existed_build_with_its_default():
+    """Tools build the Config of a checkpoint from its saved arguments (e.g.
+    tools/checkpoint/checkpoint_model.config_from_saved_arguments); a checkpoint saved before a
+    flag existed lacks its attribute, which then takes the field's default."""
+    saved = argparse.Namespace(**dict(config().arguments))
+    del saved.check_for_nan_in_loss_and_grad
+    rebuilt = Config.from_resolved(saved, [], 50304)
+    assert rebuilt.training.check_for_nan_in_loss_and_grad is True
