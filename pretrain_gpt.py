@@ -20,6 +20,7 @@ from megatron.checkpointing.directories import (
     check_checkpoint_directories,
     estimate_checkpoint_bytes,
 )
+from megatron.checkpointing.layout import resume_advice
 from megatron.checkpointing.model_arguments import MODEL_ARGUMENTS
 from megatron.config import (
     Config,
@@ -47,6 +48,7 @@ from megatron.memory_plan import device_memory_bytes, memory_plan_lines
 from megatron.model import DENSE_MLP, GPTModel, MlpSpec, num_floating_point_operations
 from megatron.parallel_state import destroy_model_parallel
 from megatron.parallelize import parallelize
+from megatron.progress_board import is_collective_timeout
 from megatron.tokenizer import MegatronTokenizer, build_tokenizer, vocab_size_with_padding
 from megatron.training import TrainingResult, pretrain, total_train_iters
 from megatron.training_hooks import TrainingHooks
@@ -170,12 +172,15 @@ def main(argv: Optional[List[str]] = None) -> TrainingResult:
         deterministic_mode(config.training.deterministic_mode),
         kernel_mode_set(config.training.kernels),
     ):
-        context = initialize_distributed(parallel.distributed_backend)
+        context = initialize_distributed(
+            parallel.distributed_backend, parallel.distributed_timeout_minutes
+        )
         initialize_model_parallel(
             tensor_parallel_size,
             parallel.expert_model_parallel_size,
             parallel.pipeline_model_parallel_size,
             parallel.virtual_pipeline_model_parallel_size,
+            parallel.distributed_timeout_minutes,
         )
         try:
             return _setup_and_train(config, tokenizer, tokenizer_lines, context)
@@ -185,6 +190,13 @@ def main(argv: Optional[List[str]] = None) -> TrainingResult:
             if os.environ.get("MEGATRON_TRACEBACK", "0") not in ("", "0"):
                 raise
             print(f"error: {error}", file=sys.stderr, flush=True)
+            raise SystemExit(1) from None
+        except RuntimeError as error:
+            if context.progress is None or not is_collective_timeout(error):
+                raise
+            explained = context.progress.explain_timeout(error)
+            advice = resume_advice(config.checkpoint.save)
+            print(f"error: {explained}; {advice}", file=sys.stderr, flush=True)
             raise SystemExit(1) from None
         finally:
             # Later runs in this process (tests) start from fresh groups.

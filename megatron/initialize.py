@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from megatron import parallel_state
+from megatron.progress_board import ProgressBoard
 from megatron.tensor_parallel import model_parallel_manual_seed
 
 
@@ -27,6 +28,8 @@ class DistributedContext:
     local_rank: int
     device: torch.device
     backend: str | None
+    # Where each rank is, for the message when a collective times out (multi-process runs).
+    progress: Optional[ProgressBoard] = None
 
     @property
     def is_first(self) -> bool:
@@ -47,13 +50,14 @@ def compute_device() -> torch.device:
 
 
 def initialize_distributed(
-    requested_backend: str = "nccl", timeout_minutes: int = 30
+    requested_backend: str = "nccl", timeout_minutes: float = 10.0
 ) -> DistributedContext:
     """Join the process group torchrun describes (RANK, WORLD_SIZE, MASTER_ADDR, ...).
 
     On GPUs the requested backend (NCCL, which is RCCL on ROCm builds) is used; without a GPU
     gloo is the only choice, whatever was requested. A single process without torchrun runs
-    without a process group.
+    without a process group. A collective that waits longer than `timeout_minutes`
+    (--distributed-timeout-minutes) raises.
     """
     world_size = world_size_from_environment()
     rank = int(os.environ.get("RANK", "0"))
@@ -75,7 +79,10 @@ def initialize_distributed(
             timeout=timeout,
             store=_restart_store(world_size, timeout),
         )
-    return DistributedContext(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
+    progress = ProgressBoard.of_default_group(timedelta(minutes=timeout_minutes))
+    return DistributedContext(
+        dist.get_rank(), dist.get_world_size(), local_rank, device, backend, progress
+    )
 
 
 def _restart_store(world_size: int, timeout: timedelta) -> Optional[dist.Store]:
@@ -105,6 +112,7 @@ def initialize_model_parallel(
     expert_model_parallel_size: int = 1,
     pipeline_model_parallel_size: int = 1,
     virtual_pipeline_model_parallel_size: Optional[int] = None,
+    timeout_minutes: Optional[float] = None,
 ) -> None:
     """Create the tensor/pipeline/data/expert-parallel process groups
     (`megatron.parallel_state`) once the default process group exists; groups left by an
@@ -116,6 +124,7 @@ def initialize_model_parallel(
         pipeline_model_parallel_size=pipeline_model_parallel_size,
         expert_model_parallel_size=expert_model_parallel_size,
         virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
+        timeout=None if timeout_minutes is None else timedelta(minutes=timeout_minutes),
     )
 
 

@@ -20,6 +20,7 @@ set-up. Group getters, in contrast, raise: a collective on a group nobody create
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Optional, Sequence
 
 import torch.distributed as dist
@@ -129,11 +130,14 @@ def initialize_model_parallel(
     pipeline_model_parallel_size: int = 1,
     expert_model_parallel_size: int = 1,
     virtual_pipeline_model_parallel_size: Optional[int] = None,
+    timeout: Optional[timedelta] = None,
 ) -> None:
     """Create the TP, PP, DP, EP, expert-DP, model-parallel, embedding and checkpoint groups.
 
     Every rank must call this (``new_group`` is collective). Without ``torch.distributed``
-    the world is one process and only sizes of 1 are accepted.
+    the world is one process and only sizes of 1 are accepted. `timeout`: how long their
+    collectives wait (--distributed-timeout-minutes; torch gives new groups its own default,
+    not the default group's).
     """
     global _STATE
     if _STATE is not None:
@@ -161,7 +165,7 @@ def initialize_model_parallel(
     for kind, all_ranks in layout.items():
         for ranks in all_ranks:
             # new_group is collective over the whole world: every rank creates every group.
-            group = dist.new_group(ranks) if distributed else None
+            group = dist.new_group(ranks, timeout=timeout) if distributed else None
             if global_rank in ranks:
                 groups[kind] = _Group(group, ranks)
     every_rank = list(range(world_size))
@@ -169,7 +173,8 @@ def initialize_model_parallel(
     # asynchronous save does so from a background thread: a group of its own keeps those
     # collectives apart from the training ones.
     groups["checkpoint"] = _Group(
-        dist.new_group(every_rank, backend="gloo") if distributed else None, every_rank
+        dist.new_group(every_rank, backend="gloo", timeout=timeout) if distributed else None,
+        every_rank,
     )
     _STATE = _ParallelState(
         global_rank,

@@ -281,6 +281,7 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self, data_iterator: Iterator, eval_iters: int) -> Dict[str, float]:
         """Average reported losses over `eval_iters` global batches, without dropout."""
+        self._mark(f"evaluation after iteration {self.iteration}")
         self.hooks.before_forwards(self.unwrapped_model)
         self.model.eval()
         sums: Dict[str, torch.Tensor] = defaultdict(
@@ -339,6 +340,7 @@ class Trainer:
         """Save this iteration under --save unless it is saved already, then log the time."""
         if not self.config.checkpoint.save or self.last_saved_iteration == self.iteration:
             return
+        self._mark(f"the save of iteration {self.iteration}")
         # Never a checkpoint with non-finite weights (with --no-check-for-nan-in-loss-and-grad
         # a diverged run gets this far): it would be the one the next run resumes from.
         bad = agreed_first_non_finite(self.unwrapped_model.named_parameters())
@@ -369,6 +371,10 @@ class Trainer:
         CheckpointError when its write failed."""
         if self.async_writer is not None:
             self.async_writer.wait(print_rank_0)
+
+    def _mark(self, where: str) -> None:
+        if self.context.progress is not None:
+            self.context.progress.mark(where)
 
     def _timer_start(self) -> float:
         # As Megatron's timers: every rank starts and stops together, so the times compare.

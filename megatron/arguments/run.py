@@ -328,6 +328,13 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
         help="torch.distributed backend.",
     )
     group.add_argument(
+        "--distributed-timeout-minutes",
+        type=float,
+        default=10.0,
+        help="How long a collective waits for the other ranks before the run stops, naming the "
+        "ranks that never arrived (Megatron's flag; fractions of a minute are accepted).",
+    )
+    group.add_argument(
         "--DDP-impl",
         default="local",
         choices=["local", "torch"],

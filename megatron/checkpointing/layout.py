@@ -352,3 +352,20 @@ def refuse_missing_checkpoint(root: str, iteration: Iteration, path: str) -> Non
         f"the tracker names iteration {iteration}, but checkpoint file {path} does not "
         f"exist{hint}; {advice}"
     )
+
+
+def resume_advice(root: Optional[str]) -> str:
+    """Where a stopped run resumes: the checkpoint the tracker under `root` (--save) names."""
+    if not root:
+        return "this run saves no checkpoints (no --save): it starts again from the beginning"
+    try:
+        iteration = read_tracker(root)
+    except CheckpointError as error:
+        return str(error)
+    if iteration is None:
+        return f"no checkpoint under {root} yet: the job starts again from the beginning"
+    directory = os.path.join(root, iteration_directory_name(iteration))
+    return (
+        f"the latest checkpoint is {directory}: restart the job (torchrun --max-restarts does) "
+        "to resume there"
+    )

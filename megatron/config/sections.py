@@ -69,6 +69,7 @@ class ParallelConfig:
     # Model chunks per pipeline rank (interleaved 1F1B); None for the plain 1F1B schedule.
     virtual_pipeline_model_parallel_size: int | None = None
     distributed_backend: str = "nccl"
+    distributed_timeout_minutes: float = 10.0
     ddp_impl: str = "local"  # --DDP-impl
     accumulate_allreduce_grads_in_fp32: bool = False
     use_distributed_optimizer: bool = False

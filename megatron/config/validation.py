@@ -15,7 +15,7 @@ import torch
 from megatron.arguments import ArgumentGroupAdder, build_parser
 from megatron.config.errors import ConfigError, flag_name
 from megatron.config.optimizer_memory import check_optimizer_memory
-from megatron.data.dataset_splits import parse_data_path, parse_split_string
+from megatron.data.dataset_splits import parse_data_path, split_note
 from megatron.kernels.dispatch import kernel_mode_from_environment
 
 __all__ = ["ConfigError", "parse_arguments", "resolve_arguments", "resolve_arguments_with_notes"]
@@ -418,17 +418,11 @@ def _check_data(args: argparse.Namespace, notes: List[str]) -> None:
                 )
     if args.data_path is not None:
         try:
-            fractions = parse_split_string(args.split)
+            note = split_note(args.split)
         except ValueError as error:
             raise ConfigError(str(error)) from None
-        given = len(str(args.split).replace("/", ",").split(","))
-        if given == 2:  # "1" alone is a common way to say "all for training"
-            train, valid, test = (f"{100 * fraction:.1f}%" for fraction in fractions)
-            notes.append(
-                f"--split {args.split} has 2 weights, read as train, validation (test gets "
-                f"none): train {train}, validation {valid}, test {test}; give three weights, "
-                "e.g. 949,50,1, to say so"
-            )
+        if note is not None:
+            notes.append(note)
     if args.data_impl in ("lazy", "cached"):
         raise ConfigError(
             f"--data-impl {args.data_impl} is not supported; only mmap datasets are read "

@@ -4,10 +4,23 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 # Megatron over-asks each blended dataset by 0.5% so greedy blending never runs one dry.
 BLEND_OVERSAMPLE = 1.005
+
+
+def split_note(split: str) -> Optional[str]:
+    """A note on how a `--split` of two weights is read (the test split gets none), or None;
+    ValueError for a --split that cannot be read (parse_split_string)."""
+    fractions = parse_split_string(split)
+    if len(str(split).replace("/", ",").split(",")) != 2:  # "1" alone: all for training
+        return None
+    train, valid, test = (f"{100 * fraction:.1f}%" for fraction in fractions)
+    return (
+        f"--split {split} has 2 weights, read as train, validation (test gets none): train "
+        f"{train}, validation {valid}, test {test}; give three weights, e.g. 949,50,1, to say so"
+    )
 
 
 def parse_split_string(split: str) -> List[float]:
