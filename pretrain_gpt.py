@@ -187,20 +187,28 @@ def main(argv: Optional[List[str]] = None) -> TrainingResult:
         except UserError as error:
             # A problem with a checkpoint, a dataset or a directory: the message says what to
             # do, and a traceback would only bury it (MEGATRON_TRACEBACK=1 shows it).
-            if os.environ.get("MEGATRON_TRACEBACK", "0") not in ("", "0"):
+            if _traceback_asked():
                 raise
             print(f"error: {error}", file=sys.stderr, flush=True)
             raise SystemExit(1) from None
         except RuntimeError as error:
-            if context.progress is None or not is_collective_timeout(error):
+            if context.progress is None or not is_collective_timeout(error) or _traceback_asked():
                 raise
-            explained = context.progress.explain_timeout(error)
+            try:
+                explained = context.progress.explain_timeout(error)
+            except Exception:  # the store is gone too: torch's own error says what it can
+                raise error from None
             advice = resume_advice(config.checkpoint.save)
             print(f"error: {explained}; {advice}", file=sys.stderr, flush=True)
             raise SystemExit(1) from None
         finally:
             # Later runs in this process (tests) start from fresh groups.
             destroy_model_parallel()
+
+
+def _traceback_asked() -> bool:
+    """MEGATRON_TRACEBACK=1: errors the entry point reports in one line raise instead."""
+    return os.environ.get("MEGATRON_TRACEBACK", "0") not in ("", "0")
 
 
 def _refuse_unsupported(args: argparse.Namespace) -> None:
