@@ -70,8 +70,8 @@ def initialize_distributed(
         backend = "gloo"
     if world_size == 1 and "MASTER_ADDR" not in os.environ:
         return DistributedContext(0, 1, 0, device, None)
+    timeout = timedelta(minutes=timeout_minutes)
     if not dist.is_initialized():
-        timeout = timedelta(minutes=timeout_minutes)
         dist.init_process_group(
             backend=backend,
             world_size=world_size,
@@ -79,7 +79,7 @@ def initialize_distributed(
             timeout=timeout,
             store=_restart_store(world_size, timeout),
         )
-    progress = ProgressBoard.of_default_group(timedelta(minutes=timeout_minutes))
+    progress = ProgressBoard.of_default_group(timeout)
     return DistributedContext(
         dist.get_rank(), dist.get_world_size(), local_rank, device, backend, progress
     )

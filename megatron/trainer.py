@@ -281,7 +281,7 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self, data_iterator: Iterator, eval_iters: int) -> Dict[str, float]:
         """Average reported losses over `eval_iters` global batches, without dropout."""
-        self._mark(f"evaluation after iteration {self.iteration}")
+        self.mark_progress(f"evaluation after iteration {self.iteration}")
         self.hooks.before_forwards(self.unwrapped_model)
         self.model.eval()
         sums: Dict[str, torch.Tensor] = defaultdict(
@@ -340,7 +340,7 @@ class Trainer:
         """Save this iteration under --save unless it is saved already, then log the time."""
         if not self.config.checkpoint.save or self.last_saved_iteration == self.iteration:
             return
-        self._mark(f"the save of iteration {self.iteration}")
+        self.mark_progress(f"the save of iteration {self.iteration}")
         # Never a checkpoint with non-finite weights (with --no-check-for-nan-in-loss-and-grad
         # a diverged run gets this far): it would be the one the next run resumes from.
         bad = agreed_first_non_finite(self.unwrapped_model.named_parameters())
@@ -372,7 +372,8 @@ class Trainer:
         if self.async_writer is not None:
             self.async_writer.wait(print_rank_0)
 
-    def _mark(self, where: str) -> None:
+    def mark_progress(self, where: str) -> None:
+        """Record where this rank is (megatron.progress_board), in multi-process runs."""
         if self.context.progress is not None:
             self.context.progress.mark(where)
 

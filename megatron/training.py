@@ -135,10 +135,8 @@ def _train_loop(
     trainer.model.train()
     print_rank_0("training ...")
     train_iters = total_train_iters(config)
-    progress = trainer.context.progress
     while trainer.iteration < train_iters:
-        if progress is not None:
-            progress.mark(f"iteration {trainer.iteration + 1}")
+        trainer.mark_progress(f"iteration {trainer.iteration + 1}")
         profiler.before_step(trainer.iteration)
         losses, skipped, grad_norm, got_nan = trainer.train_step(train_iterator)
         trainer.iteration += 1

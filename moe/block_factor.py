@@ -3,11 +3,11 @@ moe.static_exchange): grown when a step's routing needed more than they hold (th
 runs again, moe.training_hooks), shrunk when a long stretch of steps needed much less.
 
 Routing is most uneven in a run's first iterations, so a factor only ever grown stays at what
-they needed: on 4 GPUs the dMoE 125M's blocks grew to 4.39x the balanced share by iteration 4,
-while the load imbalance over the ranks fell from 3.7 to 1.4 by iteration 100; every padded
-row crosses the links in each of a layer's four all-to-alls. Each new factor recompiles the model (its block size is a constant of
-the graph), so factors lie on a ladder of FACTOR_STEP (a factor met before reuses its compiled
-graph) and shrink at most once per SHRINK_WINDOW steps.
+they needed long after the routing evened out (docs/benchmark-log.md, issue 38), and every
+padded row crosses the links in each of a layer's four all-to-alls. Each new factor recompiles
+the model (its block size is a constant of the graph), so factors lie on a ladder of
+FACTOR_STEP (a factor met before reuses its compiled graph) and shrink at most once per
+SHRINK_WINDOW steps.
 """
 
 from __future__ import annotations

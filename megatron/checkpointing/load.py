@@ -117,7 +117,6 @@ def load_checkpoint(
         )
         return LoadedState(0, 0, 0, None)
     directory = os.path.join(config.load, iteration_directory_name(iteration))
-    refuse_missing_checkpoint(config.load, iteration, checkpoint_file(config.load, iteration))
     if is_sharded_checkpoint(directory):
         checkpoint: _TorchCheckpoint | _ShardedCheckpoint = _ShardedCheckpoint(
             config.load, iteration, directory, print_fn
