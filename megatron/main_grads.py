@@ -15,12 +15,30 @@ all_reduce_data_parallel_gradients` after the last backward instead (megatron.pa
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
 from torch import nn
 
 MAIN_GRAD = "main_grad"
+_WRITTEN_HOOKS = "_gradient_written_hooks"
+
+
+def on_gradient_written(param: torch.Tensor, hook: Callable[[torch.Tensor], None]) -> None:
+    """Call `hook(param)` whenever a layer that adds `param`'s gradient itself, outside
+    autograd, has added some (`gradient_written`); autograd's own accumulation is watched with
+    `param.register_post_accumulate_grad_hook`."""
+    hooks = getattr(param, _WRITTEN_HOOKS, None)
+    if hooks is None:
+        hooks = []
+        setattr(param, _WRITTEN_HOOKS, hooks)
+    hooks.append(hook)
+
+
+def gradient_written(param: torch.Tensor) -> None:
+    """Said by a layer that has just added to `param`'s gradient (`gradient(param)`) itself."""
+    for hook in getattr(param, _WRITTEN_HOOKS, ()):
+        hook(param)
 
 
 def gradient(param: torch.Tensor) -> Optional[torch.Tensor]:

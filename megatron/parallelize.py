@@ -21,7 +21,8 @@ and hands it to `parallelize`, which returns what the trainer runs. Steps:
 7. Data parallelism (`data_parallel`): torch DDP around the model; or nothing, when the
    distributed optimizer reduce-scatters the gradients in its step or, under a pipeline, the
    trainer all-reduces them after the schedule.
-8. Compile (`compile_model`): torch.compile of the whole model on GPUs, unless an extension's
+8. Compile (`compile_model`): torch.compile of the whole model on GPUs, or of each layer where
+   the gradients must leave the backward layer by layer (`by_layer`), unless an extension's
    training hooks veto it (megatron.training_hooks).
 
 Steps 1 and 2 also work on a model built with real weights (its shards are copied, so a
@@ -47,7 +48,7 @@ from megatron.model.attention import SelfAttention
 from megatron.model.embeddings import LanguageModelEmbedding
 from megatron.model.mlp import MLP
 from megatron.model.norms import RMSNorm
-from megatron.model.transformer import TransformerBlock
+from megatron.model.transformer import TransformerBlock, TransformerLayer
 from megatron.optimizer.optimizer import main_grads_dtype
 from megatron.parameter_swaps import materialize
 from megatron.pipeline.stages import stage_layer_numbers
@@ -94,7 +95,7 @@ def parallelize(
     unwrapped = unwrapped.to(context.device)
     module, wrapped_in_ddp = data_parallel(unwrapped, config, context, pipeline)
     if config.training.torch_compile and context.device.type == "cuda" and not pipeline:
-        module = compile_model(module, compile_veto(context.device))
+        module = compile_model(module, compile_veto(context.device), by_layer(config))
     return ParallelModel(unwrapped, module, pipeline, wrapped_in_ddp)
 
 
@@ -301,11 +302,22 @@ def data_parallel(
     return wrap_data_parallel(model, context.device, group), True
 
 
-def compile_model(model: nn.Module, veto: Optional[str], **options) -> nn.Module:
+def by_layer(config: Config) -> bool:
+    """Whether to compile each transformer layer on its own rather than the whole model: when
+    the distributed optimizer reduce-scatters gradients during the backward, which a backward
+    compiled as one graph gives out only at its end (torch DDP's own overlap splits the graph
+    at its buckets by itself)."""
+    return config.parallel.use_distributed_optimizer and config.parallel.overlap_grad_reduce
+
+
+def compile_model(
+    model: nn.Module, veto: Optional[str], layer_by_layer: bool = False, **options
+) -> nn.Module:
     """torch.compile(`model`) (with torch.compile's `options`), which fuses the elementwise
     work (norms, GELU, dropout, the loss) around the matmuls; with a `veto` the model stays
     eager and the reason is printed (a graph broken around Triton-launched kernels can run
-    slower than eager)."""
+    slower than eager). `layer_by_layer`: each TransformerLayer compiles on its own, in
+    place (the rest stays eager), and the model is returned as it is."""
     if veto is not None:
         print_rank_0(f"note: {veto}")
         return model
@@ -313,4 +325,9 @@ def compile_model(model: nn.Module, veto: Optional[str], **options) -> nn.Module
     # expert-parallel block size, grown after an overflow) recompiles as a new constant
     # instead of becoming a symbol; a buffer size derived from a symbolic float cannot be
     # traced at all.
+    if layer_by_layer:
+        for module in model.modules():
+            if isinstance(module, TransformerLayer):
+                module.compile(dynamic=False, **options)
+        return model
     return torch.compile(model, dynamic=False, **options)

@@ -108,7 +108,12 @@ class Trainer:
         if config.parallel.use_distributed_optimizer:
             # Shards the optimizer state and does the gradient reduce-scatter itself: no DDP.
             self.optimizer = build_distributed_optimizer(
-                self.unwrapped_model, config.optimizer, config.training, data_parallel_group
+                self.unwrapped_model,
+                config.optimizer,
+                config.training,
+                data_parallel_group,
+                overlap_grad_reduce=config.parallel.overlap_grad_reduce,
+                bucket_size=config.parallel.ddp_bucket_size,
             )
             print_rank_0(f"> {self.optimizer.memory_report()}")
         else:
@@ -249,6 +254,8 @@ class Trainer:
         )
         for index in range(num_micro_batches):
             batch = _to_device(next(data_iterator), self.context.device)
+            if index == num_micro_batches - 1:
+                self.optimizer.last_backward_starts()
             with micro_batch_context(self.model, index, num_micro_batches):
                 with _autocast(self.config, self.context.device):
                     loss, reported = self.forward_step(self.model, batch)

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from megatron.kernels.accumulate import accumulate_, sum_in_fp32
+from megatron.main_grads import gradient_written
 
 
 class CachedCast(torch.autograd.Function):
@@ -68,8 +69,10 @@ class GradientAccumulator:
             # A bf16 main gradient (megatron.main_grads): the pair is added in fp32 and rounded
             # once, in one pass over it.
             accumulate_(main_grad, first, second)
-            return
-        if self.weight.grad is None:
+        elif self.weight.grad is None:
             self.weight.grad = sum_in_fp32(first, second)
         else:
             accumulate_(self.weight.grad, first, second)
+        # Whatever reduces the gradient as soon as it is written (the distributed optimizer's
+        # overlapped reduce-scatter) learns of it as of autograd's accumulation.
+        gradient_written(self.weight)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 from typing import Callable, Mapping, Sequence, Union
 
+from megatron.arguments.distributed import add_distributed_args
 from megatron.arguments.model import (
     add_initialization_args,
     add_mixed_precision_args,
@@ -20,7 +21,6 @@ from megatron.arguments.optimizer import add_optimizer_memory_args
 from megatron.arguments.run import (
     add_checkpointing_args,
     add_data_args,
-    add_distributed_args,
     add_learning_rate_args,
     add_logging_args,
     add_training_args,

@@ -1,5 +1,5 @@
-"""Megatron-LM's flags that shape the run: training, learning rate, checkpointing, distributed
-layout, validation, data and logging.
+"""Megatron-LM's flags that shape the run: training, learning rate, checkpointing, validation,
+data and logging (the distributed layout's are in megatron.arguments.distributed).
 """
 
 from __future__ import annotations
@@ -276,76 +276,6 @@ def add_checkpointing_args(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="Keep only the newest N checkpoints under --save, deleting older ones once a newer "
         "one is complete (default: keep all).",
-    )
-
-
-def add_distributed_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group(title="distributed")
-    group.add_argument(
-        "--tensor-model-parallel-size",
-        type=int,
-        default=1,
-        help="Tensor model-parallel degree: attention heads, MLP channels and the vocabulary "
-        "are split over this many adjacent ranks.",
-    )
-    group.add_argument(
-        "--pipeline-model-parallel-size",
-        type=int,
-        default=1,
-        help="Pipeline model-parallel degree: the layers are split into this many stages, "
-        "run with the 1F1B schedule.",
-    )
-    group.add_argument(
-        "--expert-model-parallel-size",
-        type=int,
-        default=1,
-        help="Expert model-parallel degree (Megatron-core's flag): each MoE layer's experts are "
-        "split over this many adjacent data-parallel ranks, tokens exchanged by all-to-all; "
-        "must divide the data-parallel size and the number of experts.",
-    )
-    group.add_argument(
-        "--moe-expert-model-parallelism",
-        action="store_true",
-        help="MegaBlocks' switch for --expert-model-parallel-size = the data-parallel size.",
-    )
-    group.add_argument(
-        "--num-layers-per-virtual-pipeline-stage",
-        type=int,
-        default=None,
-        help="Layers per virtual stage: each pipeline rank holds several chunks of this many "
-        "layers and runs the interleaved 1F1B schedule.",
-    )
-    group.add_argument(
-        "--sequence-parallel",
-        action="store_true",
-        help="With tensor parallelism, also split the norms, dropouts and residual stream "
-        "along the sequence (all-gather before and reduce-scatter after the parallel layers).",
-    )
-    group.add_argument(
-        "--distributed-backend",
-        default="nccl",
-        choices=["nccl", "gloo"],
-        help="torch.distributed backend.",
-    )
-    group.add_argument(
-        "--distributed-timeout-minutes",
-        type=float,
-        default=10.0,
-        help="How long a collective waits for the other ranks before the run stops, naming the "
-        "ranks that never arrived (Megatron's flag; fractions of a minute are accepted).",
-    )
-    group.add_argument(
-        "--DDP-impl",
-        default="local",
-        choices=["local", "torch"],
-        help="Data-parallel implementation: Megatron's local one or torch's DDP.",
-    )
-    group.add_argument(
-        "--use-distributed-optimizer",
-        action="store_true",
-        help="Shard the fp32 master weights and optimizer state over the data-parallel ranks "
-        "(ZeRO-1; expert-parallel parameters over the expert-data-parallel ranks): gradients "
-        "are reduce-scattered and parameters all-gathered instead of DDP's all-reduce.",
     )
 
 

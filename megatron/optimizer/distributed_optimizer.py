@@ -33,7 +33,10 @@ Collectives: `reduce_scatter_single`/`all_gather_single` (torch 2.13; the deprec
 names before). gloo has both since torch 2.2 (pytorch#112144, all-reduce plus slicing inside)
 and this project needs torch>=2.4, so no gloo fallback is needed; the CPU tests run them.
 
-Not covered yet: overlap of the reduce-scatter with backward.
+Buckets: with `overlap_grad_reduce` each replica group's parameters are cut into buckets,
+each its own flat buffers and shards, reduce-scattered while the last backward still runs
+(megatron.optimizer.grad_reduce); otherwise a group's parameters are one bucket. Not covered
+yet: overlap of the parameter all-gather with the next forward.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from megatron import parallel_state
 from megatron.config import OptimizerConfig, TrainingConfig
 from megatron.expert_parameters import is_expert_parameter
 from megatron.main_grads import gradient
+from megatron.optimizer.grad_reduce import GradReduce, bucket_parameters, default_bucket_size
 from megatron.optimizer.grad_scaler import GradScaler
 from megatron.optimizer.memory_report import OptimizerMemoryReport, state_bytes_per_element
 from megatron.optimizer.optimizer import (
@@ -97,6 +101,9 @@ class DistributedOptimizer(MegatronOptimizer):
         data_parallel_group: Optional[dist.ProcessGroup] = None,
         expert_data_parallel_group: Optional[dist.ProcessGroup] = None,
         grad_dtype: Optional[torch.dtype] = None,
+        overlap_grad_reduce: bool = False,
+        bucket_size: Optional[int] = None,
+        model_order: Optional[List[nn.Parameter]] = None,
     ) -> None:
         if optimizer.state:
             raise ValueError("DistributedOptimizer needs a torch optimizer that has not stepped")
@@ -111,14 +118,32 @@ class DistributedOptimizer(MegatronOptimizer):
             by_kind.setdefault((param.dtype, is_expert_parameter(param)), []).append(param)
         if expert_data_parallel_group is None and any(expert for _, expert in by_kind):
             expert_data_parallel_group = parallel_state.get_expert_data_parallel_group()
+        if overlap_grad_reduce and bucket_size is None:
+            bucket_size = default_bucket_size(self.dp_size)
         self.buffers: List[ShardedBuffer] = []
+        queues = []
+        # Buckets follow the model's order (`model_order`, its `parameters()`), which the
+        # backward writes in reverse; the param groups' order (decayed weights, then biases and
+        # norms) would put the first layer's biases in the first bucket to fill.
+        position = {id(param): index for index, param in enumerate(model_order or [])}
         for (_, expert), params in by_kind.items():
             group = expert_data_parallel_group if expert else data_parallel_group
             size, rank = _size_and_rank(group)
+            if overlap_grad_reduce:
+                params = sorted(params, key=lambda param: position.get(id(param), len(position)))
             # Both kinds end as the mean over the data-parallel replicas (module docstring).
-            self.buffers.append(ShardedBuffer(params, group, size, rank, self.dp_size, grad_dtype))
+            queues.append(
+                [
+                    ShardedBuffer(bucket, group, size, rank, self.dp_size, grad_dtype)
+                    for bucket in bucket_parameters(
+                        params, bucket_size if overlap_grad_reduce else None
+                    )
+                ]
+            )
+            self.buffers.extend(queues[-1])
         for buffer in self.buffers:
             buffer.broadcast_params()
+        self.grad_reduce = GradReduce(queues, overlap_grad_reduce)
 
         location = {
             id(param): (buffer, index)
@@ -154,15 +179,18 @@ class DistributedOptimizer(MegatronOptimizer):
         `set_to_none` is accepted for `MegatronOptimizer`'s signature; grads are never set to
         None because the buffer is where backward should accumulate.
         """
+        self.grad_reduce.reset()
         for buffer in self.buffers:
             buffer.bind_grads()
+
+    def last_backward_starts(self) -> None:
+        """With overlap: the buckets reduce-scatter during the coming backward as they fill."""
+        self.grad_reduce.arm()
 
     def _grads_to_step(self) -> List[torch.Tensor]:
         """Collective over the data-parallel group: this rank's shard of the reduced
         gradients, which the inner optimizer's param groups point at."""
-        for buffer in self.buffers:
-            buffer.collect_grads()
-            buffer.reduce_scatter_grads()
+        self.grad_reduce.finish()
         return [buffer.shard_grad for buffer in self.buffers]
 
     def _after_step(self) -> None:
@@ -426,6 +454,8 @@ def build_distributed_optimizer(
     training_config: TrainingConfig,
     data_parallel_group: Optional[dist.ProcessGroup] = None,
     log_num_zeros_in_grad: bool = False,
+    overlap_grad_reduce: bool = False,
+    bucket_size: Optional[int] = None,
 ) -> DistributedOptimizer:
     """`build_optimizer`'s optimizer (same groups, hyper-parameters and loss scaler), sharded
     over `data_parallel_group` (the default group when None), expert-parallel parameters over
@@ -438,6 +468,9 @@ def build_distributed_optimizer(
         log_num_zeros_in_grad,
         data_parallel_group,
         grad_dtype=main_grads_dtype(optimizer_config),
+        overlap_grad_reduce=overlap_grad_reduce,
+        bucket_size=bucket_size,
+        model_order=list(model.parameters()),
     )
 
 

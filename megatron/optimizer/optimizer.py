@@ -77,6 +77,10 @@ class MegatronOptimizer:
         for buffer in self.main_grad_buffers:
             buffer.zero()
 
+    def last_backward_starts(self) -> None:
+        """Told before the step's last backward; an optimizer that reduces gradients while it
+        runs starts watching them (megatron.optimizer.grad_reduce)."""
+
     @torch.no_grad()
     def step(self) -> StepResult:
         """One update: `(update_successful, grad_norm, num_zeros_in_grad)`.

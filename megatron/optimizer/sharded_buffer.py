@@ -105,22 +105,39 @@ class ShardedBuffer:
 
     def collect_grads(self) -> None:
         """Bring grads that do not live in the buffer (None, or re-created) into it."""
+        for index in range(len(self.params)):
+            self.collect_grad(index)
+
+    def collect_grad(self, index: int) -> None:
+        """`collect_grads` for `params[index]` alone."""
         if self.main_grads is not None:
             return  # the hooks added every gradient into the buffer
-        for index, param in enumerate(self.params):
-            view = self.grad_view(index)
-            if param.grad is None:
-                view.zero_()
-            elif param.grad.data_ptr() != view.data_ptr():
-                view.copy_(param.grad)
+        param, view = self.params[index], self.grad_view(index)
+        if param.grad is None:
+            view.zero_()
+        elif param.grad.data_ptr() != view.data_ptr():
+            view.copy_(param.grad)
 
     def reduce_scatter_grads(self) -> None:
         """This rank's shard of the grad buffer summed over the group, over `grad_divisor`
         (after the sum it touches 1/size of the elements)."""
+        self.finish_reduce_scatter(self.start_reduce_scatter())
+
+    def start_reduce_scatter(self) -> Optional[dist.Work]:
+        """`reduce_scatter_grads` without waiting: the collective's handle (None when there was
+        nothing to wait for). The grad buffer must not change until `finish_reduce_scatter`."""
         if self.size > 1:
-            _reduce_scatter(self.shard_grad, self.grad_buffer, group=self.group)
-        else:
-            self.shard_grad.copy_(self.grad_buffer)
+            return _reduce_scatter(
+                self.shard_grad, self.grad_buffer, group=self.group, async_op=True
+            )
+        self.shard_grad.copy_(self.grad_buffer)
+        return None
+
+    def finish_reduce_scatter(self, work: Optional[dist.Work]) -> None:
+        """Wait for `start_reduce_scatter`'s collective (on GPUs: the current stream waits),
+        then divide."""
+        if work is not None:
+            work.wait()
         if self.grad_divisor > 1:
             self.shard_grad.div_(self.grad_divisor)
 

@@ -1,7 +1,8 @@
 """--use-distributed-optimizer with tensor, pipeline and expert parallelism: pretrain_gpt.py's
 trainer in 4 gloo processes (tiny GPT, fp32, 5 steps) gives the single-process lm loss, grad
-norm and final parameters; a checkpoint saved at TP=2 x DP=2 with it (sharded, written in the
-background with --async-save) resumes in one process without it, and a single-process one at
+norm and final parameters (at TP=2 x DP=2 and EP=2 x DP=4 with --overlap-grad-reduce); a
+checkpoint saved at TP=2 x DP=2 with it (sharded, written in the background with --async-save,
+its gradients reduced during the backward) resumes in one process without it, and a single-process one at
 TP=2 x DP=2 with it.
 
 The trainer runs inside `run_distributed`'s forked ranks (pretrain_gpt.main joins the existing
@@ -33,6 +34,8 @@ MEMORY_LINE = re.compile(
 TOLERANCE = 1e-5  # relative, on the loss and grad norm; absolute on the parameters
 # 4 layers (PP=2 interleaves two one-layer chunks per stage), 2 micro-batches per rank at DP=2.
 DENSE = ["--num-layers", "4", "--global-batch-size", "8"]
+# Buckets of 20,000 parameters: several per run.
+OVERLAP = ["--overlap-grad-reduce", "--ddp-bucket-size", "20000"]
 
 
 def _pretrain(rank: int, world_size: int, args: List[str]) -> List[Dict[str, float]]:
@@ -108,7 +111,9 @@ def tp2_dp2(data_prefix, tmp_path_factory):
     directory = tmp_path_factory.mktemp("tp2_dp2")
     args = gpt_args(data_prefix, *DENSE, "--sequence-parallel", tensor_parallel=2)
     # Saved in the background: the resumes below read what --async-save wrote.
-    args += ["--use-distributed-optimizer", "--async-save"]
+    # The gradients reduce-scattered in buckets during the last backward, the norms' (summed
+    # over the TP group after it) last.
+    args += ["--use-distributed-optimizer", "--async-save", *OVERLAP]
     return directory, train(4, args, directory, save_interval=3)
 
 
@@ -136,7 +141,7 @@ def test_expert_parallel_distributed_optimizer_matches_one_process(data_prefix, 
     expert-data-parallel groups [0, 2] and [1, 3], the rest over all four ranks."""
     single = train(1, moe_gpt_args(data_prefix), tmp_path / "single")
     args = moe_gpt_args(data_prefix, "--expert-model-parallel-size", "2", "--async-save")
-    parallel = train(4, [*args, "--use-distributed-optimizer"], tmp_path / "ep2")
+    parallel = train(4, [*args, "--use-distributed-optimizer", *OVERLAP], tmp_path / "ep2")
     assert_layout(tmp_path / "ep2", expert_model_parallel_size=2, data_parallel_size=4)
     assert_same_run(single, parallel)
     assert_same_checkpoint(tmp_path / "single", tmp_path / "ep2")
@@ -189,6 +194,8 @@ def test_checkpoint_resumes_bit_exactly_in_the_same_layout(tp2_dp2, data_prefix,
     (load / "latest_checkpointed_iteration.txt").write_text("3")
     args = gpt_args(data_prefix, *DENSE, "--sequence-parallel", "--load", str(load),
                     tensor_parallel=2)  # fmt: skip
-    resumed = train(4, [*args, "--use-distributed-optimizer"], tmp_path / "resumed")
+    # The same buckets too: they decide each rank's shard, and so the order in which the grad
+    # norm's squares are summed.
+    resumed = train(4, [*args, "--use-distributed-optimizer", *OVERLAP], tmp_path / "resumed")
     for name in ("lm loss", "grad-norm"):
         assert resumed[name] == {step: saved_run[name][step] for step in (4, 5)}, name

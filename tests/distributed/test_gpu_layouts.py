@@ -87,6 +87,11 @@ LAYOUTS = {
         ["--expert-model-parallel-size", "2", "--moe-expert-parallel-buffer-factor", "1.5"],
     ),
     "dp2_distributed_optimizer": (2, ["--use-distributed-optimizer"]),
+    # Compiled layer by layer, gradients reduce-scattered in buckets of 100,000 parameters.
+    "dp2_distributed_optimizer_overlapped": (
+        2,
+        ["--use-distributed-optimizer", "--overlap-grad-reduce", "--ddp-bucket-size", "100000"],
+    ),
     "pp2": (2, ["--pipeline-model-parallel-size", "2"]),
     "tp2_ep2_sequence_parallel": (
         4,
@@ -100,7 +105,12 @@ LAYOUTS = {
     ),  # fmt: skip
     "ep2_dp2_distributed_optimizer": (
         4,
-        ["--expert-model-parallel-size", "2", "--use-distributed-optimizer"],
+        [
+            "--expert-model-parallel-size",
+            "2",
+            "--use-distributed-optimizer",
+            "--overlap-grad-reduce",
+        ],
     ),
 }
 
