@@ -316,8 +316,9 @@ def compile_model(
     """torch.compile(`model`) (with torch.compile's `options`), which fuses the elementwise
     work (norms, GELU, dropout, the loss) around the matmuls; with a `veto` the model stays
     eager and the reason is printed (a graph broken around Triton-launched kernels can run
-    slower than eager). `layer_by_layer`: each TransformerLayer compiles on its own, in
-    place (the rest stays eager), and the model is returned as it is."""
+    slower than eager). `layer_by_layer`: each TransformerLayer's forward compiles on its
+    own, in place (the rest, and the layers' forward hooks, stay eager: the distributed
+    optimizer's waits for a layer's parameters run there), and the model is returned."""
     if veto is not None:
         print_rank_0(f"note: {veto}")
         return model
@@ -328,6 +329,6 @@ def compile_model(
     if layer_by_layer:
         for module in model.modules():
             if isinstance(module, TransformerLayer):
-                module.compile(dynamic=False, **options)
+                module.forward = torch.compile(module.forward, dynamic=False, **options)
         return model
     return torch.compile(model, dynamic=False, **options)

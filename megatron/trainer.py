@@ -38,6 +38,7 @@ from megatron.logging import (
     min_max_across_ranks,
 )
 from megatron.model.flops import num_floating_point_operations
+from megatron.model.transformer import TransformerLayer
 from megatron.optimizer import build_lr_scheduler, build_optimizer
 from megatron.optimizer.distributed_optimizer import build_distributed_optimizer
 from megatron.optimizer.optimizer import main_grads_dtype
@@ -114,6 +115,7 @@ class Trainer:
                 data_parallel_group,
                 overlap_grad_reduce=config.parallel.overlap_grad_reduce,
                 bucket_size=config.parallel.ddp_bucket_size,
+                overlap_param_gather=config.parallel.overlap_param_gather,
             )
             print_rank_0(f"> {self.optimizer.memory_report()}")
         else:
@@ -131,6 +133,12 @@ class Trainer:
         )
         self.wrapped_in_ddp = model.wrapped_in_ddp
         self.hooks.setup(self.unwrapped_model, model.wrapped_in_ddp, context.device)
+        # With the parameter all-gather in flight after each step, every module waits for its
+        # own parameters just before its forward; otherwise they are waited for before the
+        # forwards begin.
+        self.gathers_before_use = config.parallel.overlap_param_gather and not self.pipeline
+        if self.gathers_before_use:
+            install_parameter_waits(self.unwrapped_model, self.optimizer, self.hooks)
         self.iteration = 0
         self.consumed_train_samples = 0
         self.consumed_valid_samples = 0
@@ -212,6 +220,7 @@ class Trainer:
     def _forwards_and_backwards(self, data_iterator: Iterator) -> Dict[str, torch.Tensor]:
         """Every micro-batch's forward and backward from fresh gradients, then the hooks' work
         after the backwards; the reported means."""
+        self._wait_for_parameters()
         self.hooks.before_forwards(self.unwrapped_model)
         self.optimizer.zero_grad()
         if self.pipeline:
@@ -289,6 +298,7 @@ class Trainer:
     def evaluate(self, data_iterator: Iterator, eval_iters: int) -> Dict[str, float]:
         """Average reported losses over `eval_iters` global batches, without dropout."""
         self.mark_progress(f"evaluation after iteration {self.iteration}")
+        self._wait_for_parameters()
         self.hooks.before_forwards(self.unwrapped_model)
         self.model.eval()
         sums: Dict[str, torch.Tensor] = defaultdict(
@@ -348,6 +358,7 @@ class Trainer:
         if not self.config.checkpoint.save or self.last_saved_iteration == self.iteration:
             return
         self.mark_progress(f"the save of iteration {self.iteration}")
+        self.optimizer.finish_parameter_gather()
         # Never a checkpoint with non-finite weights (with --no-check-for-nan-in-loss-and-grad
         # a diverged run gets this far): it would be the one the next run resumes from.
         bad = agreed_first_non_finite(self.unwrapped_model.named_parameters())
@@ -372,6 +383,12 @@ class Trainer:
         # With --async-save this is the time training was blocked: the write goes on.
         self._log_time("save-checkpoint", start)
         self.last_saved_iteration = self.iteration
+
+    def _wait_for_parameters(self) -> None:
+        """Before the forwards: every parameter's all-gather done, unless each module waits
+        for its own (`install_parameter_waits`)."""
+        if not self.gathers_before_use:
+            self.optimizer.finish_parameter_gather()
 
     def finish_saves(self) -> None:
         """Wait for a checkpoint still being written in the background (--async-save); raises
@@ -421,3 +438,51 @@ class _Recorded:
     def replay(self) -> Iterator:
         """The items taken so far, again."""
         return iter(list(self._taken))
+
+
+def install_parameter_waits(model: torch.nn.Module, optimizer, hooks: TrainingHooks) -> None:
+    """Forward hooks, ahead of any other, that wait for the optimizer's all-gather of the
+    parameters each module is about to use, so that the first module to run waits for the
+    buckets gathered first and the last for the last, never for a bucket gathered behind
+    others it does not need yet:
+    - a transformer layer: its own, before its forward (then the training hooks' per-layer
+      work);
+    - a module outside the layers: its own and its children's, before its forward (a parent
+      may read a child's weight without calling it: the tied output layer reads the word
+      embedding's);
+    - a module holding layers: its direct ones before its forward, and those of its children
+      without layers once each child holding layers has run (the model reads its output
+      layer's weight after the decoder without calling the output layer).
+    """
+
+    def before_layer(layer: torch.nn.Module, _) -> None:
+        optimizer.wait_for_parameters(layer.parameters())
+        hooks.before_layer_forward(layer)
+
+    def wait_hook(params):
+        return lambda *_: optimizer.wait_for_parameters(params)
+
+    def holds_layers(module: torch.nn.Module) -> bool:
+        return any(isinstance(child, TransformerLayer) for child in module.modules())
+
+    for module in model.modules():
+        if isinstance(module, TransformerLayer):
+            module.register_forward_pre_hook(before_layer, prepend=True)
+        elif not holds_layers(module):
+            continue  # waited for by the module above it, outside the layers
+        else:
+            direct = list(module.parameters(recurse=False))
+            if direct:
+                module.register_forward_pre_hook(wait_hook(direct), prepend=True)
+            children = list(module.children())
+            outside = [
+                p for child in children if not holds_layers(child) for p in child.parameters()
+            ]
+            for child in children:
+                if holds_layers(child) and not isinstance(child, TransformerLayer):
+                    child.register_forward_hook(wait_hook(outside), prepend=True)
+                elif not holds_layers(child) and any(True for _ in child.parameters()):
+                    child.register_forward_pre_hook(
+                        wait_hook(list(child.parameters())), prepend=True
+                    )
+    hooks.weights_arrive_by_layer()

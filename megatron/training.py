@@ -115,6 +115,8 @@ def train(trainer: Trainer, train_iterator, valid_iterator, result: TrainingResu
         raise
     finally:
         profiler.stop()  # a run that ends before --profile-step-end still writes its trace
+        # The last step's parameters, in full, for whatever reads the model after training.
+        trainer.optimizer.finish_parameter_gather()
 
 
 def _train_loop(

@@ -16,7 +16,8 @@ from torch import nn
 
 class TrainingHooks:
     """Called by the trainer on every rank, in this order: `compile_veto` once, `setup` once,
-    then per step `before_step`, `before_forwards` ... forwards and backwards ...
+    then per step `before_step`, `before_forwards` ... forwards (`before_layer_forward` in them,
+    after `weights_arrive_by_layer`) and backwards ...
     `after_backwards`, `rerun_step` (the step may run again from `before_forwards`), and
     `iteration_fields` and `log` at each --log-interval."""
 
@@ -46,6 +47,16 @@ class TrainingHooks:
     def before_forwards(self, model: nn.Module) -> None:
         """Before the first forward of each training step and of each evaluation: the
         optimizer step or a checkpoint load may have changed the weights since the last."""
+
+    def weights_arrive_by_layer(self) -> None:
+        """Once, before the first step, when the parameters of each transformer layer arrive
+        only just before its forward (--overlap-param-gather): from then on `before_forwards`
+        must not read the layers' weights, and `before_layer_forward` is called for each layer
+        once its weights are there."""
+
+    def before_layer_forward(self, layer: nn.Module) -> None:
+        """Before each forward of a transformer layer, its weights there, after
+        `weights_arrive_by_layer` (also for the forwards recomputed in the backward)."""
 
     def after_backwards(self, model: nn.Module) -> None:
         """After the last backward of a training step, before any gradient is reduced, clipped

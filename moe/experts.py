@@ -347,11 +347,16 @@ def flush_expert_gradients(model: nn.Module) -> None:
             module.flush_gradients()
 
 
+def expert_modules(model: nn.Module) -> List[Experts]:
+    """The Experts modules of `model`, in its order."""
+    return [module for module in model.modules() if isinstance(module, Experts)]
+
+
 def refresh_compute_weights(model: nn.Module, dtype: torch.dtype, accumulate_in_place: bool) -> int:
     """`Experts.refresh_compute_weights` on every Experts module of `model`; returns how many
     there are. Call it after every change of the weights (the trainer: at the start of each
     training step and of each evaluation), since forwards use the copies until then."""
-    experts = [module for module in model.modules() if isinstance(module, Experts)]
+    experts = expert_modules(model)
     for module in experts:
         module.refresh_compute_weights(dtype, accumulate_in_place)
     return len(experts)

@@ -1,7 +1,9 @@
 """What the trainer does for MoE layers around each step (megatron.training_hooks).
 
 - Compute copies of the expert weights (moe.experts.refresh_compute_weights): refreshed before
-  the forwards of every step and evaluation, their held gradients flushed after the backwards.
+  the forwards of every step and evaluation (or, when each layer's weights arrive only before
+  its forward, --overlap-param-gather, before each layer's first forward), their held
+  gradients flushed after the backwards.
 - The per-layer expert load (moe.expert_load) at each --log-interval: a line with
   --moe-per-layer-logging, TensorBoard histograms and spreads with --tensorboard-dir.
 - Under expert parallelism, the load imbalance over the expert-parallel ranks: its worst layer
@@ -13,7 +15,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Set
 
 import torch
 from torch import nn
@@ -30,7 +32,7 @@ from moe.expert_load import (
     gather_expert_parallel_imbalance,
     load_spread,
 )
-from moe.experts import flush_expert_gradients, refresh_compute_weights
+from moe.experts import expert_modules, flush_expert_gradients, refresh_compute_weights
 from moe.kernels.grouped_gemm import TORCH
 from moe.layers import moe_layers
 
@@ -84,6 +86,8 @@ class MoETrainingHooks(TrainingHooks):
         self.step_start: Optional[StepStart] = None
         factor = moe.expert_parallel_buffer_factor
         self.block_factor = BlockFactor(factor) if factor is not None else None
+        self.refresh_by_layer = False
+        self.stale_copies: Set[int] = set()
 
     def compile_veto(self, device: torch.device) -> Optional[str]:
         moe = self.moe
@@ -141,9 +145,25 @@ class MoETrainingHooks(TrainingHooks):
         for layer in layers:
             layer.expert_parallel_buffer_factor = factor
 
+    def weights_arrive_by_layer(self) -> None:
+        self.refresh_by_layer = True
+
     def before_forwards(self, model: nn.Module) -> None:
-        if self.compute_dtype is not None:
-            refresh_compute_weights(model, self.compute_dtype, self.grads_in_place)
+        if self.compute_dtype is None:
+            return
+        if self.refresh_by_layer:
+            # Each layer's copies are refreshed when its weights have arrived.
+            self.stale_copies = {id(module) for module in expert_modules(model)}
+            return
+        refresh_compute_weights(model, self.compute_dtype, self.grads_in_place)
+
+    def before_layer_forward(self, layer: nn.Module) -> None:
+        if not self.stale_copies:
+            return
+        for module in expert_modules(layer):
+            if id(module) in self.stale_copies:
+                self.stale_copies.discard(id(module))
+                module.refresh_compute_weights(self.compute_dtype, self.grads_in_place)
 
     def after_backwards(self, model: nn.Module) -> None:
         # Adds the expert gradients the copies still hold (moe.weight_copies.GradientAccumulator)

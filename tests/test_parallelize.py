@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch._dynamo.testing
 from torch import nn
 
 from megatron.expert_parameters import is_expert_parameter
 from megatron.model import DENSE_MLP, GPTModel
 from megatron.model.attention import SelfAttention
-from megatron.parallelize import materialize_weights, shard_model
+from megatron.model.transformer import TransformerLayer
+from megatron.parallelize import compile_model, materialize_weights, shard_model
 from megatron.parameter_swaps import materialize, replace_parameter
 from megatron.tensor_parallel import (
     ColumnParallelLinear,
@@ -116,3 +118,28 @@ def test_swapped_parameters_keep_their_marks_and_sharing():
     swapped = replace_parameter(first, "weight", torch.zeros(2, 4))
     assert first.weight is swapped and swapped.partition_dim == 0
     assert not is_expert_parameter(swapped)
+
+
+def test_layer_by_layer_compile_keeps_the_layers_forward_hooks_eager():
+    """With --overlap-grad-reduce each layer's forward compiles on its own and the rest stays
+    eager: the layer's forward pre-hooks (where the distributed optimizer's waits for its
+    parameters run) are not traced, and the state dict keeps its names."""
+    torch._dynamo.reset()
+    model = build(*MODELS["dense"])
+    names = list(model.state_dict())
+    counter = torch._dynamo.testing.CompileCounter()
+    assert compile_model(model, None, layer_by_layer=True, backend=counter) is model
+    tracing = []
+    for layer in model.modules():
+        if isinstance(layer, TransformerLayer):
+            layer.register_forward_pre_hook(
+                lambda *_: tracing.append(torch.compiler.is_compiling())
+            )
+    tokens = torch.zeros(2, 8, dtype=torch.long)
+    reference = build(*MODELS["dense"])
+    reference.load_state_dict(model.state_dict())
+    torch.testing.assert_close(model(tokens, None), reference(tokens, None))
+    assert tracing == [False] * model.config.num_layers
+    assert counter.frame_count >= 1  # the layers' forward
+    assert list(model.state_dict()) == names
+    torch._dynamo.reset()

@@ -88,3 +88,10 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
         help="Parameters per gradient bucket of --overlap-grad-reduce (a parameter larger than "
         "it is a bucket of its own); default max(40M, 1M x the data-parallel size), as Megatron.",
     )
+    group.add_argument(
+        "--overlap-param-gather",
+        action="store_true",
+        help="With --overlap-grad-reduce: leave the distributed optimizer's parameter all-gather "
+        "in flight after the step, each transformer layer waiting for its own parameters just "
+        "before its forward.",
+    )

@@ -77,6 +77,9 @@ class ParallelConfig:
     # (megatron.optimizer.overlapped_reduce); torch DDP always overlaps its all-reduce.
     overlap_grad_reduce: bool = False
     ddp_bucket_size: int | None = None  # parameters per bucket; None: Megatron's default
+    # Its all-gather after the step left in flight until each layer's forward needs it
+    # (megatron.optimizer.param_gather); needs overlap_grad_reduce's buckets.
+    overlap_param_gather: bool = False
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,12 @@ import torch
 
 from megatron.arguments import ArgumentGroupAdder, build_parser
 from megatron.config.errors import ConfigError, flag_name
+from megatron.config.layout_validation import (
+    check_gradient_sync,
+    check_pipeline_parallel,
+    check_tensor_parallel,
+    resolve_parallelism,
+)
 from megatron.config.optimizer_memory import check_optimizer_memory
 from megatron.data.dataset_splits import parse_data_path, split_note
 from megatron.kernels.dispatch import kernel_mode_from_environment
@@ -58,15 +64,16 @@ def resolve_arguments_with_notes(
     args = argparse.Namespace(**vars(namespace))
     notes: List[str] = []
     _check_required_and_ranges(args, world_size)
-    _resolve_parallelism(args, world_size)
+    resolve_parallelism(args, world_size)
     _resolve_batch_size(args, notes)
     _resolve_precision(args, notes)
     check_optimizer_memory(args)
     _resolve_kernels(args)
     _resolve_iterations_and_lr(args)
     _resolve_model_shape(args, notes)
-    _check_tensor_parallel(args, notes)
-    _check_pipeline_parallel(args)
+    check_tensor_parallel(args, notes)
+    check_pipeline_parallel(args)
+    check_gradient_sync(args)
     _resolve_recompute(args, notes)
     _check_data(args, notes)
     _check_checkpointing(args, notes)
@@ -94,7 +101,7 @@ def _check_required_and_ranges(args: argparse.Namespace, world_size: int) -> Non
     optional_positive = ["ffn_hidden_size", "max_position_embeddings", "global_batch_size"]
     optional_positive += ["train_iters", "train_samples", "lr_decay_iters", "lr_decay_samples"]
     optional_positive += ["save_interval", "exit_interval", "exit_duration_in_mins", "loss_scale"]
-    optional_positive += ["keep_latest_checkpoints"]
+    optional_positive += ["keep_latest_checkpoints", "ddp_bucket_size"]
     if args.group_query_attention:
         positive.append("num_query_groups")
     for name in positive + [n for n in optional_positive if getattr(args, n) is not None]:
@@ -122,45 +129,6 @@ def _check_required_and_ranges(args: argparse.Namespace, world_size: int) -> Non
             f"--rampup-batch-size {' '.join(args.rampup_batch_size)} is not supported; "
             "train with a constant --global-batch-size"
         )
-
-
-def _resolve_parallelism(args: argparse.Namespace, world_size: int) -> None:
-    tensor, pipeline = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    model_parallel = tensor * pipeline
-    if world_size % model_parallel != 0:
-        raise ConfigError(
-            f"world size {world_size} is not divisible by --tensor-model-parallel-size "
-            f"{tensor} x --pipeline-model-parallel-size {pipeline} (= {model_parallel}); "
-            "launch a multiple of that many processes or lower the parallel sizes"
-        )
-    args.world_size = world_size
-    args.data_parallel_size = world_size // model_parallel
-    _resolve_expert_parallelism(args)
-
-
-def _resolve_expert_parallelism(args: argparse.Namespace) -> None:
-    """Expert parallelism is a degree of the layout, carved out of data parallelism (as in
-    Megatron-core): MegaBlocks' switch asks for all of it, and any size must divide it. Whether
-    the model has experts to split, and how many, its MoE extension checks."""
-    size = args.expert_model_parallel_size
-    if args.moe_expert_model_parallelism:
-        if size != 1:
-            raise ConfigError(
-                "--moe-expert-model-parallelism (expert parallel size = data-parallel size) "
-                f"and --expert-model-parallel-size {size} both set it; pass one of them"
-            )
-        size = args.data_parallel_size
-    if size < 1:
-        raise ConfigError(f"--expert-model-parallel-size must be >= 1, got {size}")
-    if args.data_parallel_size % size != 0:
-        raise ConfigError(
-            f"--expert-model-parallel-size {size} does not divide the data-parallel size "
-            f"{args.data_parallel_size} (world size / (--tensor-model-parallel-size x "
-            "--pipeline-model-parallel-size)): experts are sharded over data-parallel ranks; "
-            f"choose an expert parallel size that divides {args.data_parallel_size}, or launch "
-            f"a multiple of {size} data-parallel ranks"
-        )
-    args.expert_model_parallel_size = size
 
 
 def _resolve_batch_size(args: argparse.Namespace, notes: List[str]) -> None:
@@ -281,77 +249,6 @@ def _resolve_model_shape(args: argparse.Namespace, notes: List[str]) -> None:
                 f"(--hidden-size {hidden} / --num-attention-heads {heads}) gives {rotary_dim} "
                 "rotary channels; rotary embeddings need a positive even number"
             )
-
-
-def _check_tensor_parallel(args: argparse.Namespace, notes: List[str]) -> None:
-    """Every split tensor-parallel layers make must come out even (the padded vocabulary is
-    made divisible when the tokenizer is built, as in Megatron)."""
-    tensor = args.tensor_model_parallel_size
-    if args.sequence_parallel and tensor == 1:
-        # Megatron turns it off silently; say so.
-        args.sequence_parallel = False
-        notes.append(
-            "--sequence-parallel has no effect with --tensor-model-parallel-size 1; disabled"
-        )
-    if tensor == 1:
-        return
-    world_size = args.world_size
-    splits = [
-        ("--num-attention-heads", args.num_attention_heads, "attention heads"),
-        ("--hidden-size", args.hidden_size, "the hidden size"),
-        ("--ffn-hidden-size", args.ffn_hidden_size, "MLP channels"),
-    ]
-    if args.group_query_attention:
-        splits.append(("--num-query-groups", args.num_query_groups, "key/value heads"))
-    if args.sequence_parallel:
-        splits.append(("--seq-length", args.seq_length, "the sequence (--sequence-parallel)"))
-    for flag, value, what in splits:
-        if value % tensor != 0:
-            raise ConfigError(
-                f"{flag} {value} is not divisible by --tensor-model-parallel-size {tensor}: "
-                f"{what} are split evenly over the tensor-parallel ranks (world size "
-                f"{world_size}); choose sizes that {tensor} divides, or a smaller "
-                "--tensor-model-parallel-size"
-            )
-
-
-def _check_pipeline_parallel(args: argparse.Namespace) -> None:
-    """Megatron's pipeline split: equal layers per stage (and per virtual stage), micro-batches
-    a multiple of the stages for the interleaved schedule; sets the virtual pipeline size."""
-    pipeline = args.pipeline_model_parallel_size
-    per_virtual_stage = args.num_layers_per_virtual_pipeline_stage
-    args.virtual_pipeline_model_parallel_size = None
-    if pipeline == 1:
-        if per_virtual_stage is not None:
-            raise ConfigError(
-                f"--num-layers-per-virtual-pipeline-stage {per_virtual_stage} needs "
-                "--pipeline-model-parallel-size above 1 (it interleaves pipeline stages)"
-            )
-        return
-    if args.num_layers % pipeline != 0:
-        raise ConfigError(
-            f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size "
-            f"{pipeline}: every stage holds the same number of layers"
-        )
-    if per_virtual_stage is None:
-        return
-    per_stage = args.num_layers // pipeline
-    if per_virtual_stage < 1 or per_stage % per_virtual_stage != 0:
-        raise ConfigError(
-            f"--num-layers-per-virtual-pipeline-stage {per_virtual_stage} does not divide the "
-            f"{per_stage} layers of each stage (--num-layers {args.num_layers} / "
-            f"--pipeline-model-parallel-size {pipeline})"
-        )
-    num_micro_batches = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
-    if num_micro_batches % pipeline != 0:
-        raise ConfigError(
-            f"the interleaved pipeline schedule needs the number of micro-batches "
-            f"({num_micro_batches} = --global-batch-size {args.global_batch_size} / "
-            f"(--micro-batch-size {args.micro_batch_size} x data-parallel size "
-            f"{args.data_parallel_size})) to be divisible by --pipeline-model-parallel-size "
-            f"{pipeline}"
-        )
-    args.virtual_pipeline_model_parallel_size = per_stage // per_virtual_stage
 
 
 def _resolve_recompute(args: argparse.Namespace, notes: List[str]) -> None:

@@ -35,8 +35,9 @@ and this project needs torch>=2.4, so no gloo fallback is needed; the CPU tests 
 
 Buckets: with `overlap_grad_reduce` each replica group's parameters are cut into buckets,
 each its own flat buffers and shards, reduce-scattered while the last backward still runs
-(megatron.optimizer.grad_reduce); otherwise a group's parameters are one bucket. Not covered
-yet: overlap of the parameter all-gather with the next forward.
+(megatron.optimizer.grad_reduce); otherwise a group's parameters are one bucket. With
+`overlap_param_gather` the all-gather after the step is left in flight, and the trainer waits for
+each bucket just before the forward that needs it (megatron.optimizer.param_gather).
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ from megatron.optimizer.optimizer import (
     load_keeping_kernel_flags,
     main_grads_dtype,
 )
+from megatron.optimizer.param_gather import ParamGather
 from megatron.optimizer.sharded_buffer import ShardedBuffer, all_gather_into
 
 
@@ -104,6 +106,7 @@ class DistributedOptimizer(MegatronOptimizer):
         overlap_grad_reduce: bool = False,
         bucket_size: Optional[int] = None,
         model_order: Optional[List[nn.Parameter]] = None,
+        overlap_param_gather: bool = False,
     ) -> None:
         if optimizer.state:
             raise ValueError("DistributedOptimizer needs a torch optimizer that has not stepped")
@@ -122,28 +125,21 @@ class DistributedOptimizer(MegatronOptimizer):
             bucket_size = default_bucket_size(self.dp_size)
         self.buffers: List[ShardedBuffer] = []
         queues = []
-        # Buckets follow the model's order (`model_order`, its `parameters()`), which the
-        # backward writes in reverse; the param groups' order (decayed weights, then biases and
-        # norms) would put the first layer's biases in the first bucket to fill.
-        position = {id(param): index for index, param in enumerate(model_order or [])}
         for (_, expert), params in by_kind.items():
             group = expert_data_parallel_group if expert else data_parallel_group
             size, rank = _size_and_rank(group)
-            if overlap_grad_reduce:
-                params = sorted(params, key=lambda param: position.get(id(param), len(position)))
+            buckets = bucket_parameters(
+                params, bucket_size if overlap_grad_reduce else None, model_order
+            )
             # Both kinds end as the mean over the data-parallel replicas (module docstring).
             queues.append(
-                [
-                    ShardedBuffer(bucket, group, size, rank, self.dp_size, grad_dtype)
-                    for bucket in bucket_parameters(
-                        params, bucket_size if overlap_grad_reduce else None
-                    )
-                ]
+                [ShardedBuffer(b, group, size, rank, self.dp_size, grad_dtype) for b in buckets]
             )
             self.buffers.extend(queues[-1])
         for buffer in self.buffers:
             buffer.broadcast_params()
         self.grad_reduce = GradReduce(queues, overlap_grad_reduce)
+        self.param_gather = ParamGather(queues, overlap_param_gather)
 
         location = {
             id(param): (buffer, index)
@@ -187,15 +183,23 @@ class DistributedOptimizer(MegatronOptimizer):
         """With overlap: the buckets reduce-scatter during the coming backward as they fill."""
         self.grad_reduce.arm()
 
+    def wait_for_parameters(self, params) -> None:
+        """With overlapped parameter gathering: until `params` hold the last step's values."""
+        self.param_gather.wait_for(params)
+
+    def finish_parameter_gather(self) -> None:
+        """Until every parameter holds the last step's values."""
+        self.param_gather.finish()
+
     def _grads_to_step(self) -> List[torch.Tensor]:
         """Collective over the data-parallel group: this rank's shard of the reduced
         gradients, which the inner optimizer's param groups point at."""
+        self.param_gather.finish()  # the step writes the parameters' shards
         self.grad_reduce.finish()
         return [buffer.shard_grad for buffer in self.buffers]
 
     def _after_step(self) -> None:
-        for buffer in self.buffers:
-            buffer.all_gather_params()
+        self.param_gather.start()
 
     def state_dict(self) -> Dict[str, Any]:
         """This rank's shard: `{"optimizer", "grad_scaler" (fp16 only), "shard_layout"}`.
@@ -456,6 +460,7 @@ def build_distributed_optimizer(
     log_num_zeros_in_grad: bool = False,
     overlap_grad_reduce: bool = False,
     bucket_size: Optional[int] = None,
+    overlap_param_gather: bool = False,
 ) -> DistributedOptimizer:
     """`build_optimizer`'s optimizer (same groups, hyper-parameters and loss scaler), sharded
     over `data_parallel_group` (the default group when None), expert-parallel parameters over
@@ -471,6 +476,7 @@ def build_distributed_optimizer(
         overlap_grad_reduce=overlap_grad_reduce,
         bucket_size=bucket_size,
         model_order=list(model.parameters()),
+        overlap_param_gather=overlap_param_gather,
     )
 
 

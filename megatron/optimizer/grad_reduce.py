@@ -45,12 +45,19 @@ def changes_after_backward(param: nn.Parameter) -> bool:
 
 
 def bucket_parameters(
-    params: Sequence[nn.Parameter], bucket_size: Optional[int]
+    params: Sequence[nn.Parameter],
+    bucket_size: Optional[int],
+    model_order: Optional[Sequence[nn.Parameter]] = None,
 ) -> List[List[nn.Parameter]]:
-    """`params` (one replica group's, in the model's order) as buckets in launch order: all in
-    one with no `bucket_size`; else see the module docstring."""
+    """`params` (one replica group's) as buckets in launch order: all in one, as given, with no
+    `bucket_size`; else see the module docstring. The buckets follow `model_order` (the model's
+    `parameters()`, which the backward writes in reverse; default: as given), not the order of
+    the optimizer's param groups (weights, then biases and norms), which would put the first
+    layer's biases in the first bucket to fill."""
     if bucket_size is None:
         return [list(params)]
+    position = {id(param): index for index, param in enumerate(model_order or params)}
+    params = sorted(params, key=lambda param: position.get(id(param), len(position)))
     buckets: List[List[nn.Parameter]] = []
     current: List[nn.Parameter] = []
     numel = 0

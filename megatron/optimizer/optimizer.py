@@ -81,6 +81,13 @@ class MegatronOptimizer:
         """Told before the step's last backward; an optimizer that reduces gradients while it
         runs starts watching them (megatron.optimizer.grad_reduce)."""
 
+    def wait_for_parameters(self, params) -> None:
+        """Until `params` hold the last step's values; an optimizer that leaves its parameter
+        all-gather in flight waits for theirs (megatron.optimizer.param_gather)."""
+
+    def finish_parameter_gather(self) -> None:
+        """Until every parameter holds the last step's values."""
+
     @torch.no_grad()
     def step(self) -> StepResult:
         """One update: `(update_successful, grad_norm, num_zeros_in_grad)`.

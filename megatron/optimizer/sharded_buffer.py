@@ -143,14 +143,22 @@ class ShardedBuffer:
 
     def all_gather_params(self) -> None:
         """Every rank's updated shard into every rank's parameter buffer."""
+        work = self.start_all_gather()
+        if work is not None:
+            work.wait()
+
+    def start_all_gather(self) -> Optional[dist.Work]:
+        """`all_gather_params` without waiting: the collective's handle (None when there is
+        nothing to wait for). The parameters must not be read or written until it is waited
+        for (on GPUs: the stream that uses them waits)."""
         if self.size == 1:
-            return
+            return None
         shard = self.param_shard
         # NCCL all-gathers in place (input is the output's own slice); other backends get a
-        # separate input so they never read a slice they are writing.
+        # separate input so they never read a slice they are writing (the work keeps it).
         if dist.get_backend(self.group) != "nccl":
             shard = shard.clone()
-        all_gather_into(self.param_buffer, shard, self.group)
+        return _all_gather(self.param_buffer, shard, group=self.group, async_op=True)
 
 
 def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group) -> None:

@@ -31,6 +31,13 @@ from tests.config.command_lines import config, error_message
         ((), {"drop": ("--train-iters",)}, 1, ["--train-iters", "--train-samples", "neither"]),
         (("--bf16", "--fp16"), {}, 1, ["--fp16", "--bf16"]),
         (("--async-save",), {}, 1, ["--async-save was given without --save", "add --save DIR"]),
+        (("--ddp-bucket-size", "0"), {}, 1, ["--ddp-bucket-size must be > 0, got 0"]),
+        (
+            ("--use-distributed-optimizer", "--overlap-param-gather"),
+            {},
+            2,
+            ["--overlap-param-gather needs", "--overlap-grad-reduce"],
+        ),
         ((), {"seq_length": "64"}, 1, ["--seq-length 64", "--max-position-embeddings 32"]),
         (
             ("--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "2"),

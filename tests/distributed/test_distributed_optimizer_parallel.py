@@ -1,6 +1,7 @@
 """--use-distributed-optimizer with tensor, pipeline and expert parallelism: pretrain_gpt.py's
 trainer in 4 gloo processes (tiny GPT, fp32, 5 steps) gives the single-process lm loss, grad
-norm and final parameters (at TP=2 x DP=2 and EP=2 x DP=4 with --overlap-grad-reduce); a
+norm and final parameters (at TP=2 x DP=2 and EP=2 x DP=4 with --overlap-grad-reduce and
+--overlap-param-gather); a
 checkpoint saved at TP=2 x DP=2 with it (sharded, written in the background with --async-save,
 its gradients reduced during the backward) resumes in one process without it, and a single-process one at
 TP=2 x DP=2 with it.
@@ -34,8 +35,9 @@ MEMORY_LINE = re.compile(
 TOLERANCE = 1e-5  # relative, on the loss and grad norm; absolute on the parameters
 # 4 layers (PP=2 interleaves two one-layer chunks per stage), 2 micro-batches per rank at DP=2.
 DENSE = ["--num-layers", "4", "--global-batch-size", "8"]
-# Buckets of 20,000 parameters: several per run.
-OVERLAP = ["--overlap-grad-reduce", "--ddp-bucket-size", "20000"]
+# Buckets of 20,000 parameters (several per run), reduce-scattered during the backward and
+# all-gathered during the next forward.
+OVERLAP = ["--overlap-grad-reduce", "--overlap-param-gather", "--ddp-bucket-size", "20000"]
 
 
 def _pretrain(rank: int, world_size: int, args: List[str]) -> List[Dict[str, float]]:

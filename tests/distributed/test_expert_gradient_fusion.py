@@ -23,8 +23,24 @@ from tests.distributed.test_expert_parallel_gpt import moe_gpt_args, run
         # The pipeline's data-parallel all-reduce reads the expert gradients right after the
         # schedule: the held micro-batch gradients must be added before it.
         (4, ["--pipeline-model-parallel-size", "2"]),
+        # The copies refreshed layer by layer, each once its weights have arrived.
+        (
+            2,
+            [
+                "--use-distributed-optimizer",
+                "--overlap-grad-reduce",
+                "--overlap-param-gather",
+                "--ddp-bucket-size",
+                "20000",
+            ],
+        ),  # fmt: skip
     ],
-    ids=["expert-parallel", "distributed-optimizer", "pipeline-data-parallel"],
+    ids=[
+        "expert-parallel",
+        "distributed-optimizer",
+        "pipeline-data-parallel",
+        "distributed-optimizer-overlapped",
+    ],
 )
 def test_fused_expert_gradient_accumulation_equals_autograds(
     data_prefix, tmp_path, world_size, layout

@@ -87,11 +87,18 @@ LAYOUTS = {
         ["--expert-model-parallel-size", "2", "--moe-expert-parallel-buffer-factor", "1.5"],
     ),
     "dp2_distributed_optimizer": (2, ["--use-distributed-optimizer"]),
-    # Compiled layer by layer, gradients reduce-scattered in buckets of 100,000 parameters.
+    # Compiled layer by layer, gradients reduce-scattered in buckets of 100,000 parameters
+    # during the backward, parameters all-gathered during the next forward.
     "dp2_distributed_optimizer_overlapped": (
         2,
-        ["--use-distributed-optimizer", "--overlap-grad-reduce", "--ddp-bucket-size", "100000"],
-    ),
+        [
+            "--use-distributed-optimizer",
+            "--overlap-grad-reduce",
+            "--overlap-param-gather",
+            "--ddp-bucket-size",
+            "100000",
+        ],
+    ),  # fmt: skip
     "pp2": (2, ["--pipeline-model-parallel-size", "2"]),
     "tp2_ep2_sequence_parallel": (
         4,

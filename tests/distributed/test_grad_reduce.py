@@ -14,13 +14,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatron.model import DENSE_MLP, GPTModel
 from megatron.optimizer import build_lr_scheduler, build_optimizer
 from megatron.optimizer.distributed_optimizer import build_distributed_optimizer
 from megatron.optimizer.grad_reduce import bucket_parameters, default_bucket_size
 from megatron.tensor_parallel.layers import set_sequence_parallel_attribute
+from megatron.trainer import install_parameter_waits
+from megatron.training_hooks import TrainingHooks
 from moe.weight_copies import GradientAccumulator
 from tests.distributed.launch import run_distributed
 from tests.distributed.test_distributed_optimizer import optimizer_config, training_config
+from tests.tiny_gpt import tiny_model_config
 
 ROWS = 6  # per micro-batch of the whole batch, split over 1, 2 or 3 ranks
 MICRO_BATCHES = 2
@@ -73,10 +77,22 @@ def _train(rank: int, world_size: int, kind: str) -> Dict[str, Any]:
     if kind == "one":
         optimizer = build_optimizer(net, config, training)
     else:
-        overlap = kind == "overlapped"
+        overlap = kind in ("overlapped", "gathered")
         optimizer = build_distributed_optimizer(
-            net, config, training, overlap_grad_reduce=overlap, bucket_size=10 if overlap else None
+            net,
+            config,
+            training,
+            overlap_grad_reduce=overlap,
+            bucket_size=10 if overlap else None,
+            overlap_param_gather=kind == "gathered",
         )
+    in_flight_after_step: List[int] = []
+    if kind == "gathered":
+        # As the trainer does for transformer layers: each module waits for its own weights.
+        for module in net:
+            module.register_forward_pre_hook(
+                lambda module, _: optimizer.wait_for_parameters(module.parameters())
+            )
     scheduler = build_lr_scheduler(optimizer, config, training)
     launched: List[List[int]] = []
     # When the backward reaches the first layer, every bucket but the ones holding its weight
@@ -87,6 +103,8 @@ def _train(rank: int, world_size: int, kind: str) -> Dict[str, Any]:
             lambda *_: before_first_layer.append(optimizer.grad_reduce.launched_buckets())
         )
     for step in range(STEPS):
+        if step > 0 and kind == "gathered":
+            assert optimizer.param_gather.pending() == 3  # the copied weight's bucket waited
         net[2].refresh()
         optimizer.zero_grad()
         counts = []
@@ -101,11 +119,16 @@ def _train(rank: int, world_size: int, kind: str) -> Dict[str, Any]:
         launched.append(counts)
         net[2].accumulator.flush()
         assert optimizer.step()[0]
+        if kind == "gathered":
+            in_flight_after_step.append(optimizer.param_gather.pending())
         scheduler.step(increment=ROWS * MICRO_BATCHES)
+        optimizer.wait_for_parameters(net[2].parameters())  # the copy is refreshed from it
+    optimizer.finish_parameter_gather()
     return {
         "params": [param.detach().clone() for param in net.parameters()],
         "launched": launched,
         "before_first_layer": before_first_layer,
+        "in_flight_after_step": in_flight_after_step,
         "buckets": len(getattr(optimizer, "buffers", [])),
     }
 
@@ -184,3 +207,68 @@ def _train_once_sgd(rank: int, world_size: int) -> List[torch.Tensor]:
     optimizer.step()
     dist.barrier()
     return [param.detach().clone() for param in net.parameters()]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_parameters_gathered_in_flight_arrive_before_their_forward(world_size: int):
+    """--overlap-param-gather: after each step every bucket's all-gather is in flight (none
+    waited for), each module waits for its own just before its forward, and training gives
+    the distributed optimizer's result without it."""
+    sharded = run_distributed(_train, world_size, "overlapped")
+    gathered = run_distributed(_train, world_size, "gathered")
+    for plain, result in zip(sharded, gathered):
+        assert result["in_flight_after_step"] == [result["buckets"]] * STEPS
+        for expected, actual in zip(plain["params"], result["params"]):
+            torch.testing.assert_close(actual, expected, rtol=0, atol=0)
+
+
+class ArrivingParameters:
+    """Stands in for the distributed optimizer with its all-gather in flight: every parameter
+    is NaN until waited for, and each wait records the latest gather position it needed
+    (buckets are gathered in the model's order, the reverse of `bucket_parameters`')."""
+
+    def __init__(self, model: nn.Module, bucket_size: int) -> None:
+        self.params = list(model.parameters())
+        self.values = {id(param): param.detach().clone() for param in self.params}
+        buckets = bucket_parameters(self.params, bucket_size)
+        self.position = {
+            id(param): len(buckets) - 1 - index
+            for index, bucket in enumerate(buckets)
+            for param in bucket
+        }
+        self.waited: List[int] = []
+
+    @torch.no_grad()
+    def scatter(self) -> None:
+        for param in self.params:
+            param.fill_(float("nan"))
+        self.waited = []
+
+    @torch.no_grad()
+    def wait_for_parameters(self, params) -> None:
+        params = list(params)
+        for param in params:
+            param.copy_(self.values[id(param)])
+        if params:
+            self.waited.append(max(self.position[id(param)] for param in params))
+
+
+@pytest.mark.parametrize("untie", [False, True], ids=["tied", "untied"])
+def test_every_module_waits_for_its_parameters_in_gather_order(untie: bool):
+    """The trainer's waits (megatron.trainer.install_parameter_waits) on a GPT whose
+    parameters all arrive only when waited for: the forward reads none before its wait (the
+    logits stay finite and equal the model's), and the waits follow the gather order, so none
+    waits behind a bucket it does not need yet (the untied output layer's weight, read by the
+    model without calling the layer, is waited for after the decoder)."""
+    config = tiny_model_config(untie_embeddings_and_output_weights=untie)
+    torch.manual_seed(0)
+    net = GPTModel(config, DENSE_MLP)
+    tokens = torch.randint(0, config.padded_vocab_size, (2, 8))
+    expected = net(tokens)
+    arriving = ArrivingParameters(net, bucket_size=20_000)
+    install_parameter_waits(net, arriving, TrainingHooks())
+    for _ in range(2):
+        arriving.scatter()
+        torch.testing.assert_close(net(tokens), expected, rtol=0, atol=0)
+        assert arriving.waited == sorted(arriving.waited)
+        assert arriving.waited[0] == 0 and arriving.waited[-1] == max(arriving.position.values())

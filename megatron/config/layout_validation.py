@@ -1,0 +1,132 @@
+"""The distributed layout's flags checked and resolved (part of megatron.config.validation):
+the parallel degrees against the world size and the model's shapes, and how gradients and
+parameters are synchronized."""
+
+from __future__ import annotations
+
+import argparse
+from typing import List
+
+from megatron.config.errors import ConfigError
+
+
+def resolve_parallelism(args: argparse.Namespace, world_size: int) -> None:
+    tensor, pipeline = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    model_parallel = tensor * pipeline
+    if world_size % model_parallel != 0:
+        raise ConfigError(
+            f"world size {world_size} is not divisible by --tensor-model-parallel-size "
+            f"{tensor} x --pipeline-model-parallel-size {pipeline} (= {model_parallel}); "
+            "launch a multiple of that many processes or lower the parallel sizes"
+        )
+    args.world_size = world_size
+    args.data_parallel_size = world_size // model_parallel
+    _resolve_expert_parallelism(args)
+
+
+def _resolve_expert_parallelism(args: argparse.Namespace) -> None:
+    """Expert parallelism is a degree of the layout, carved out of data parallelism (as in
+    Megatron-core): MegaBlocks' switch asks for all of it, and any size must divide it. Whether
+    the model has experts to split, and how many, its MoE extension checks."""
+    size = args.expert_model_parallel_size
+    if args.moe_expert_model_parallelism:
+        if size != 1:
+            raise ConfigError(
+                "--moe-expert-model-parallelism (expert parallel size = data-parallel size) "
+                f"and --expert-model-parallel-size {size} both set it; pass one of them"
+            )
+        size = args.data_parallel_size
+    if size < 1:
+        raise ConfigError(f"--expert-model-parallel-size must be >= 1, got {size}")
+    if args.data_parallel_size % size != 0:
+        raise ConfigError(
+            f"--expert-model-parallel-size {size} does not divide the data-parallel size "
+            f"{args.data_parallel_size} (world size / (--tensor-model-parallel-size x "
+            "--pipeline-model-parallel-size)): experts are sharded over data-parallel ranks; "
+            f"choose an expert parallel size that divides {args.data_parallel_size}, or launch "
+            f"a multiple of {size} data-parallel ranks"
+        )
+    args.expert_model_parallel_size = size
+
+
+def check_tensor_parallel(args: argparse.Namespace, notes: List[str]) -> None:
+    """Every split tensor-parallel layers make must come out even (the padded vocabulary is
+    made divisible when the tokenizer is built, as in Megatron)."""
+    tensor = args.tensor_model_parallel_size
+    if args.sequence_parallel and tensor == 1:
+        # Megatron turns it off silently; say so.
+        args.sequence_parallel = False
+        notes.append(
+            "--sequence-parallel has no effect with --tensor-model-parallel-size 1; disabled"
+        )
+    if tensor == 1:
+        return
+    world_size = args.world_size
+    splits = [
+        ("--num-attention-heads", args.num_attention_heads, "attention heads"),
+        ("--hidden-size", args.hidden_size, "the hidden size"),
+        ("--ffn-hidden-size", args.ffn_hidden_size, "MLP channels"),
+    ]
+    if args.group_query_attention:
+        splits.append(("--num-query-groups", args.num_query_groups, "key/value heads"))
+    if args.sequence_parallel:
+        splits.append(("--seq-length", args.seq_length, "the sequence (--sequence-parallel)"))
+    for flag, value, what in splits:
+        if value % tensor != 0:
+            raise ConfigError(
+                f"{flag} {value} is not divisible by --tensor-model-parallel-size {tensor}: "
+                f"{what} are split evenly over the tensor-parallel ranks (world size "
+                f"{world_size}); choose sizes that {tensor} divides, or a smaller "
+                "--tensor-model-parallel-size"
+            )
+
+
+def check_pipeline_parallel(args: argparse.Namespace) -> None:
+    """Megatron's pipeline split: equal layers per stage (and per virtual stage), micro-batches
+    a multiple of the stages for the interleaved schedule; sets the virtual pipeline size."""
+    pipeline = args.pipeline_model_parallel_size
+    per_virtual_stage = args.num_layers_per_virtual_pipeline_stage
+    args.virtual_pipeline_model_parallel_size = None
+    if pipeline == 1:
+        if per_virtual_stage is not None:
+            raise ConfigError(
+                f"--num-layers-per-virtual-pipeline-stage {per_virtual_stage} needs "
+                "--pipeline-model-parallel-size above 1 (it interleaves pipeline stages)"
+            )
+        return
+    if args.num_layers % pipeline != 0:
+        raise ConfigError(
+            f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size "
+            f"{pipeline}: every stage holds the same number of layers"
+        )
+    if per_virtual_stage is None:
+        return
+    per_stage = args.num_layers // pipeline
+    if per_virtual_stage < 1 or per_stage % per_virtual_stage != 0:
+        raise ConfigError(
+            f"--num-layers-per-virtual-pipeline-stage {per_virtual_stage} does not divide the "
+            f"{per_stage} layers of each stage (--num-layers {args.num_layers} / "
+            f"--pipeline-model-parallel-size {pipeline})"
+        )
+    num_micro_batches = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
+    if num_micro_batches % pipeline != 0:
+        raise ConfigError(
+            f"the interleaved pipeline schedule needs the number of micro-batches "
+            f"({num_micro_batches} = --global-batch-size {args.global_batch_size} / "
+            f"(--micro-batch-size {args.micro_batch_size} x data-parallel size "
+            f"{args.data_parallel_size})) to be divisible by --pipeline-model-parallel-size "
+            f"{pipeline}"
+        )
+    args.virtual_pipeline_model_parallel_size = per_stage // per_virtual_stage
+
+
+def check_gradient_sync(args: argparse.Namespace) -> None:
+    """The distributed optimizer's overlaps build on each other, as in Megatron."""
+    if args.overlap_param_gather and not (
+        args.use_distributed_optimizer and args.overlap_grad_reduce
+    ):
+        raise ConfigError(
+            "--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce "
+            "(it gathers the parameters in the buckets the overlapped reduce-scatter makes); "
+            "add them or drop --overlap-param-gather"
+        )
