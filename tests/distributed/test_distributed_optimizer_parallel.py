@@ -130,7 +130,9 @@ def test_pipeline_parallel_distributed_optimizer_matches_one_process(
     single_dense, data_prefix, tmp_path
 ):
     single_directory, single = single_dense
-    args = gpt_args(data_prefix, *DENSE, "--use-distributed-optimizer")
+    # The overlap flags are accepted under a pipeline: its schedule interleaves the micro-
+    # batches' backwards, so the reduction waits for the step and the gather for the forwards.
+    args = gpt_args(data_prefix, *DENSE, "--use-distributed-optimizer", *OVERLAP)
     args += ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]
     parallel = train(4, args, tmp_path)
     assert_layout(tmp_path, pipeline_model_parallel_size=2, data_parallel_size=2)

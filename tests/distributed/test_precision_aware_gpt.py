@@ -31,6 +31,12 @@ NORM_TOLERANCE = 1e-2
 LAYOUTS = {
     "dp2": [],
     "dp2-distributed-optimizer": ["--use-distributed-optimizer"],
+    # bf16 main gradients added by autograd's hooks and by the expert copies, then reduced in
+    # buckets during the backward; parameters gathered during the next forward.
+    "dp2-distributed-optimizer-overlapped": [
+        "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
+        "--ddp-bucket-size", "20000",
+    ],
     "tp2": ["--tensor-model-parallel-size", "2", "--make-vocab-size-divisible-by", "64"],
     "pp2": ["--pipeline-model-parallel-size", "2"],
     "ep2-distributed-optimizer": [
