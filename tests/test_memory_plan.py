@@ -92,6 +92,14 @@ def test_expert_parallel_and_distributed_optimizer_shard_experts_and_state():
     assert sharded.optimizer == pytest.approx(plain.optimizer / 2, abs=16)
     # The full grad buffer stays; an fp32 shard of it is added.
     assert sharded.gradients == pytest.approx(plain.gradients * 1.5, abs=16)
+    # At EP2 on two ranks each expert has one replica: its gradient is reduced in place, and
+    # only the dense weights' half-size shard is added.
+    ep_config = config_of(*DMOE, "--expert-model-parallel-size", "2", "--use-distributed-optimizer",
+                          world_size=2)  # fmt: skip
+    ep_sharded = estimate_memory(ep_config, build_mlp_spec(ep_config))
+    ep_plain = estimate_memory(expert, build_mlp_spec(expert))
+    dense = expert_counts.total - expert_counts.expert
+    assert ep_sharded.gradients == pytest.approx(ep_plain.gradients + 4 * dense / 2, abs=16)
 
 
 def test_fixed_size_expert_parallel_blocks_plan_their_padding():

@@ -210,7 +210,11 @@ def _estimate_stage(
         vocab_shard = model.padded_vocab_size // model.tensor_model_parallel_size
         gradients += 4 * vocab_shard * model.hidden_size
     if parallel.use_distributed_optimizer:
-        gradients += grad_bytes * sharded
+        # Each shard's reduced gradient; a replica group of one rank reduces in place.
+        gradients += grad_bytes * (
+            (-(-counts.dense // dense_shards) if dense_shards > 1 else 0)
+            + (-(-counts.expert // expert_shards) if expert_shards > 1 else 0)
+        )
 
     if optimizer.optimizer == "adam":
         state_bytes = (

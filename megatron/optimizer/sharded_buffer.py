@@ -53,7 +53,12 @@ class ShardedBuffer:
         grad_dtype = grad_dtype or dtype
         self.param_buffer = torch.zeros(padded, dtype=dtype, device=device)
         self.grad_buffer = torch.zeros(padded, dtype=grad_dtype, device=device)
-        self.shard_grad = torch.zeros(self.shard_size, dtype=grad_dtype, device=device)
+        # A group of one rank reduces nothing: its shard is the whole buffer, in place.
+        self.shard_grad = (
+            self.grad_buffer
+            if size == 1
+            else torch.zeros(self.shard_size, dtype=grad_dtype, device=device)
+        )
         self.main_grads = (
             MainGradBuffer(params, grad_dtype, self.grad_buffer, self.offsets)
             if grad_dtype != dtype
@@ -126,12 +131,9 @@ class ShardedBuffer:
     def start_reduce_scatter(self) -> Optional[dist.Work]:
         """`reduce_scatter_grads` without waiting: the collective's handle (None when there was
         nothing to wait for). The grad buffer must not change until `finish_reduce_scatter`."""
-        if self.size > 1:
-            return _reduce_scatter(
-                self.shard_grad, self.grad_buffer, group=self.group, async_op=True
-            )
-        self.shard_grad.copy_(self.grad_buffer)
-        return None
+        if self.size == 1:
+            return None  # shard_grad is the grad buffer
+        return _reduce_scatter(self.shard_grad, self.grad_buffer, group=self.group, async_op=True)
 
     def finish_reduce_scatter(self, work: Optional[dist.Work]) -> None:
         """Wait for `start_reduce_scatter`'s collective (on GPUs: the current stream waits),
