@@ -109,14 +109,14 @@ def train(trainer: Trainer, train_iterator, valid_iterator, result: TrainingResu
     profiler = StepProfiler(trainer.config.logging, trainer.context.rank, trainer.context.device)
     try:
         _train_loop(trainer, train_iterator, valid_iterator, result, profiler)
+        # The last step's parameters, in full, for whatever reads the model after training.
+        trainer.optimizer.finish_parameter_gather()
     except TrainingDiverged:
         # A checkpoint of an earlier iteration still being written is good: it completes.
         trainer.finish_saves()
         raise
     finally:
         profiler.stop()  # a run that ends before --profile-step-end still writes its trace
-        # The last step's parameters, in full, for whatever reads the model after training.
-        trainer.optimizer.finish_parameter_gather()
 
 
 def _train_loop(

@@ -85,8 +85,8 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
         "--ddp-bucket-size",
         type=int,
         default=None,
-        help="Parameters per gradient bucket of --overlap-grad-reduce (a parameter larger than "
-        "it is a bucket of its own); default max(40M, 1M x the data-parallel size), as Megatron.",
+        help="Parameters per gradient bucket of --overlap-grad-reduce (a bucket closes once it "
+        "holds at least this many); default max(40M, 1M x the data-parallel size), as Megatron.",
     )
     group.add_argument(
         "--overlap-param-gather",

@@ -74,7 +74,7 @@ class ParallelConfig:
     accumulate_allreduce_grads_in_fp32: bool = False
     use_distributed_optimizer: bool = False
     # The distributed optimizer's reduce-scatter, bucket by bucket during the last backward
-    # (megatron.optimizer.overlapped_reduce); torch DDP always overlaps its all-reduce.
+    # (megatron.optimizer.grad_reduce); torch DDP always overlaps its all-reduce.
     overlap_grad_reduce: bool = False
     ddp_bucket_size: int | None = None  # parameters per bucket; None: Megatron's default
     # Its all-gather after the step left in flight until each layer's forward needs it

@@ -123,21 +123,17 @@ class ShardedBuffer:
         elif param.grad.data_ptr() != view.data_ptr():
             view.copy_(param.grad)
 
-    def reduce_scatter_grads(self) -> None:
-        """This rank's shard of the grad buffer summed over the group, over `grad_divisor`
-        (after the sum it touches 1/size of the elements)."""
-        self.finish_reduce_scatter(self.start_reduce_scatter())
-
     def start_reduce_scatter(self) -> Optional[dist.Work]:
-        """`reduce_scatter_grads` without waiting: the collective's handle (None when there was
-        nothing to wait for). The grad buffer must not change until `finish_reduce_scatter`."""
+        """Start summing this rank's shard of the grad buffer over the group: the collective's
+        handle (None when there is nothing to wait for). The grad buffer must not change until
+        `finish_reduce_scatter`."""
         if self.size == 1:
             return None  # shard_grad is the grad buffer
         return _reduce_scatter(self.shard_grad, self.grad_buffer, group=self.group, async_op=True)
 
     def finish_reduce_scatter(self, work: Optional[dist.Work]) -> None:
         """Wait for `start_reduce_scatter`'s collective (on GPUs: the current stream waits),
-        then divide."""
+        then divide by `grad_divisor` (after the sum it touches 1/size of the elements)."""
         if work is not None:
             work.wait()
         if self.grad_divisor > 1:
