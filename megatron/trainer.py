@@ -167,8 +167,11 @@ class Trainer:
             # Main gradients leave DDP out (megatron.parallelize.data_parallel).
             all_reduce_data_parallel_gradients(self.unwrapped_model)
         finalize_gradients(self.unwrapped_model, self.config)
-        update_successful, grad_norm, _ = self.optimizer.step()
+        # Before the step: its parameter all-gather (in flight with --overlap-param-gather)
+        # would otherwise run ahead of this all-reduce on the same group, and reading the
+        # losses would hold the next forward until the whole gather had arrived.
         averaged = _average_across_data_parallel(means)
+        update_successful, grad_norm, _ = self.optimizer.step()
         # A skipped fp16 step's gradients overflowed by design: only its loss counts.
         got_nan = not all(math.isfinite(value) for value in averaged.values()) or (
             update_successful and grad_norm is not None and not math.isfinite(grad_norm)

@@ -1,7 +1,7 @@
 """--use-distributed-optimizer with tensor, pipeline and expert parallelism: pretrain_gpt.py's
 trainer in 4 gloo processes (tiny GPT, fp32, 5 steps) gives the single-process lm loss, grad
 norm and final parameters (at TP=2 x DP=2 and EP=2 x DP=4 with --overlap-grad-reduce and
---overlap-param-gather); a
+--overlap-param-gather, where no step issues a collective behind its parameter all-gather); a
 checkpoint saved at TP=2 x DP=2 with it (sharded, written in the background with --async-save,
 its gradients reduced during the backward) resumes in one process without it, and a single-process one at
 TP=2 x DP=2 with it.
@@ -12,16 +12,20 @@ gloo group) rather than under torchrun, which would import torch again in every 
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
 import shutil
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Set
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import pretrain_gpt
+from megatron.optimizer.param_gather import ParamGather
+from megatron.trainer import Trainer
 from tests.distributed.launch import run_distributed
 from tests.distributed.test_expert_parallel_gpt import moe_gpt_args
 from tests.distributed.test_tensor_parallel_gpt import gpt_args
@@ -40,12 +44,56 @@ DENSE = ["--num-layers", "4", "--global-batch-size", "8"]
 OVERLAP = ["--overlap-grad-reduce", "--overlap-param-gather", "--ddp-bucket-size", "20000"]
 
 
-def _pretrain(rank: int, world_size: int, args: List[str]) -> List[Dict[str, float]]:
+COLLECTIVES = (
+    "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast",
+    "all_to_all_single", "barrier",
+)  # fmt: skip
+
+
+def _record_collectives_behind_the_gather() -> List[str]:
+    """The collectives a training step issues, after launching its parameter all-gather in
+    flight (--overlap-param-gather), on a group that gather uses. NCCL runs a group's
+    collectives in order: each would wait for the whole gather and, read on the host, hold the
+    next forward behind it, so the overlap would be lost."""
+    late: List[str] = []
+    gathering: Set[int] = set()
+    start, train_step = ParamGather.start, Trainer.train_step
+
+    def start_in_flight(self) -> None:
+        start(self)
+        if self.overlap:
+            gathering.update(id(bucket.group) for queue in self.queues for bucket in queue)
+
+    def recorded_train_step(self, data_iterator):
+        try:
+            return train_step(self, data_iterator)
+        finally:
+            gathering.clear()
+
+    def recorded(name, collective):
+        signature = inspect.signature(collective)
+
+        def call(*args, **kwargs):
+            if id(signature.bind(*args, **kwargs).arguments.get("group")) in gathering:
+                late.append(name)
+            return collective(*args, **kwargs)
+
+        return call
+
+    ParamGather.start, Trainer.train_step = start_in_flight, recorded_train_step
+    for name in COLLECTIVES:
+        setattr(dist, name, recorded(name, getattr(dist, name)))
+    return late
+
+
+def _pretrain(rank: int, world_size: int, args: List[str]) -> List[str]:
     # initialize_distributed reads torchrun's variables and joins the group already there.
     os.environ.update(
         WORLD_SIZE=str(world_size), RANK=str(rank), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1"
     )
-    return pretrain_gpt.main(args).losses
+    late = _record_collectives_behind_the_gather()  # in this forked rank only
+    pretrain_gpt.main(args)
+    return late
 
 
 def train(
@@ -57,7 +105,8 @@ def train(
     tensorboard = directory / "tb"
     args = [*args, "--save", str(directory / "ckpt"), "--save-interval", str(save_interval)]
     args += ["--tensorboard-dir", str(tensorboard)]
-    run_distributed(_pretrain, world_size, args, timeout_s=120.0)
+    late = run_distributed(_pretrain, world_size, args, timeout_s=120.0)
+    assert late == [[]] * world_size, f"collectives issued behind the parameter gather: {late}"
     return tensorboard_scalars(tensorboard, ("lm loss", "grad-norm"))
 
 
