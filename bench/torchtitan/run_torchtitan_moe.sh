@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # torchtitan 0.2.2 throughput of a GPT-2-125M-shaped MoE (12 x 768, 12 heads, 64 experts,
-# top-1, seq 1024, global batch 512) on one node of 4 GPUs, two layouts:
+# top-1, seq 1024, global batch 512) on one node of NGPU GPUs (4 by default), at the layouts
+# named epN (expert-parallel degree N; every weight FSDP-sharded over all NGPU ranks):
 #   ep4: expert parallel 4; dense weights FSDP over the same 4 ranks (DP 4)
 #   ep1: no expert parallelism; every weight, experts included, FSDP over 4 ranks
 # Prints torchtitan's log lines with tps (tokens/s per GPU) and the steady-state mean.
@@ -9,7 +10,7 @@
 # Its model is torchtitan's Qwen3-MoE family at this shape (tt_moe_bench.py says how it
 # differs from the dMoE: SwiGLU experts of ffn 2048, RMSNorm, RoPE, expert-bias balancing).
 #
-# usage: run_torchtitan_moe.sh WHEEL_DIR [ep4] [ep1]        (default: both)
+# usage: run_torchtitan_moe.sh WHEEL_DIR [epN...]      (default: ep4 ep1)
 #        WHEEL_DIR from download_wheels.sh, e.g. on the device machine with .tt carried:
 #        bash bench/torchtitan/run_torchtitan_moe.sh .tt/wheels ep4
 # env:   TT_FLAVOR  moe125m (default; SwiGLU experts of ffn 2048 = the parameters and FLOPs of
@@ -69,9 +70,9 @@ OWT_XZ=${OWT_XZ:-$(find_first ./data/sample/openwebtext-1000.jsonl.xz \
 summary=()
 for s in $SETTINGS; do
     case $s in
-        ep4) PAR=(--parallelism.expert_parallel_degree 4 --parallelism.data_parallel_shard_degree "$NGPU") ;;
-        ep1) PAR=(--parallelism.expert_parallel_degree 1 --parallelism.data_parallel_shard_degree "$NGPU") ;;
-        *) echo "unknown setting $s (ep4|ep1)"; exit 2 ;;
+        ep[1-9]*) PAR=(--parallelism.expert_parallel_degree "${s#ep}"
+                       --parallelism.data_parallel_shard_degree "$NGPU") ;;
+        *) echo "unknown setting $s (epN: expert-parallel degree N, e.g. ep4 or ep1)"; exit 2 ;;
     esac
     echo "=== torchtitan $FLAVOR $s: ${PAR[*]} ==="
     set +e
