@@ -242,7 +242,7 @@ def summarize(trained: Run, loaded: Run, save_iteration: int, asynchronous: bool
 def pretrain_saving_once(save_iteration: int, checksums: bool, flags: List[str]) -> None:
     """pretrain_gpt.py whose only save is at `save_iteration` (without checksums when
     `checksums` is false)."""
-    import pretrain_gpt
+    from gpt_pretraining.pretrain import main as pretrain_main
     from megatron import trainer
     from megatron.checkpointing import save_checkpoint
 
@@ -252,7 +252,7 @@ def pretrain_saving_once(save_iteration: int, checksums: bool, flags: List[str])
         return save_checkpoint(config, iteration, *args, checksums=checksums, **kwargs)
 
     trainer.save_checkpoint = save_once
-    pretrain_gpt.main(flags)
+    pretrain_main(flags)
 
 
 if __name__ == "__main__":

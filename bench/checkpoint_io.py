@@ -27,40 +27,24 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from gpt_pretraining import GPT_RUN  # noqa: E402
 from megatron.checkpointing import checkpoint_file, load_checkpoint, save_checkpoint  # noqa: E402
 from megatron.checkpointing.checksums import (  # noqa: E402
     CHECKSUMS_FILENAME,
     find_damage,
     read_manifest,
 )
-from megatron.config import Config, parse_arguments  # noqa: E402
 from megatron.initialize import initialize_model_parallel  # noqa: E402
-from megatron.model import DENSE_MLP, GPTModel  # noqa: E402
 from megatron.optimizer import build_lr_scheduler, build_optimizer  # noqa: E402
-from megatron.tokenizer import build_tokenizer, vocab_size_with_padding  # noqa: E402
-from moe.arguments import add_moe_args  # noqa: E402
-from moe.config import MoEConfig, moe_config  # noqa: E402
-from moe.mlp_spec import MoEMlpSpec  # noqa: E402
 
 ITERATION = 4
 
 
 def build(flags, device):
     """The model, optimizer (with Adam state) and scheduler of pretrain_gpt.py's `flags`."""
-    namespace = parse_arguments(flags, extra_groups=[add_moe_args])
-    tokenizer = build_tokenizer(
-        namespace.tokenizer_type,
-        vocab_file=namespace.vocab_file,
-        merge_file=namespace.merge_file,
-        tokenizer_model=namespace.tokenizer_model,
-    )
-    padded_vocab_size = vocab_size_with_padding(
-        tokenizer.vocab_size, namespace.make_vocab_size_divisible_by, 1
-    )
-    config = Config.from_args(namespace, 1, padded_vocab_size, extensions=[moe_config])
-    moe = config.extension(MoEConfig)
+    config, _ = GPT_RUN.config_from_argv(flags, 1, tokenizer_log=print)
     initialize_model_parallel(1)
-    model = GPTModel(config.model, MoEMlpSpec(moe) if moe else DENSE_MLP).to(device)
+    model = GPT_RUN.model(config).to(device)
     optimizer = build_optimizer(model, config.optimizer, config.training)
     scheduler = build_lr_scheduler(optimizer, config.optimizer, config.training)
     for parameter in model.parameters():

@@ -41,14 +41,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from gpt_pretraining import GPT_RUN  # noqa: E402
 from megatron.checkpointing.layout import read_tracker  # noqa: E402
 from megatron.checkpointing.save import CHECKPOINT_VERSION, write_torch_checkpoint  # noqa: E402
-from megatron.config import Config, parse_arguments  # noqa: E402
 from megatron.inference import GenerationEngine, SamplingOptions  # noqa: E402
-from megatron.tokenizer import build_tokenizer, vocab_size_with_padding  # noqa: E402
-from moe.arguments import add_moe_args  # noqa: E402
-from moe.config import moe_config  # noqa: E402
-from tools.checkpoint.checkpoint_model import build_gpt_model  # noqa: E402
 from tools.generate import load_text_generator, resolve_device, resolve_dtype  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -91,16 +87,9 @@ def write_random_checkpoint(
 ) -> None:
     """A checkpoint of the model `flags` describe, Megatron's init with `seed`, at iteration 1
     of `load`, as pretrain_gpt.py writes one (torch format, fp32, checksums)."""
-    namespace = parse_arguments(list(flags), extra_groups=[add_moe_args])
-    tokenizer = build_tokenizer(
-        namespace.tokenizer_type, vocab_file=namespace.vocab_file, merge_file=namespace.merge_file
-    )
-    padded_vocab_size = vocab_size_with_padding(
-        tokenizer.vocab_size, namespace.make_vocab_size_divisible_by, 1, log=None
-    )
-    config = Config.from_args(namespace, 1, padded_vocab_size, extensions=[moe_config])
+    config, _ = GPT_RUN.config_from_argv(list(flags), 1)
     torch.manual_seed(seed)
-    model = build_gpt_model(config)
+    model = GPT_RUN.model(config)
     parameters = sum(parameter.numel() for parameter in model.parameters())
     state = {
         "args": config.saved_arguments(),

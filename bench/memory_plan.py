@@ -31,8 +31,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from gpt_pretraining import GPT_RUN  # noqa: E402
 from megatron.memory_plan import GIB, estimate_memory  # noqa: E402
-from pretrain_gpt import build_mlp_spec  # noqa: E402
 from tools.estimate_memory import build_config  # noqa: E402
 
 DATA_PREFIX = REPO_ROOT / "data" / "owt" / "owt_text_document"
@@ -92,7 +92,7 @@ def rows() -> Dict[str, List[str]]:
 def predict(flags: List[str], device_memory: int) -> Tuple[float, float]:
     """(predicted total GiB, predicted allocated GiB) of one row."""
     config, _ = build_config(flags, 1)
-    estimate = estimate_memory(config, build_mlp_spec(config), device_memory)
+    estimate = estimate_memory(config, GPT_RUN.mlp_spec(config), device_memory)
     return estimate.total / GIB, estimate.allocated / GIB
 
 

@@ -241,20 +241,41 @@ class MoEConfig:
 
 def moe_config(args: argparse.Namespace, config: Config) -> Optional[MoEConfig]:
     """The run's MoE config from its resolved flags, for `Config.from_args(extensions=...)`;
-    None without --moe-num-experts. The grouped GEMM is chosen here, once, for the device this
-    process will compute on and the dtype its experts' rows will have."""
+    None without --moe-num-experts. The grouped GEMM is chosen for the device this process will
+    compute on and the dtype its experts' rows will have (the autocast dtype)."""
     moe = MoEConfig.from_args(args, config.model)
     if moe is None:
         return None
     expert_parallel_size = config.parallel.expert_model_parallel_size
     moe.check_expert_parallelism(expert_parallel_size)
-    training, model = config.training, config.model
-    widths = (model.hidden_size, model.ffn_hidden_size // model.tensor_model_parallel_size)
-    backend = grouped_gemm.choose_backend(
+    return with_grouped_gemm_for(
+        moe,
+        config,
         compute_device(),
-        getattr(torch, training.params_dtype_name),  # the autocast dtype of the expert rows
-        widths,
+        getattr(torch, config.training.params_dtype_name),
+        expert_parallel_size,
+        config.model.tensor_model_parallel_size,
+    )
+
+
+def with_grouped_gemm_for(
+    moe: MoEConfig,
+    config: Config,
+    device: torch.device,
+    dtype: torch.dtype,
+    expert_parallel_size: int,
+    tensor_parallel_size: int,
+) -> MoEConfig:
+    """`moe` with the grouped GEMM for experts whose rows are `dtype` on `device`, each rank
+    holding num_experts / expert_parallel_size of them, their FFN split tensor_parallel_size
+    ways: the one place it is chosen, for a training run (moe_config) and for generation on
+    another device or dtype."""
+    model = config.model
+    backend = grouped_gemm.choose_backend(
+        device,
+        dtype,
+        (model.hidden_size, model.ffn_hidden_size // tensor_parallel_size),
         moe.num_experts // expert_parallel_size,
-        training.kernels,
+        config.training.kernels,
     )
     return dataclasses.replace(moe, grouped_gemm=backend)

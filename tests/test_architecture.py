@@ -1,5 +1,6 @@
-"""The package structure: `moe` uses `megatron`, never the reverse, and every module imports on
-its own (no import cycle that only some import orders survive)."""
+"""The package structure: `moe` uses `megatron`, never the reverse; `gpt_pretraining`, which
+composes the run from both, is used by neither; and every module imports on its own (no import
+cycle that only some import orders survive)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("megatron", "moe")
+PACKAGES = ("megatron", "moe", "gpt_pretraining")
+# Each package and the packages of this project it must not import.
+LOWER_THAN = {"megatron": ("moe", "gpt_pretraining"), "moe": ("gpt_pretraining",)}
 
 
 def _modules(package: str):
@@ -39,14 +42,18 @@ def _imported_names(path: Path):
             yield node.lineno, node.args[0].value
 
 
-def test_no_module_under_megatron_imports_moe():
+@pytest.mark.parametrize("package", sorted(LOWER_THAN))
+def test_dependencies_point_one_way(package):
+    """megatron imports neither moe nor gpt_pretraining; moe does not import gpt_pretraining."""
     offending = [
         f"{path.relative_to(REPO_ROOT)}:{line}: {name}"
-        for _, path in _modules("megatron")
+        for _, path in _modules(package)
         for line, name in _imported_names(path)
-        if name == "moe" or name.startswith("moe.")
+        if name.split(".")[0] in LOWER_THAN[package]
     ]
-    assert not offending, "megatron must not depend on moe:\n" + "\n".join(offending)
+    assert not offending, f"{package} must not depend on {LOWER_THAN[package]}:\n" + "\n".join(
+        offending
+    )
 
 
 def test_the_check_sees_every_kind_of_import(tmp_path):
@@ -66,8 +73,8 @@ def test_the_check_sees_every_kind_of_import(tmp_path):
 def test_every_module_imports_first_and_alone(package):
     """Each module imported first, in a state where no module of the project is loaded yet (one
     interpreter; the project's modules are dropped from sys.modules between imports). A cycle
-    between modules fails here for the module that starts it. `megatron` alone must not load
-    `moe`."""
+    between modules fails here for the module that starts it. No module loads a package it must
+    not import (LOWER_THAN)."""
     names = [name for name, _ in _modules(package)]
     script = f"""
 import importlib, sys
@@ -80,10 +87,9 @@ for name in {names!r}:
     except Exception as error:
         failures.append(f"{{name}}: {{type(error).__name__}}: {{error}}")
         continue
-    if {package!r} == "megatron":
-        pulled = sorted(m for m in sys.modules if m == "moe" or m.startswith("moe."))
-        if pulled:
-            failures.append(f"{{name}} loads {{pulled}}")
+    pulled = sorted(m for m in sys.modules if m.split(".")[0] in {LOWER_THAN.get(package, ())!r})
+    if pulled:
+        failures.append(f"{{name}} loads {{pulled}}")
 print("\\n".join(failures))
 """
     environment = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO_ROOT)}
@@ -103,7 +109,7 @@ def test_no_source_file_is_over_500_lines():
     """One owner per file: past about 500 lines a file is asking to be split along a seam."""
     long_files = [
         f"{path.relative_to(REPO_ROOT)}: {lines} lines"
-        for package in ("megatron", "moe", "tools")
+        for package in ("megatron", "moe", "gpt_pretraining", "tools")
         for path in sorted((REPO_ROOT / package).rglob("*.py"))
         if (lines := len(path.read_text().splitlines())) > 500
     ]

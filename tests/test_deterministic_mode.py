@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import pretrain_gpt
+from gpt_pretraining import pretrain as training_run
 from tests.tiny_gpt import MOE_ARGS, tiny_gpt_args
 
 
@@ -19,13 +20,13 @@ def test_on_during_the_run_then_restored(data_prefix, monkeypatch):
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     monkeypatch.delenv("NCCL_ALGO", raising=False)
     seen = []
-    real_pretrain = pretrain_gpt.pretrain
+    real_pretrain = training_run.pretrain
 
     def recording_pretrain(*args, **kwargs):
         seen.append(torch.are_deterministic_algorithms_enabled())
         return real_pretrain(*args, **kwargs)
 
-    monkeypatch.setattr(pretrain_gpt, "pretrain", recording_pretrain)
+    monkeypatch.setattr(training_run, "pretrain", recording_pretrain)
     args = tiny_gpt_args(data_prefix, *MOE_ARGS, train_iters=3)
     plain = pretrain_gpt.main(args)
     deterministic = pretrain_gpt.main([*args, "--deterministic-mode"])

@@ -13,12 +13,12 @@ from typing import Callable, Sequence
 import pytest
 import torch
 
+from gpt_pretraining import GPT_RUN
 from megatron.config import Config
 from megatron.memory_plan import GIB, count_parameters, estimate_memory, format_estimate_line
 from megatron.memory_plan.activations import layer_bytes_per_token, norm_bytes_per_token
 from megatron.memory_plan.suggestions import format_warning, suggest_fits
 from megatron.model import GPTModel
-from pretrain_gpt import build_mlp_spec
 from tests import processes
 from tests.tiny_gpt import sharded_gpt_model
 from tools.estimate_memory import build_config
@@ -47,16 +47,16 @@ def config_of(*flags: str, world_size: int = 1) -> Config:
 
 
 def real_model(config: Config) -> GPTModel:
-    return sharded_gpt_model(config.model, build_mlp_spec(config))
+    return sharded_gpt_model(config.model, GPT_RUN.mlp_spec(config))
 
 
 @pytest.mark.parametrize("flags", [(), GQA_SWIGLU, DMOE], ids=["dense", "gqa-swiglu", "dmoe"])
 def test_parameter_count_is_exact(flags):
     config = config_of(*flags)
-    counts = count_parameters(config, build_mlp_spec(config)).stage(config, 0)
+    counts = count_parameters(config, GPT_RUN.mlp_spec(config)).stage(config, 0)
     model = real_model(config)
     assert counts.total == sum(p.numel() for p in model.parameters())
-    estimate = estimate_memory(config, build_mlp_spec(config))
+    estimate = estimate_memory(config, GPT_RUN.mlp_spec(config))
     assert estimate.weights == sum(p.numel() * p.element_size() for p in model.parameters())
 
 
@@ -66,8 +66,8 @@ def test_tensor_parallel_shards_the_split_layers_only():
     single = dataclasses.replace(
         config, model=dataclasses.replace(config.model, tensor_model_parallel_size=1)
     )
-    whole = count_parameters(single, build_mlp_spec(single)).stage(single, 0)
-    shard = count_parameters(config, build_mlp_spec(config)).stage(config, 0)
+    whole = count_parameters(single, GPT_RUN.mlp_spec(single)).stage(single, 0)
+    shard = count_parameters(config, GPT_RUN.mlp_spec(config)).stage(config, 0)
     split = sum(
         p.numel()
         for name, p in real_model(single).named_parameters()
@@ -81,14 +81,14 @@ def test_tensor_parallel_shards_the_split_layers_only():
 def test_expert_parallel_and_distributed_optimizer_shard_experts_and_state():
     single = config_of(*DMOE, world_size=2)
     expert = config_of(*DMOE, "--expert-model-parallel-size", "2", world_size=2)
-    single_counts = count_parameters(single, build_mlp_spec(single)).stage(single, 0)
-    expert_counts = count_parameters(expert, build_mlp_spec(expert)).stage(expert, 0)
+    single_counts = count_parameters(single, GPT_RUN.mlp_spec(single)).stage(single, 0)
+    expert_counts = count_parameters(expert, GPT_RUN.mlp_spec(expert)).stage(expert, 0)
     experts = sum(p.numel() for n, p in real_model(single).named_parameters() if ".experts." in n)
     assert expert_counts.expert == experts // 2
     assert expert_counts.total == single_counts.total - experts // 2
-    plain = estimate_memory(single, build_mlp_spec(single))
+    plain = estimate_memory(single, GPT_RUN.mlp_spec(single))
     sharded_config = config_of(*DMOE, "--use-distributed-optimizer", world_size=2)
-    sharded = estimate_memory(sharded_config, build_mlp_spec(sharded_config))
+    sharded = estimate_memory(sharded_config, GPT_RUN.mlp_spec(sharded_config))
     assert sharded.optimizer == pytest.approx(plain.optimizer / 2, abs=16)
     # The full grad buffer stays; an fp32 shard of it is added.
     assert sharded.gradients == pytest.approx(plain.gradients * 1.5, abs=16)
@@ -96,8 +96,8 @@ def test_expert_parallel_and_distributed_optimizer_shard_experts_and_state():
     # only the dense weights' half-size shard is added.
     ep_config = config_of(*DMOE, "--expert-model-parallel-size", "2", "--use-distributed-optimizer",
                           world_size=2)  # fmt: skip
-    ep_sharded = estimate_memory(ep_config, build_mlp_spec(ep_config))
-    ep_plain = estimate_memory(expert, build_mlp_spec(expert))
+    ep_sharded = estimate_memory(ep_config, GPT_RUN.mlp_spec(ep_config))
+    ep_plain = estimate_memory(expert, GPT_RUN.mlp_spec(expert))
     dense = expert_counts.total - expert_counts.expert
     assert ep_sharded.gradients == pytest.approx(ep_plain.gradients + 4 * dense / 2, abs=16)
 
@@ -110,7 +110,7 @@ def test_fixed_size_expert_parallel_blocks_plan_their_padding():
         *DMOE, "--expert-model-parallel-size", "2", "--moe-expert-parallel-buffer-factor", "1.5",
         world_size=2,
     )  # fmt: skip
-    spec, blocked_spec = build_mlp_spec(exact), build_mlp_spec(blocks)
+    spec, blocked_spec = GPT_RUN.mlp_spec(exact), GPT_RUN.mlp_spec(blocks)
     bytes_exact = spec.activation_bytes_per_token(exact.model, 0, 2)
     bytes_blocks = blocked_spec.activation_bytes_per_token(blocks.model, 0, 2)
     assert bytes_exact[0] < bytes_blocks[0] == bytes_blocks[1] < bytes_exact[1]
@@ -118,15 +118,15 @@ def test_fixed_size_expert_parallel_blocks_plan_their_padding():
 
 def test_pipeline_stages_add_up_to_the_model_and_the_tied_copy():
     config = config_of("--pipeline-model-parallel-size", "2", world_size=2)
-    counts = count_parameters(config, build_mlp_spec(config))
+    counts = count_parameters(config, GPT_RUN.mlp_spec(config))
     whole = config_of()
-    total = count_parameters(whole, build_mlp_spec(whole)).stage(whole, 0).total
+    total = count_parameters(whole, GPT_RUN.mlp_spec(whole)).stage(whole, 0).total
     table = whole.model.padded_vocab_size * whole.model.hidden_size
     assert counts.stage(config, 0).total + counts.stage(config, 1).total == total + table
 
 
 def test_optimizer_dtype_and_offload_options_change_their_parts():
-    base = estimate_memory(config_of(), build_mlp_spec(config_of()))
+    base = estimate_memory(config_of(), GPT_RUN.mlp_spec(config_of()))
     parameters = base.weights // 4
     assert base.gradients == 4 * parameters and base.optimizer == 8 * parameters
     low = config_of(
@@ -138,28 +138,28 @@ def test_optimizer_dtype_and_offload_options_change_their_parts():
         "--exp-avg-sq-dtype",
         "bf16",
     )
-    low_estimate = estimate_memory(low, build_mlp_spec(low), step_chunk_elements=1000)
+    low_estimate = estimate_memory(low, GPT_RUN.mlp_spec(low), step_chunk_elements=1000)
     assert low_estimate.optimizer == 4 * parameters
     # bf16 main gradients, and one parameter's fp32 .grad at a time (the word embeddings').
     embeddings = low.model.padded_vocab_size * low.model.hidden_size
     assert low_estimate.gradients == 2 * parameters + 4 * embeddings
     assert low_estimate.optimizer_step_buffers == 16 * 1000
     offload = config_of("--optimizer-cpu-offload", "--optimizer-offload-fraction", "0.5")
-    assert estimate_memory(offload, build_mlp_spec(offload)).optimizer == 4 * parameters
-    assert estimate_memory(offload, build_mlp_spec(offload)).weights == base.weights
+    assert estimate_memory(offload, GPT_RUN.mlp_spec(offload)).optimizer == 4 * parameters
+    assert estimate_memory(offload, GPT_RUN.mlp_spec(offload)).weights == base.weights
 
 
 def test_expert_copies_and_the_held_gradient():
     config = config_of(*DMOE)
     experts = sum(p.numel() for n, p in real_model(config).named_parameters() if ".experts." in n)
-    estimate = estimate_memory(config, build_mlp_spec(config))
+    estimate = estimate_memory(config, GPT_RUN.mlp_spec(config))
     assert estimate.expert_weight_copies == 2 * experts
     assert estimate.held_gradients == 2 * experts
     # bf16 main gradients hold one micro-batch's expert gradients too (moe.weight_copies).
     low = config_of(*DMOE, "--use-precision-aware-optimizer", "--main-grads-dtype", "bf16")
-    assert estimate_memory(low, build_mlp_spec(low)).held_gradients == 2 * experts
+    assert estimate_memory(low, GPT_RUN.mlp_spec(low)).held_gradients == 2 * experts
     unfused = config_of(*DMOE, "--no-gradient-accumulation-fusion")
-    unfused_estimate = estimate_memory(unfused, build_mlp_spec(unfused))
+    unfused_estimate = estimate_memory(unfused, GPT_RUN.mlp_spec(unfused))
     assert unfused_estimate.expert_weight_copies == 0
     assert unfused_estimate.weight_casts - estimate.weight_casts == 2 * experts
 
@@ -170,7 +170,7 @@ def test_recomputed_chunks_return_their_expert_gradients_one_chunk_at_a_time():
     # "Memory planner", the recompute rows).
     def returned(*flags: str) -> int:
         config, _ = build_config([*DMOE_125M, *flags], 1)
-        return estimate_memory(config, build_mlp_spec(config)).returned_gradients
+        return estimate_memory(config, GPT_RUN.mlp_spec(config)).returned_gradients
 
     everything = returned()
     recompute = ("--recompute-granularity", "full", "--recompute-method")
@@ -227,7 +227,7 @@ MEASURED = {
 @pytest.mark.parametrize("name", list(MEASURED))
 def test_activation_formula_matches_saved_tensors(name):
     config = config_of(*MEASURED[name])
-    model, spec = config.model, build_mlp_spec(config)
+    model, spec = config.model, GPT_RUN.mlp_spec(config)
     small, large = measure_decoder(config, (2, 6))
     tokens = 4 * model.seq_length
     measured_per_token = (large - small) / tokens
@@ -246,8 +246,8 @@ def test_full_recompute_keeps_only_layer_inputs():
     model = config.model
     checkpoints = model.num_layers * 4 * model.hidden_size
     assert checkpoints + norm_bytes_per_token(model) == pytest.approx(per_token, rel=TOLERANCE)
-    plain = estimate_memory(config_of(), build_mlp_spec(config_of()))
-    recomputed = estimate_memory(config, build_mlp_spec(config))
+    plain = estimate_memory(config_of(), GPT_RUN.mlp_spec(config_of()))
+    recomputed = estimate_memory(config, GPT_RUN.mlp_spec(config))
     assert recomputed.activations < plain.activations
 
 
@@ -256,11 +256,11 @@ def test_weight_casts_are_the_intercept():
     small, _ = measure_decoder(config, (2, 6))
     model = config.model
     layers = sum(
-        layer_bytes_per_token(model, build_mlp_spec(config), n, 2, 2).expected
+        layer_bytes_per_token(model, GPT_RUN.mlp_spec(config), n, 2, 2).expected
         for n in range(model.num_layers)
     )
     per_token = layers + norm_bytes_per_token(model)
-    counts = count_parameters(config, build_mlp_spec(config))
+    counts = count_parameters(config, GPT_RUN.mlp_spec(config))
     casts = 2 * sum(layer.matmul_weights for layer in counts.layers)
     assert small - per_token * 2 * model.seq_length == pytest.approx(casts, rel=TOLERANCE)
 
@@ -268,7 +268,7 @@ def test_weight_casts_are_the_intercept():
 def test_the_line_and_the_suggestions_fit():
     config, _ = build_config(DMOE_125M, 1)
     device = 80 * GIB
-    estimate = estimate_memory(config, build_mlp_spec(config), device)
+    estimate = estimate_memory(config, GPT_RUN.mlp_spec(config), device)
     line = format_estimate_line(estimate)
     number = r"\d+\.\d"
     assert re.fullmatch(
@@ -277,18 +277,18 @@ def test_the_line_and_the_suggestions_fit():
         line,
     )
     assert estimate.fits is False
-    suggestions = suggest_fits(config, build_mlp_spec, device)
+    suggestions = suggest_fits(config, GPT_RUN.mlp_spec, device)
     assert suggestions and all(s.estimate.total <= device for s in suggestions)
     # The flags say what was estimated: the same run with them gives the same number.
     for suggestion in suggestions:
         changed, _ = build_config([*DMOE_125M, *suggestion.flags.split()], 1)
-        again = estimate_memory(changed, build_mlp_spec(changed), device)
+        again = estimate_memory(changed, GPT_RUN.mlp_spec(changed), device)
         assert again.total == suggestion.estimate.total, suggestion.flags
     assert format_warning(estimate, suggestions).startswith("WARNING: ")
 
 
 def test_unknown_device_memory_prints_unknown():
-    estimate = estimate_memory(config_of(), build_mlp_spec(config_of()))
+    estimate = estimate_memory(config_of(), GPT_RUN.mlp_spec(config_of()))
     assert estimate.fits is None
     assert " GiB of unknown (" in format_estimate_line(estimate)
     assert dataclasses.replace(estimate, device_memory=GIB).fits is not None

@@ -21,6 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
 
+from gpt_pretraining import GPT_RUN  # noqa: E402
 from megatron.checkpointing.convert import (  # noqa: E402
     model_order_names,
     read_sharded_as_torch_state,
@@ -36,11 +37,7 @@ from megatron.checkpointing.save import write_torch_checkpoint  # noqa: E402
 from megatron.checkpointing.sharded_load import verify_sharded_checkpoint  # noqa: E402
 from megatron.checkpointing.sharded_save import write_sharded_checkpoint  # noqa: E402
 from megatron.checkpointing.torch_dist import is_sharded_checkpoint, read_common  # noqa: E402
-from megatron.config import Config  # noqa: E402
 from megatron.errors import UserError  # noqa: E402
-from megatron.model import DENSE_MLP, GPTModel  # noqa: E402
-from moe.config import MoEConfig, moe_config  # noqa: E402
-from moe.mlp_spec import MoEMlpSpec  # noqa: E402
 
 FORMATS = ("torch", "torch_dist")
 
@@ -48,10 +45,9 @@ FORMATS = ("torch", "torch_dist")
 def model_order(args: argparse.Namespace) -> tuple:
     """The state-dict keys and the optimizer's parameter names per group of the model the
     saved arguments build (on the meta device: no memory)."""
-    config = Config.from_resolved(args, [], args.padded_vocab_size, extensions=[moe_config])
-    moe = config.extension(MoEConfig)
+    config = GPT_RUN.config_from_saved(args)
     with torch.device("meta"):
-        model = GPTModel(config.model, MoEMlpSpec(moe) if moe is not None else DENSE_MLP)
+        model = GPT_RUN.model(config)
     return model_order_names(model, config.optimizer.weight_decay)
 
 

@@ -31,8 +31,9 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from megatron.config import Config, ConfigError, parse_arguments  # noqa: E402
-from megatron.config.validation import resolve_arguments_with_notes  # noqa: E402
+from gpt_pretraining import GPT_RUN  # noqa: E402
+from megatron.composition.run import tokenizer_and_padded_vocab  # noqa: E402
+from megatron.config import Config, ConfigError  # noqa: E402
 from megatron.memory_plan import (  # noqa: E402
     GIB,
     MemoryEstimate,
@@ -41,10 +42,6 @@ from megatron.memory_plan import (  # noqa: E402
     format_warning,
     suggest_fits,
 )
-from megatron.tokenizer import build_tokenizer, vocab_size_with_padding  # noqa: E402
-from moe.arguments import add_moe_args  # noqa: E402
-from moe.config import moe_config  # noqa: E402
-from pretrain_gpt import build_mlp_spec  # noqa: E402
 
 SAMPLE_VOCAB = REPO_ROOT / "data" / "sample" / "gpt2-vocab.json"
 SAMPLE_MERGES = REPO_ROOT / "data" / "sample" / "gpt2-merges.txt"
@@ -101,7 +98,7 @@ def choose(
     too_large = []
     for index, flags in enumerate(candidates):
         config, _ = build_config([*rest, *flags.split(), *then], world_size)
-        estimate = estimate_memory(config, build_mlp_spec(config), device_memory)
+        estimate = estimate_memory(config, GPT_RUN.mlp_spec(config), device_memory)
         label = flags or "the script's defaults"
         if then:
             label += f", then your own flags ({' '.join(then)})"
@@ -139,24 +136,12 @@ def _with_placeholders(argv: List[str]) -> Tuple[List[str], List[str]]:
 def build_config(argv: Sequence[str], world_size: int) -> Tuple[Config, List[str]]:
     """The Config pretrain_gpt.py would build for `argv` on `world_size` ranks, and notes."""
     argv, notes = _with_placeholders(list(argv))
-    namespace = parse_arguments(argv, extra_groups=[add_moe_args])
-    args, config_notes = resolve_arguments_with_notes(namespace, world_size)
+    args, config_notes = GPT_RUN.resolve(argv, world_size)
     try:
-        tokenizer = build_tokenizer(
-            args.tokenizer_type,
-            vocab_file=args.vocab_file,
-            merge_file=args.merge_file,
-            tokenizer_model=args.tokenizer_model,
-        )
+        _, padded = tokenizer_and_padded_vocab(args)
     except (OSError, ValueError) as error:
         raise ConfigError(f"cannot read the tokenizer for the vocabulary size: {error}") from None
-    padded = vocab_size_with_padding(
-        tokenizer.vocab_size,
-        args.make_vocab_size_divisible_by,
-        args.tensor_model_parallel_size,
-        log=lambda line: None,
-    )
-    config = Config.from_resolved(args, config_notes, padded, extensions=[moe_config])
+    config = GPT_RUN.config(args, config_notes, padded)
     return config, notes
 
 
@@ -194,11 +179,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 1
     for note in notes:
         print(f"note: {note}")
-    estimate = estimate_memory(config, build_mlp_spec(config), device_memory)
+    estimate = estimate_memory(config, GPT_RUN.mlp_spec(config), device_memory)
     print(format_estimate_line(estimate))
     print(breakdown_table(estimate))
     if estimate.fits is False:
-        print(format_warning(estimate, suggest_fits(config, build_mlp_spec, device_memory)))
+        print(format_warning(estimate, suggest_fits(config, GPT_RUN.mlp_spec, device_memory)))
     return 0
 
 

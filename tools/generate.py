@@ -29,8 +29,7 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pa
 from megatron.config import Config  # noqa: E402
 from megatron.errors import UserError  # noqa: E402
 from megatron.inference import GenerationEngine, SamplingOptions, TextGenerator  # noqa: E402
-from moe.config import MoEConfig  # noqa: E402
-from moe.kernels.grouped_gemm import choose_backend  # noqa: E402
+from moe.config import MoEConfig, with_grouped_gemm_for  # noqa: E402
 from tools.checkpoint.checkpoint_model import (  # noqa: E402
     checkpoint_tokenizer,
     read_checkpoint_model,
@@ -71,15 +70,9 @@ def inference_config(config: Config, device: torch.device, dtype: torch.dtype) -
     moe = config.extension(MoEConfig)
     if moe is None:
         return config
-    model = config.model
-    backend = choose_backend(
-        device,
-        dtype,
-        (model.hidden_size, model.ffn_hidden_size),
-        moe.num_experts,
-        config.training.kernels,
+    moe = with_grouped_gemm_for(
+        moe, config, device, dtype, expert_parallel_size=1, tensor_parallel_size=1
     )
-    moe = dataclasses.replace(moe, grouped_gemm=backend)
     extensions = tuple(moe if isinstance(e, MoEConfig) else e for e in config.extensions)
     parallel = dataclasses.replace(config.parallel, expert_model_parallel_size=1)
     return dataclasses.replace(config, extensions=extensions, parallel=parallel)

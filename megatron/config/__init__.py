@@ -2,10 +2,11 @@
 
     config = parse_config(sys.argv[1:], world_size=int(os.environ.get("WORLD_SIZE", 1)))
 
-Modules with flags of their own (e.g. MoE) pass `extra_groups=[add_moe_args]` to the parser and
+Packages with flags of their own (e.g. MoE) add their group to the parser (`extra_groups`) and
 an extension builder to `Config.from_args(namespace, world_size, padded_vocab_size,
-extensions=[moe_config])`, which builds their config with the rest, once; the run then finds it
-with `config.extension(MoEConfig)`. Every section is frozen.
+extensions=[...])`, which builds their config with the rest, once; the run then finds it with
+`config.extension(MoEConfig)`. A run does both through megatron.composition.run.RunComposition.
+Every section is frozen.
 """
 
 from megatron.arguments import build_parser, format_arguments_block

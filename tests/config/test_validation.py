@@ -251,7 +251,7 @@ def test_a_two_weight_split_is_a_note_saying_how_it_is_read():
 
 def test_saved_arguments_from_before_a_flag_existed_build_with_its_default():
     """Tools build the Config of a checkpoint from its saved arguments (e.g.
-    tools/checkpoint/checkpoint_model.config_from_saved_arguments); a checkpoint saved before a
+    gpt_pretraining.GPT_RUN.config_from_saved); a checkpoint saved before a
     flag existed lacks its attribute, which then takes the field's default."""
     saved = argparse.Namespace(**dict(config().arguments))
     del saved.check_for_nan_in_loss_and_grad

@@ -6,6 +6,7 @@ import re
 import pytest
 
 import pretrain_gpt
+from gpt_pretraining import pretrain as training_run
 from tests.tiny_gpt import tiny_gpt_args
 
 MOE_LINE = re.compile(r" iteration +(\d+)/.*\| load balancing loss: ([0-9.E+-]+) \|")
@@ -40,7 +41,7 @@ def test_the_run_shows_and_scopes_its_kernel_choices(data_prefix, capsys, monkey
     monkeypatch.setattr(dispatch, "_mode", "triton")  # what this process had before the run
     seen = []
     monkeypatch.setattr(
-        pretrain_gpt, "pretrain", lambda *args, **kwargs: seen.append(dispatch.kernel_mode())
+        training_run, "pretrain", lambda *args, **kwargs: seen.append(dispatch.kernel_mode())
     )
     pretrain_gpt.main(tiny_gpt_args(data_prefix, *SHORT, "--moe-num-experts", "4", train_iters=4))
     output = capsys.readouterr().out

@@ -9,6 +9,7 @@ from typing import Sequence
 
 import torch
 
+from gpt_pretraining import GPT_RUN
 from megatron.checkpointing.convert import torch_state_as_sharded
 from megatron.checkpointing.save import CHECKPOINT_VERSION, write_torch_checkpoint
 from megatron.checkpointing.sharded_save import write_sharded_checkpoint
@@ -18,7 +19,6 @@ from megatron.tokenizer import vocab_size_with_padding
 from moe.arguments import add_moe_args
 from moe.config import moe_config
 from tests.sample_data import MERGES, VOCAB
-from tools.checkpoint.checkpoint_model import build_gpt_model
 
 GPT2_VOCAB_SIZE = 50257
 TINY = [
@@ -53,7 +53,7 @@ def random_state(config: Config, seed: int = 0):
     """The model's state dict with every floating tensor drawn from N(0, 0.1) (norm weights
     around 1)."""
     torch.manual_seed(seed)
-    model = build_gpt_model(config)
+    model = GPT_RUN.model(config)
     state = model.state_dict()
     for name, tensor in state.items():
         if tensor.is_floating_point():

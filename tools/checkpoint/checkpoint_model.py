@@ -15,6 +15,7 @@ from typing import Callable, Dict, Optional, Union
 
 import torch
 
+from gpt_pretraining import GPT_RUN
 from megatron.checkpointing.convert import read_sharded_model_state
 from megatron.checkpointing.layout import (
     CheckpointError,
@@ -27,10 +28,9 @@ from megatron.checkpointing.sharded_load import verify_sharded_checkpoint
 from megatron.checkpointing.torch_dist import is_sharded_checkpoint, read_common
 from megatron.config import Config
 from megatron.errors import UserError
-from megatron.model import DENSE_MLP, GPTModel
+from megatron.model import GPTModel
 from megatron.tokenizer import MegatronTokenizer, build_tokenizer
-from moe.config import MoEConfig, moe_config
-from moe.mlp_spec import MoEMlpSpec
+from moe.config import MoEConfig
 from tools.convert_checkpoint_format import model_order
 
 
@@ -58,7 +58,7 @@ class CheckpointModel:
         Built on the meta device and given storage only where it runs: no weights are drawn
         only to be overwritten, and no full-precision copy is made on the way to `dtype`."""
         with torch.device("meta"):
-            model = build_gpt_model(self.config)
+            model = GPT_RUN.model(self.config)
         model = model.to(dtype=dtype).to_empty(device=device)
         model.load_state_dict(self.state_dict, strict=True)
         # Buffers checkpoints do not hold (the MoE layers' token counters) start at zero.
@@ -66,18 +66,6 @@ class CheckpointModel:
             if name not in self.state_dict:
                 buffer.zero_()
         return model.eval()
-
-
-def build_gpt_model(config: Config) -> GPTModel:
-    """The single-process GPT model `config` describes (with its MoE layers), freshly
-    initialized on the CPU."""
-    moe = config.extension(MoEConfig)
-    return GPTModel(config.model, MoEMlpSpec(moe) if moe is not None else DENSE_MLP)
-
-
-def config_from_saved_arguments(args: argparse.Namespace) -> Config:
-    """The Config of the run that saved `args` (its padded vocabulary included)."""
-    return Config.from_resolved(args, [], args.padded_vocab_size, extensions=[moe_config])
 
 
 def read_checkpoint_model(
@@ -116,7 +104,7 @@ def read_checkpoint_model(
         args = state.get("args")
         _check_saved_arguments(args, directory)
         model_state = dict(state["model"])
-    config = config_from_saved_arguments(args)
+    config = GPT_RUN.config_from_saved(args)
     return CheckpointModel(args, config, model_state, iteration, directory)
 
 

@@ -18,16 +18,13 @@ from typing import Callable, Dict, List, Tuple
 
 import torch
 
+from gpt_pretraining import GPT_RUN
 from megatron.checkpointing.layout import RELEASE, read_tracker
 from megatron.checkpointing.save import CHECKPOINT_VERSION, write_torch_checkpoint
+from megatron.composition.run import tokenizer_and_padded_vocab
 from megatron.config import Config, ConfigError
-from megatron.config.validation import parse_arguments, resolve_arguments_with_notes
 from megatron.errors import UserError
-from megatron.tokenizer import build_tokenizer, vocab_size_with_padding
-from moe.arguments import add_moe_args
-from moe.config import moe_config
 from tools.checkpoint import hf_gpt2, hf_llama
-from tools.checkpoint.checkpoint_model import build_gpt_model
 from tools.checkpoint.hf_files import read_safetensors
 
 # Flags a checkpoint's arguments need that do not shape the model; the user's training
@@ -135,21 +132,12 @@ def import_hf(hf_dir: str, save_dir: str, print_fn: Callable[[str], None] = prin
     flags, state, config = model_flags_and_state(hf_dir)
     flags += tokenizer_flags(hf_dir, config.model_type)
     try:
-        namespace = parse_arguments(flags + _PLACEHOLDER_TRAINING_FLAGS, [add_moe_args])
-        args, notes = resolve_arguments_with_notes(namespace, 1)
+        args, notes = GPT_RUN.resolve(flags + _PLACEHOLDER_TRAINING_FLAGS, 1)
     except ConfigError as error:
         raise UserError(
             f"{hf_dir}: its model maps to flags this project refuses: {error}"
         ) from None
-    tokenizer = build_tokenizer(
-        args.tokenizer_type,
-        vocab_file=args.vocab_file,
-        merge_file=args.merge_file,
-        tokenizer_model=args.tokenizer_model,
-    )
-    padded = vocab_size_with_padding(
-        tokenizer.vocab_size, args.make_vocab_size_divisible_by, 1, log=None
-    )
+    tokenizer, padded = tokenizer_and_padded_vocab(args)
     rows = state["embedding.word_embeddings.weight"].shape[0]
     if rows > padded:
         raise UserError(
@@ -158,7 +146,7 @@ def import_hf(hf_dir: str, save_dir: str, print_fn: Callable[[str], None] = prin
         )
     state = {name: _pad_rows(tensor, padded) if name in _VOCABULARY_ROWS else tensor
              for name, tensor in state.items()}  # fmt: skip
-    run_config = Config.from_resolved(args, notes, padded, extensions=[moe_config])
+    run_config = GPT_RUN.config(args, notes, padded)
     _check_fits(state, run_config)
     args.padded_vocab_size = padded
     write_torch_checkpoint(save_dir, RELEASE, _release_state(args, state))
@@ -184,7 +172,7 @@ def _pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
 def _check_fits(state: Dict[str, torch.Tensor], config: Config) -> None:
     """The imported tensors are exactly the model's: names and shapes."""
     with torch.device("meta"):
-        model = build_gpt_model(config)
+        model = GPT_RUN.model(config)
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     for name in sorted(expected.keys() - state.keys()):
         raise UserError(f"the imported model lacks {name}: the mapping is incomplete")

@@ -27,6 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir, os.pardir)))
 
+from gpt_pretraining import GPT_RUN  # noqa: E402
 from megatron.checkpointing.layout import RELEASE, read_tracker  # noqa: E402
 from megatron.checkpointing.save import CHECKPOINT_VERSION, write_torch_checkpoint  # noqa: E402
 from megatron.config import ConfigError  # noqa: E402
@@ -34,11 +35,7 @@ from megatron.errors import UserError  # noqa: E402
 from moe.arguments import add_moe_args  # noqa: E402
 from moe.config import MoEConfig  # noqa: E402
 from moe.router import Router  # noqa: E402
-from tools.checkpoint.checkpoint_model import (  # noqa: E402
-    build_gpt_model,
-    config_from_saved_arguments,
-    read_checkpoint_model,
-)
+from tools.checkpoint.checkpoint_model import read_checkpoint_model  # noqa: E402
 
 
 def router_weight_sum(moe: MoEConfig, hidden_size: int) -> float:
@@ -108,7 +105,7 @@ def upcycle(
     for name, value in vars(parsed).items():
         setattr(args, name, value)
     try:
-        config = config_from_saved_arguments(args)
+        config = GPT_RUN.config_from_saved(args)
     except ConfigError as error:
         raise UserError(str(error)) from None
     moe, model = config.extension(MoEConfig), config.model
@@ -125,7 +122,7 @@ def upcycle(
         )
     state = upcycled_state(dense.state_dict, moe, model.num_layers, model.hidden_size)
     with torch.device("meta"):
-        expected = build_gpt_model(config).state_dict()
+        expected = GPT_RUN.model(config).state_dict()
     if expected.keys() != state.keys() or any(
         tuple(expected[name].shape) != tuple(tensor.shape) for name, tensor in state.items()
     ):

@@ -1,0 +1,33 @@
+"""The MoE layers as an extension of a GPT run (megatron.composition.extension): the --moe-*
+flags, MoEConfig, MoE layers in place of the dense MLP, the training hooks (expert weight
+copies, expert-parallel blocks, expert-load logging), the load-balancing and router z losses,
+and the saved arguments that define the experts."""
+
+from __future__ import annotations
+
+from megatron.composition.extension import RunExtension
+from moe.arguments import MOE_MODEL_ARGUMENTS, add_moe_args
+from moe.auxiliary_losses import MoEAuxiliaryLosses
+from moe.config import MoEConfig, moe_config
+from moe.mlp_spec import MoEMlpSpec
+from moe.training_hooks import MoETrainingHooks
+
+MOE_EXTENSION = RunExtension(
+    name="moe",
+    add_arguments=add_moe_args,
+    build_config=moe_config,
+    config_type=MoEConfig,
+    model_arguments=MOE_MODEL_ARGUMENTS,
+    mlp_spec=lambda moe, config: MoEMlpSpec(moe, config.parallel.expert_model_parallel_size),
+    training_hooks=lambda moe, config: MoETrainingHooks(
+        moe,
+        config.training,
+        config.model.num_layers,
+        tensorboard=bool(config.logging.tensorboard_dir),
+    ),
+    # Averaged over the whole model's MoE layers, whichever of them this rank holds.
+    auxiliary_losses=lambda moe, config, model: MoEAuxiliaryLosses(
+        model, moe.num_moe_layers(config.model.num_layers)
+    ),
+    notes=MoEConfig.notes,
+)
