@@ -49,7 +49,6 @@ from megatron.model.embeddings import LanguageModelEmbedding
 from megatron.model.mlp import MLP
 from megatron.model.norms import RMSNorm
 from megatron.model.transformer import TransformerBlock, TransformerLayer
-from megatron.optimizer.optimizer import main_grads_dtype
 from megatron.parameter_swaps import materialize
 from megatron.pipeline.stages import stage_layer_numbers
 from megatron.tensor_parallel import (
@@ -294,7 +293,7 @@ def data_parallel(
         parallel_state.get_data_parallel_world_size() > 1
         and not config.parallel.use_distributed_optimizer
         and not pipeline
-        and main_grads_dtype(config.optimizer) is None
+        and config.numerics.main_grads_dtype is None
     )
     if not wrap:
         return model, False

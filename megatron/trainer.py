@@ -41,7 +41,6 @@ from megatron.model.flops import num_floating_point_operations
 from megatron.model.transformer import TransformerLayer
 from megatron.optimizer import build_lr_scheduler, build_optimizer
 from megatron.optimizer.distributed_optimizer import build_distributed_optimizer
-from megatron.optimizer.optimizer import main_grads_dtype
 from megatron.optimizer.precision import PrecisionAwareAdamW
 from megatron.parallelize import ParallelModel
 from megatron.pipeline.training_step import activation_spec, pipeline_step
@@ -53,10 +52,9 @@ ForwardStep = Callable[
 
 
 def _autocast(config: Config, device: torch.device):
-    if config.training.bf16:
-        return torch.autocast(device.type, dtype=torch.bfloat16)
-    if config.training.fp16:
-        return torch.autocast(device.type, dtype=torch.float16)
+    numerics = config.numerics
+    if numerics.autocast:
+        return torch.autocast(device.type, dtype=numerics.compute_dtype)
     return contextlib.nullcontext()
 
 
@@ -123,7 +121,7 @@ class Trainer:
                 self.unwrapped_model, config.optimizer, config.training
             )
         if isinstance(self.optimizer.optimizer, PrecisionAwareAdamW):
-            description = self.optimizer.optimizer.describe(main_grads_dtype(config.optimizer))
+            description = self.optimizer.optimizer.describe(config.numerics.main_grads_dtype)
             print_rank_0(f"> {description}")
         self.scheduler = build_lr_scheduler(self.optimizer, config.optimizer, config.training)
         self.tensorboard = (

@@ -119,6 +119,36 @@ def train(trainer: Trainer, train_iterator, valid_iterator, result: TrainingResu
         profiler.stop()  # a run that ends before --profile-step-end still writes its trace
 
 
+@dataclass
+class _LogWindow:
+    """The iterations since the last log line: what Megatron's line reports of them (losses
+    averaged over the iterations that advanced; skipped and non-finite ones counted)."""
+
+    start: float = field(default_factory=time.time)
+    iterations: int = 0
+    advanced: int = 0
+    skipped: int = 0
+    nan: int = 0
+    loss_sums: Dict[str, float] = field(default_factory=lambda: defaultdict(float))
+
+    def add(self, losses: Dict[str, float], skipped: bool, got_nan: bool) -> None:
+        self.iterations += 1
+        # Megatron's count: iterations whose loss (or here gradient norm) was not finite.
+        self.nan += int(got_nan)
+        if skipped:
+            self.skipped += 1
+            return
+        self.advanced += 1
+        for name, value in losses.items():
+            self.loss_sums[name] += value
+
+    def seconds_per_iteration(self) -> float:
+        return (time.time() - self.start) / self.iterations
+
+    def mean_losses(self) -> Dict[str, float]:
+        return {name: value / max(self.advanced, 1) for name, value in self.loss_sums.items()}
+
+
 def _train_loop(
     trainer: Trainer, train_iterator, valid_iterator, result: TrainingResult, profiler: StepProfiler
 ) -> None:
@@ -126,12 +156,7 @@ def _train_loop(
     training, logging_config = config.training, config.logging
     exit_signal = _ExitSignal(training.exit_signal_handler)
     start_time = time.time()
-    window_start = time.time()
-    window_iterations = 0
-    window_sums: Dict[str, float] = defaultdict(float)
-    window_advanced = 0
-    window_skipped = 0
-    window_nan = 0
+    window = _LogWindow()
     last_grad_norm: Optional[float] = None
     report_memory = True  # once, after the first logged iteration, as Megatron does
     trainer.model.train()
@@ -144,23 +169,17 @@ def _train_loop(
         trainer.iteration += 1
         profiler.after_step(trainer.iteration)
         trainer.consumed_train_samples += training.global_batch_size
-        window_iterations += 1
         result.losses.append(losses)
-        # Megatron's count: iterations whose loss (or here gradient norm) was not finite.
-        window_nan += int(got_nan)
+        window.add(losses, skipped, got_nan)
         if skipped:
-            window_skipped += 1
             result.skipped_iterations += 1
         else:
-            window_advanced += 1
-            for name, value in losses.items():
-                window_sums[name] += value
             last_grad_norm = grad_norm
 
         if trainer.iteration % logging_config.log_interval == 0:
             if trainer.context.device.type == "cuda":
                 torch.cuda.synchronize()
-            seconds_per_iteration = (time.time() - window_start) / window_iterations
+            seconds_per_iteration = window.seconds_per_iteration()
             tokens_per_second, tokens_per_gpu, tflops = _throughput(trainer, seconds_per_iteration)
             stats = IterationStats(
                 iteration=trainer.iteration,
@@ -169,13 +188,11 @@ def _train_loop(
                 elapsed_ms_per_iteration=seconds_per_iteration * 1000.0,
                 learning_rate=trainer.optimizer.param_groups[0]["lr"],
                 global_batch_size=training.global_batch_size,
-                losses={
-                    name: value / max(window_advanced, 1) for name, value in window_sums.items()
-                },
+                losses=window.mean_losses(),
                 loss_scale=trainer.optimizer.loss_scale,
                 grad_norm=last_grad_norm,
-                skipped_iterations=window_skipped,
-                nan_iterations=window_nan,
+                skipped_iterations=window.skipped,
+                nan_iterations=window.nan,
                 tokens_per_second=tokens_per_second,
                 tokens_per_second_per_gpu=tokens_per_gpu,
                 tflops_per_gpu=tflops,
@@ -196,8 +213,7 @@ def _train_loop(
             )
             for name, record in records.items():
                 result.records.setdefault(name, []).append(record)
-            window_start, window_iterations = time.time(), 0
-            window_sums, window_advanced, window_skipped, window_nan = defaultdict(float), 0, 0, 0
+            window = _LogWindow()
 
         if (
             valid_iterator is not None

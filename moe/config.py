@@ -184,11 +184,7 @@ class MoEConfig:
                 f"--moe-expert-parallel-buffer-factor must be >= 1 (blocks of at least the "
                 f"balanced share), got {factor}"
             )
-        if self.mlp_impl == "sparse" and not self.dropless:
-            raise ConfigError(
-                "--moe-impl sparse is the dropless dMoE's block-sparse backend; with "
-                "--no-moe-dropless use --moe-impl grouped or reference"
-            )
+        self._validate_sparse(model)
         self._validate_tensor_parallel_split(model)
         if self.shared_expert_ffn_hidden_size is not None:
             if not self.shared_expert:
@@ -199,9 +195,31 @@ class MoEConfig:
                     f"{self.shared_expert_ffn_hidden_size}"
                 )
 
+    def _validate_sparse(self, model: ModelConfig) -> None:
+        """The block-sparse backend: the dMoE's, GELU experts only, whole blocks of 16 of each
+        expert's channels on each tensor-parallel rank."""
+        if self.mlp_impl != "sparse":
+            return
+        if not self.dropless:
+            raise ConfigError(
+                "--moe-impl sparse is the dropless dMoE's block-sparse backend; with "
+                "--no-moe-dropless use --moe-impl grouped or reference"
+            )
+        if self.mlp_type != "mlp" or model.swiglu:
+            raise ConfigError(
+                "--moe-impl sparse supports --mlp-type mlp with GELU only; use --moe-impl grouped"
+            )
+        tensor = model.tensor_model_parallel_size
+        if model.ffn_hidden_size % (16 * tensor) != 0:
+            raise ConfigError(
+                f"--moe-impl sparse with --tensor-model-parallel-size {tensor} needs "
+                f"--ffn-hidden-size divisible by {16 * tensor} (each rank's channels of an expert "
+                f"form blocks of 16), got {model.ffn_hidden_size}; use --moe-impl grouped"
+            )
+
     def _validate_tensor_parallel_split(self, model: ModelConfig) -> None:
         """The shared expert's channels split over the tensor-parallel ranks like a dense
-        MLP's, and the block-sparse backend needs whole blocks of 16 on each rank."""
+        MLP's."""
         tensor = model.tensor_model_parallel_size
         if tensor == 1:
             return
@@ -211,12 +229,6 @@ class MoEConfig:
                 f"--moe-shared-expert-ffn-hidden-size {shared} is not divisible by "
                 f"--tensor-model-parallel-size {tensor}: the shared expert's channels are split "
                 f"evenly over the tensor-parallel ranks; choose a multiple of {tensor}"
-            )
-        if self.mlp_impl == "sparse" and model.ffn_hidden_size % (16 * tensor) != 0:
-            raise ConfigError(
-                f"--moe-impl sparse with --tensor-model-parallel-size {tensor} needs "
-                f"--ffn-hidden-size divisible by {16 * tensor} (each rank's channels of an expert "
-                f"form blocks of 16), got {model.ffn_hidden_size}; use --moe-impl grouped"
             )
 
     def check_expert_parallelism(self, size: int) -> None:
@@ -252,7 +264,7 @@ def moe_config(args: argparse.Namespace, config: Config) -> Optional[MoEConfig]:
         moe,
         config,
         compute_device(),
-        getattr(torch, config.training.params_dtype_name),
+        config.numerics.compute_dtype,
         expert_parallel_size,
         config.model.tensor_model_parallel_size,
     )

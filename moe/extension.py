@@ -21,7 +21,7 @@ MOE_EXTENSION = RunExtension(
     mlp_spec=lambda moe, config: MoEMlpSpec(moe, config.parallel.expert_model_parallel_size),
     training_hooks=lambda moe, config: MoETrainingHooks(
         moe,
-        config.training,
+        config.numerics.weight_copies_dtype,
         config.model.num_layers,
         tensorboard=bool(config.logging.tensorboard_dir),
     ),

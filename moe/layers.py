@@ -65,11 +65,6 @@ from moe.tensor_parallel import (
     route_tensor_parallel,
 )
 
-SPARSE_UNAVAILABLE = (
-    "--moe-impl sparse: block-sparse kernels are not available yet "
-    "(moe/kernels/block_sparse with sparse_mlp); use --moe-impl grouped"
-)
-
 
 def _compiling() -> bool:
     """True while torch.compile traces the layer (never on a torch without torch.compiler)."""
@@ -323,14 +318,6 @@ class MoE(MoELayer):
 class DroplessMoE(MoELayer):
     """MegaBlocks' dMoE: every assignment reaches its expert, whatever the imbalance."""
 
-    def __init__(self, model_config: ModelConfig, moe_config: MoEConfig) -> None:
-        super().__init__(model_config, moe_config)
-        if moe_config.mlp_impl == "sparse":
-            try:
-                from moe.kernels.block_sparse import sparse_mlp  # noqa: F401
-            except ImportError as error:
-                raise RuntimeError(SPARSE_UNAVAILABLE) from error
-
     @property
     def sparse_block_size(self) -> int:
         """The block size of the block-sparse products: MegaBlocks uses 128; smaller blocks
@@ -464,19 +451,8 @@ class DroplessMoE(MoELayer):
 
 
 def build_moe_layer(model_config: ModelConfig, moe_config: MoEConfig) -> MoELayer:
-    """The dMoE when `moe_config.dropless`, else the MoE with capacity."""
-    if moe_config.mlp_impl == "sparse":
-        if moe_config.mlp_type != "mlp" or model_config.swiglu:
-            raise ValueError(
-                "--moe-impl sparse supports --mlp-type mlp with GELU only; use --moe-impl grouped"
-            )
-        tensor_parallel_size = model_config.tensor_model_parallel_size
-        if model_config.ffn_hidden_size % (16 * tensor_parallel_size) != 0:
-            raise ValueError(
-                f"--moe-impl sparse needs --ffn-hidden-size divisible by 16 x "
-                f"--tensor-model-parallel-size {tensor_parallel_size}, got "
-                f"{model_config.ffn_hidden_size}; use --moe-impl grouped"
-            )
+    """The dMoE when `moe_config.dropless`, else the MoE with capacity (`moe_config` validated
+    against `model_config`: MoEConfig.validate)."""
     layer_class = DroplessMoE if moe_config.dropless else MoE
     return layer_class(model_config, moe_config)
 

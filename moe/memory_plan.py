@@ -18,7 +18,7 @@ expert-parallel group (P T k). The MoE with capacity computes capacity slots for
 expert: capacity_factor k rows per token (with factor 0, no limit: up to E k at worst).
 The shared expert is a dense MLP reading the same cast tokens.
 
-Weights (moe.training_hooks.expert_compute_dtype, moe.experts.refresh_compute_weights,
+Weights (megatron.config.numerics.Numerics.weight_copies_dtype, moe.experts.refresh_compute_weights,
 moe.weight_copies): a bf16/fp16 run with gradient-accumulation fusion keeps a compute-dtype copy
 of every expert weight (2 bytes each) and, where the copies add their gradients in place (fp32
 `.grad` or bf16 main gradients alike), one micro-batch's gradient of them held for the next
@@ -32,9 +32,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Sequence, Tuple
 
 from megatron.model.mlp import MlpMemory, dense_mlp_activation_bytes_per_token
-from megatron.optimizer.optimizer import main_grads_dtype
 from moe.config import MoEConfig
-from moe.training_hooks import expert_compute_dtype
 
 if TYPE_CHECKING:
     from megatron.config import Config, ModelConfig
@@ -111,18 +109,18 @@ def expert_parameters(
 
 def moe_memory(config: Config, moe: MoEConfig, layer_numbers: Sequence[int]) -> MlpMemory:
     """The expert weights' copies, held gradients or per-micro-batch casts (module docstring)."""
-    training, parallel = config.training, config.parallel
+    parallel = config.parallel
     expert_parallel_size = parallel.expert_model_parallel_size
     weights = expert_parameters(config.model, moe, layer_numbers, expert_parallel_size)
-    if expert_compute_dtype(training) is None:
-        autocast = training.bf16 or training.fp16
-        return MlpMemory(casts_per_micro_batch=2 * weights if autocast else 0)
+    numerics = config.numerics
+    if numerics.weight_copies_dtype is None:
+        return MlpMemory(casts_per_micro_batch=2 * weights if numerics.autocast else 0)
     # moe.training_hooks._expert_grads_in_place: not when torch DDP reduces the experts.
     in_ddp = (
         parallel.data_parallel_size > 1
         and not parallel.use_distributed_optimizer
         and parallel.pipeline_model_parallel_size == 1
-        and main_grads_dtype(config.optimizer) is None
+        and config.numerics.main_grads_dtype is None
     )
     in_place = not (in_ddp and expert_parallel_size == 1)
     return MlpMemory(

@@ -21,7 +21,6 @@ import torch
 from torch import nn
 
 from megatron import parallel_state
-from megatron.config import TrainingConfig
 from megatron.initialize import print_rank_0
 from megatron.training_hooks import TrainingHooks
 from moe.block_factor import SHRINK_WINDOW, BlockFactor
@@ -46,21 +45,6 @@ EAGER_NOTE = (
 )
 
 
-def expert_compute_dtype(training: TrainingConfig) -> Optional[torch.dtype]:
-    """The dtype of the expert weights' per-step copies: the autocast dtype of a bf16/fp16
-    model, else None. None also under --no-gradient-accumulation-fusion: autocast then casts
-    the weights in every micro-batch and autograd accumulates their gradients, which needs less
-    memory (no copies, no held gradients: the dMoE 125M fits an 80 GB GPU at micro batch 8 only
-    this way)."""
-    if not training.gradient_accumulation_fusion:
-        return None
-    if training.bf16:
-        return torch.bfloat16
-    if training.fp16:
-        return torch.float16
-    return None
-
-
 def _expert_grads_in_place(wrapped_in_ddp: bool) -> bool:
     """Whether the copies add their gradients into the fp32 expert weights themselves. Not when
     torch DDP reduces the expert gradients: its hooks fire on autograd's accumulation, so the
@@ -70,16 +54,24 @@ def _expert_grads_in_place(wrapped_in_ddp: bool) -> bool:
 
 
 class MoETrainingHooks(TrainingHooks):
-    """The trainer's MoE work for a model built with `moe.mlp_spec.MoEMlpSpec(moe)`."""
+    """The trainer's MoE work for a model built with `moe.mlp_spec.MoEMlpSpec(moe)`.
+    `copies_dtype`: the run's Numerics.weight_copies_dtype, the dtype of the expert weights'
+    per-step copies; None under --no-gradient-accumulation-fusion or in fp32, where autocast
+    casts the weights in every micro-batch and autograd accumulates their gradients (less
+    memory: no copies, no held gradients; the dMoE 125M fits an 80 GB GPU at micro batch 8 only
+    this way)."""
 
     def __init__(
-        self, moe: MoEConfig, training: TrainingConfig, num_layers: int, tensorboard: bool
+        self,
+        moe: MoEConfig,
+        copies_dtype: Optional[torch.dtype],
+        num_layers: int,
+        tensorboard: bool,
     ) -> None:
         self.moe = moe
-        self.training = training
         self.moe_layer_numbers = [n for n in range(num_layers) if moe.is_moe_layer(n)]
         self.log_expert_load = moe.per_layer_logging or tensorboard
-        self.compute_dtype = expert_compute_dtype(training)
+        self.compute_dtype = copies_dtype
         self.grads_in_place = True
         self.device = torch.device("cpu")
         self.imbalance_per_layer: Dict[int, float] = {}

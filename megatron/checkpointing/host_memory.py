@@ -4,7 +4,8 @@ A save copies this rank's chunks from the GPU into these buffers while training 
 are page-locked (a copy into pageable memory goes through the driver's staging at a fraction of
 the rate) and allocated once, in the background, before the first save. Page-locking
 (`cudaHostRegister`) holds the CUDA driver's lock, and the training thread's CUDA calls wait
-for it meanwhile, so what matters is how long it takes (bench/host_buffers.py, BENCHMARKS.md):
+for it meanwhile, so what matters is how long it takes (bench/host_buffers.py; its table in
+docs/benchmark-log.md, "Checkpoint formats: notes"):
 
 - registering pages that are not yet resident faults them in under that lock, several times
   slower than registering resident ones;

@@ -10,6 +10,7 @@ from types import MappingProxyType
 from typing import Any, Callable, Mapping, Optional, Sequence, Tuple, Type, TypeVar
 
 from megatron.arguments import ArgumentGroupAdder
+from megatron.config.numerics import Numerics
 from megatron.config.validation import (
     parse_arguments,
     resolve_arguments_with_notes,
@@ -112,11 +113,6 @@ class TrainingConfig:
     exit_signal_handler: bool = False
     # A non-finite loss or gradient norm stops the run (megatron.trainer); off: trains on.
     check_for_nan_in_loss_and_grad: bool = True
-
-    @property
-    def params_dtype_name(self) -> str:
-        """torch dtype name of the model parameters: float16, bfloat16 or float32."""
-        return "float16" if self.fp16 else "bfloat16" if self.bf16 else "float32"
 
 
 @dataclass(frozen=True)
@@ -246,6 +242,12 @@ class Config:
     notes: Tuple[str, ...] = ()
     arguments: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     extensions: Tuple[Any, ...] = ()
+
+    @property
+    def numerics(self) -> Numerics:
+        """Compute, gradient and optimizer-state dtypes, decided from the sections
+        (megatron.config.numerics)."""
+        return Numerics.of(self.training, self.optimizer)
 
     def extension(self, kind: Type[T]) -> Optional[T]:
         """The extension config of type `kind`, or None when the run has none."""

@@ -176,11 +176,6 @@ def _with_device(estimate: MemoryEstimate, device_memory: Optional[int]) -> Memo
     return MemoryEstimate(**values)
 
 
-def compute_bytes(config: Config) -> int:
-    """Bytes per element of autocast's compute dtype (fp32 without --bf16/--fp16)."""
-    return 2 if config.training.bf16 or config.training.fp16 else 4
-
-
 def _estimate_stage(
     config: Config,
     mlp_spec: MlpSpec,
@@ -191,7 +186,7 @@ def _estimate_stage(
 ) -> MemoryEstimate:
     model, optimizer, parallel = config.model, config.optimizer, config.parallel
     counts = whole.stage(config, pipeline_rank)
-    c = compute_bytes(config)
+    c = config.numerics.compute_bytes
     numbers = _stage_layer_numbers(config, pipeline_rank)
     extra = mlp_spec.memory(config, numbers)
 

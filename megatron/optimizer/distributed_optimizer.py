@@ -52,6 +52,7 @@ from torch import nn
 
 from megatron import parallel_state
 from megatron.config import OptimizerConfig, TrainingConfig
+from megatron.config.numerics import Numerics
 from megatron.expert_parameters import is_expert_parameter
 from megatron.main_grads import gradient
 from megatron.optimizer.grad_reduce import GradReduce, bucket_parameters, default_bucket_size
@@ -63,7 +64,6 @@ from megatron.optimizer.optimizer import (
     build_inner_optimizer,
     counted_across_model_parallel_ranks,
     load_keeping_kernel_flags,
-    main_grads_dtype,
 )
 from megatron.optimizer.param_gather import ParamGather
 from megatron.optimizer.sharded_buffer import ShardedBuffer, all_gather_into
@@ -472,7 +472,7 @@ def build_distributed_optimizer(
         optimizer_config.clip_grad,
         log_num_zeros_in_grad,
         data_parallel_group,
-        grad_dtype=main_grads_dtype(optimizer_config),
+        grad_dtype=Numerics.of(training_config, optimizer_config).main_grads_dtype,
         overlap_grad_reduce=overlap_grad_reduce,
         bucket_size=bucket_size,
         model_order=list(model.parameters()),

@@ -21,12 +21,12 @@ from torch import nn
 
 from megatron import parallel_state
 from megatron.config import OptimizerConfig, TrainingConfig
+from megatron.config.numerics import Numerics
 from megatron.expert_parameters import is_expert_parameter
 from megatron.main_grads import attach_main_grads, gradient
 from megatron.model import param_groups_for_weight_decay
 from megatron.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler, GradScaler
 from megatron.optimizer.precision import (
-    DTYPES,
     PrecisionAwareAdamW,
     conversion_note,
     saved_moment_dtypes,
@@ -245,15 +245,8 @@ def build_optimizer(
         grad_scaler,
         optimizer_config.clip_grad,
         log_num_zeros_in_grad,
-        main_grads_dtype(optimizer_config),
+        Numerics.of(training_config, optimizer_config).main_grads_dtype,
     )
-
-
-def main_grads_dtype(config: OptimizerConfig) -> Optional[torch.dtype]:
-    """The dtype of main gradients (--main-grads-dtype), or None where `.grad` is used."""
-    if not config.use_precision_aware_optimizer or config.main_grads_dtype == "fp32":
-        return None
-    return DTYPES[config.main_grads_dtype]
 
 
 def build_inner_optimizer(
@@ -268,6 +261,7 @@ def build_inner_optimizer(
         raise ValueError("the model has no trainable parameters (all have requires_grad=False)")
     params = decay["params"] + no_decay["params"]
 
+    numerics = Numerics.of(training_config, config)
     if config.optimizer == "adam" and (
         config.use_precision_aware_optimizer or config.optimizer_cpu_offload
     ):
@@ -277,11 +271,9 @@ def build_inner_optimizer(
             weight_decay=config.weight_decay,
             betas=(config.adam_beta1, config.adam_beta2),
             eps=config.adam_eps,
-            exp_avg_dtype=DTYPES[config.exp_avg_dtype],
-            exp_avg_sq_dtype=DTYPES[config.exp_avg_sq_dtype],
-            offload_fraction=config.optimizer_offload_fraction
-            if config.optimizer_cpu_offload
-            else 0.0,
+            exp_avg_dtype=numerics.exp_avg_dtype,
+            exp_avg_sq_dtype=numerics.exp_avg_sq_dtype,
+            offload_fraction=numerics.offload_fraction,
         )
     elif config.optimizer == "adam":
         kernel: Dict[str, Any] = {}

@@ -26,6 +26,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence
 
 import torch
 
+from megatron.config.numerics import DTYPES
 from megatron.kernels.adamw import (
     STEP_CHUNK,
     AdamWHyper,
@@ -35,7 +36,6 @@ from megatron.kernels.adamw import (
 )
 from megatron.main_grads import gradient
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 

@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 
 import pytest
+import torch
 
 from megatron.config import (
     Config,
@@ -35,7 +36,7 @@ def test_megablocks_125m_command_line_on_8_ranks():
     assert cfg.training.micro_batch_size == 8 and cfg.training.global_batch_size == 512
     assert cfg.training.num_micro_batches == 512 // (8 * 8)
     assert cfg.training.bf16 and not cfg.training.fp16 and cfg.training.use_flash_attn
-    assert cfg.training.params_dtype_name == "bfloat16"
+    assert cfg.numerics.compute_dtype == torch.bfloat16 and cfg.numerics.autocast
     assert cfg.training.train_iters == 2000 and cfg.training.train_samples is None
     optimizer = cfg.optimizer
     assert (optimizer.lr, optimizer.min_lr, optimizer.clip_grad) == (0.0006, 0.00006, 1.0)
@@ -81,7 +82,7 @@ def test_megatron_defaults():
         1000,
         2,
     )
-    assert training.seed == 1234 and training.params_dtype_name == "float32"
+    assert training.seed == 1234 and not cfg.numerics.autocast
     assert (training.eval_iters, training.eval_interval) == (100, 1000)
     assert training.exit_interval is None and not training.exit_signal_handler
     assert cfg.data.split == "969, 30, 1" and cfg.data.num_workers == 2

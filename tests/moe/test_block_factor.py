@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import torch
 
-from megatron.config import TrainingConfig
 from moe.block_factor import FACTOR_STEP, SHRINK_WINDOW, BlockFactor, on_ladder
 from moe.config import MoEConfig
 from moe.layers import build_moe_layer, moe_layers
@@ -44,11 +43,10 @@ def test_grows_above_the_need_and_shrinks_only_after_a_window_of_smaller_needs()
 
 def _hooks_and_model(start: float):
     moe = MoEConfig(num_experts=4, top_k=1, expert_parallel_buffer_factor=start)
-    training = TrainingConfig(micro_batch_size=1, global_batch_size=1, num_micro_batches=1)
     model = torch.nn.ModuleList(
         [build_moe_layer(moe_layer_model_config(32, 64, 16), moe) for _ in range(2)]
     )
-    return MoETrainingHooks(moe, training, num_layers=2, tensorboard=False), model
+    return MoETrainingHooks(moe, None, num_layers=2, tensorboard=False), model
 
 
 def _step(hooks, model, needs):

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import torch
 
-from megatron.config import TrainingConfig
 from moe.config import MoEConfig
 from moe.experts import expert_modules
 from moe.layers import build_moe_layer
@@ -17,13 +16,10 @@ from tests.tiny_gpt import moe_layer_model_config
 
 def test_each_layer_refreshes_its_copies_once_its_weights_are_there():
     moe = MoEConfig(num_experts=4, top_k=1)
-    training = TrainingConfig(
-        micro_batch_size=1, global_batch_size=1, num_micro_batches=1, bf16=True
-    )
     model = torch.nn.ModuleList(
         [build_moe_layer(moe_layer_model_config(32, 64, 16), moe) for _ in range(2)]
     )
-    hooks = MoETrainingHooks(moe, training, num_layers=2, tensorboard=False)
+    hooks = MoETrainingHooks(moe, torch.bfloat16, num_layers=2, tensorboard=False)
     hooks.setup(model, wrapped_in_ddp=False, device=torch.device("cpu"))
     hooks.weights_arrive_by_layer()
 

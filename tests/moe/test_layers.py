@@ -254,12 +254,8 @@ def test_gpt_model_with_moe_inits_experts_and_trains_one_step():
     assert model.decoder.layers[1].mlp.router.layer.weight.grad.abs().sum() > 0
 
 
-def test_sparse_backend_matches_reference_or_says_unavailable():
-    try:
-        sparse = make_layer(top_k=2, mlp_impl="sparse")
-    except RuntimeError as error:
-        assert "block-sparse kernels are not available yet" in str(error)
-        return
+def test_sparse_backend_matches_reference():
+    sparse = make_layer(top_k=2, mlp_impl="sparse")
     reference = same_weights(sparse, make_layer(top_k=2, mlp_impl="reference"))
     x = torch.randn(2, 8, HIDDEN)
     assert_same(run(reference, x), run(sparse, x))
@@ -275,6 +271,7 @@ def test_sparse_backend_matches_reference_or_says_unavailable():
         (dict(jitter_eps=1.5), "--moe-jitter-eps"),
         (dict(normalize_expert_weights=0.0), "--moe-normalize-expert-weights"),
         (dict(mlp_impl="sparse", dropless=False), "--moe-impl sparse"),
+        (dict(mlp_impl="sparse", mlp_type="glu"), "--moe-impl sparse supports --mlp-type mlp"),
         (dict(shared_expert_ffn_hidden_size=8), "--moe-shared-expert"),
     ],
 )
@@ -298,7 +295,14 @@ def test_tensor_parallel_splits_are_checked_before_building(overrides, message):
     config = MoEConfig(**{"num_experts": 4, **overrides})
     with pytest.raises(ConfigError, match=message.replace("-", r"\-")):
         config.validate(model_config(tensor_model_parallel_size=2, ffn_hidden_size=FFN + 1))
-    config.validate(model_config(tensor_model_parallel_size=1, ffn_hidden_size=FFN + 1))
+    if config.mlp_impl != "sparse":
+        config.validate(model_config(tensor_model_parallel_size=1, ffn_hidden_size=FFN + 1))
+
+
+def test_the_block_sparse_backend_needs_whole_blocks_at_any_tensor_parallel_size():
+    config = MoEConfig(num_experts=4, mlp_impl="sparse")
+    with pytest.raises(ConfigError, match="needs --ffn-hidden-size divisible by 16"):
+        config.validate(model_config(ffn_hidden_size=FFN + 1))
 
 
 def test_grouped_dmoe_with_triton_kernels_under_the_interpreter(triton_kernels, monkeypatch):

@@ -1,0 +1,67 @@
+"""The run's numerics, decided once from its flags (Megatron-Core's ModelParallelConfig carries
+the same decisions): the dtype the forward and backward compute in, the dtype gradients are
+kept and reduced in, the optimizer moments' dtypes, whether layers that keep per-step
+low-precision copies of their weights (the dMoE's experts) do so, and how much optimizer state
+lives on the host. `Config.numerics` derives it from the frozen sections, so every reader (the
+trainer, the optimizers, parallelize, the MoE hooks, the memory planner) sees the same answer,
+including for the changed configs the memory planner tries.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+# --main-grads-dtype, --exp-avg-dtype and --exp-avg-sq-dtype values.
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Numerics:
+    """compute_dtype: autocast's dtype (float32: no autocast; parameters stay fp32 either way).
+    main_grads_dtype: gradients kept in this dtype beside the parameters (megatron.main_grads),
+    or None where the parameters' own fp32 `.grad` is used. weight_copies_dtype: the dtype of
+    the per-step copies of weights whose layers accumulate their gradients themselves
+    (--gradient-accumulation-fusion with bf16/fp16), or None where autocast casts the weights
+    in every micro-batch. offload_fraction: the share of the optimizer state on the host."""
+
+    compute_dtype: torch.dtype
+    main_grads_dtype: Optional[torch.dtype]
+    exp_avg_dtype: torch.dtype
+    exp_avg_sq_dtype: torch.dtype
+    weight_copies_dtype: Optional[torch.dtype]
+    offload_fraction: float
+
+    @property
+    def autocast(self) -> bool:
+        return self.compute_dtype != torch.float32
+
+    @property
+    def compute_bytes(self) -> int:
+        """Bytes per element of the compute dtype."""
+        return self.compute_dtype.itemsize
+
+    @classmethod
+    def of(cls, training, optimizer) -> Numerics:
+        """From a TrainingConfig and an OptimizerConfig (megatron.config.sections)."""
+        compute = (
+            torch.float16 if training.fp16 else torch.bfloat16 if training.bf16 else torch.float32
+        )
+        precision_aware = optimizer.use_precision_aware_optimizer
+        main_grads = DTYPES[optimizer.main_grads_dtype] if precision_aware else torch.float32
+        return cls(
+            compute_dtype=compute,
+            main_grads_dtype=None if main_grads == torch.float32 else main_grads,
+            exp_avg_dtype=DTYPES[optimizer.exp_avg_dtype],
+            exp_avg_sq_dtype=DTYPES[optimizer.exp_avg_sq_dtype],
+            weight_copies_dtype=(
+                compute
+                if training.gradient_accumulation_fusion and compute != torch.float32
+                else None
+            ),
+            offload_fraction=(
+                optimizer.optimizer_offload_fraction if optimizer.optimizer_cpu_offload else 0.0
+            ),
+        )
