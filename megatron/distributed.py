@@ -1,12 +1,16 @@
-"""Gradient synchronization of the training step: the data-parallel wrapper, and the reductions
-that finish a step's gradients after the last backward (Megatron-core's `finalize_model_grads`).
+"""Gradient synchronization of the training step, decided once (`gradient_reduction`, carried
+by `GradientSync`): the data-parallel wrapper, and the reductions that finish a step's
+gradients after the last backward (Megatron-core's `finalize_model_grads`).
 
 Which gradient is reduced where:
 - replicated parameters: averaged over the data-parallel group by torch DDP, bucketed and
-  overlapped with the last micro-batch's backward;
+  overlapped with the last micro-batch's backward; or by the distributed optimizer's
+  reduce-scatter; or, under a pipeline or with main gradients, by one all-reduce after the
+  last backward;
 - expert-parallel shards (megatron.expert_parameters): left out of DDP, since each rank of an
-  expert-parallel group holds different experts; `finalize_gradients` sums them over the
-  expert-data-parallel group and divides by the data-parallel size (`reduce_expert_gradients`);
+  expert-parallel group holds different experts; `GradientSync.after_backwards` sums them over
+  the expert-data-parallel group and divides by the data-parallel size
+  (`reduce_expert_gradients`);
 - with --sequence-parallel, the norms' partial gradients: summed over the tensor-parallel group;
 - under pipeline parallelism with tied embeddings, the first stage's word embeddings and the
   last stage's copy of them: summed over the embedding group (`reduce_tied_embedding_gradients`);
@@ -16,6 +20,7 @@ Which gradient is reduced where:
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import ContextManager, List, Optional, Sequence
 
 import torch
@@ -72,20 +77,70 @@ def micro_batch_context(model: nn.Module, index: int, count: int) -> ContextMana
     return contextlib.nullcontext()
 
 
-def finalize_gradients(model: nn.Module, config: Config) -> None:
-    """The reductions DDP does not do, after the last micro-batch's backward and before the
-    optimizer reads the gradients; `model` is the unwrapped model. Every rank must call it."""
-    if config.model.sequence_parallel:
-        # Norms saw only this rank's sequence shard: sum their gradients over TP ranks.
-        all_reduce_sequence_parallel_grads(model.parameters())
-    if (
-        parallel_state.get_expert_model_parallel_world_size() > 1
-        and not config.parallel.use_distributed_optimizer
-    ):
-        # Expert gradients hold the contributions of the expert-parallel group's tokens; this
-        # turns them into the data-parallel average DDP gives the other parameters. (The
-        # distributed optimizer reduce-scatters them over the same group itself.)
-        reduce_expert_gradients(model)
+# Who averages the replicated parameters' gradients over the data-parallel group.
+NO_REDUCTION = "none"  # one replica
+DDP = "ddp"  # torch DDP, bucketed and overlapped with the last micro-batch's backward
+AFTER_BACKWARD = "after backward"  # one all-reduce after the last backward (pipeline, main grads)
+OPTIMIZER = "optimizer"  # the distributed optimizer's reduce-scatter (megatron.optimizer)
+
+
+def gradient_reduction(config: Config) -> str:
+    """Who reduces the data-parallel gradients, decided once from the config (the memory
+    planner asks before any process group exists). Not torch DDP under a pipeline (its hooks
+    assume one forward then one backward per micro-batch; the 1F1B schedules interleave them)
+    or with main gradients (megatron.main_grads: DDP reduces `.grad`)."""
+    parallel = config.parallel
+    if parallel.use_distributed_optimizer:
+        return OPTIMIZER
+    if parallel.data_parallel_size == 1:
+        return NO_REDUCTION
+    if parallel.pipeline_model_parallel_size > 1 or config.numerics.main_grads_dtype is not None:
+        return AFTER_BACKWARD
+    return DDP
+
+
+@dataclass(frozen=True)
+class GradientSync:
+    """A run's gradient synchronization, the one object the trainer calls after the last
+    backward (megatron.parallelize builds it with the model and wraps the model in DDP when
+    `in_ddp`). `reduction`: gradient_reduction's answer."""
+
+    reduction: str
+    pipeline: bool = False
+    sequence_parallel: bool = False
+    expert_parallel: bool = False
+
+    @classmethod
+    def of(cls, config: Config) -> GradientSync:
+        return cls(
+            reduction=gradient_reduction(config),
+            pipeline=config.parallel.pipeline_model_parallel_size > 1,
+            sequence_parallel=config.model.sequence_parallel,
+            expert_parallel=config.parallel.expert_model_parallel_size > 1,
+        )
+
+    @property
+    def in_ddp(self) -> bool:
+        """Whether torch DDP reduces the gradients (its hooks then wait on autograd's
+        accumulation)."""
+        return self.reduction == DDP
+
+    def after_backwards(self, model: nn.Module) -> None:
+        """The reductions left after the last micro-batch's backward, before the optimizer
+        reads the gradients (Megatron-Core's `finalize_model_grads`); `model` is the unwrapped
+        model (under a pipeline this rank's chunks). Every rank must call it."""
+        if self.reduction == AFTER_BACKWARD:
+            all_reduce_data_parallel_gradients(model)
+        if self.pipeline:
+            reduce_tied_embedding_gradients(list(model))
+        if self.sequence_parallel:
+            # Norms saw only this rank's sequence shard: sum their gradients over TP ranks.
+            all_reduce_sequence_parallel_grads(model.parameters())
+        if self.expert_parallel and self.reduction != OPTIMIZER:
+            # Expert gradients hold the contributions of the expert-parallel group's tokens;
+            # this turns them into the data-parallel average DDP gives the other parameters.
+            # (The distributed optimizer reduce-scatters them over the same group itself.)
+            reduce_expert_gradients(model)
 
 
 def reduce_tied_embedding_gradients(model_chunks: Sequence[nn.Module]) -> None:
@@ -105,7 +160,7 @@ def all_reduce_data_parallel_gradients(model: nn.Module) -> None:
     """Average every gradient over the data-parallel group, after the last backward: the
     pipeline's replacement for DDP, whose hooks assume one forward then one backward per
     micro-batch (the 1F1B schedules interleave them). Unbucketed: one all-reduce of all
-    gradients flattened. Expert-parallel shards are left to `finalize_gradients`, as DDP
+    gradients flattened. Expert-parallel shards are left to `reduce_expert_gradients`, as DDP
     leaves them."""
     size = parallel_state.get_data_parallel_world_size()
     grads = [

@@ -10,7 +10,8 @@ gradient where there is one and `.grad` otherwise.
 
 torch DDP reduces `.grad` from its own autograd hooks, which the hook here would race; with
 main gradients the data-parallel reduction is `megatron.distributed.
-all_reduce_data_parallel_gradients` after the last backward instead (megatron.parallelize).
+all_reduce_data_parallel_gradients` after the last backward instead
+(megatron.distributed.gradient_reduction).
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from megatron import parallel_state
-from megatron.distributed import wrap_data_parallel
+from megatron.distributed import GradientSync, wrap_data_parallel
 from megatron.expert_parameters import expert_parameters
 from megatron.initialize import DistributedContext, print_rank_0
 from megatron.model import GPTModel
@@ -73,8 +73,12 @@ class ParallelModel:
 
     unwrapped: nn.Module
     module: nn.Module
-    pipeline: bool
-    wrapped_in_ddp: bool
+    gradient_sync: GradientSync
+
+    @property
+    def pipeline(self) -> bool:
+        """Whether `unwrapped` holds this rank's pipeline stage chunks."""
+        return self.gradient_sync.pipeline
 
 
 def parallelize(
@@ -88,14 +92,15 @@ def parallelize(
     shard_model(model, config.model)
     for line in parameter_count_lines(model):
         print_rank_0(line)
-    pipeline = parallel_state.get_pipeline_model_parallel_world_size() > 1
+    gradient_sync = GradientSync.of(config)
+    pipeline = gradient_sync.pipeline
     unwrapped: nn.Module = split_pipeline(model) if pipeline else model
     apply_activation_recomputation(unwrapped, config.model)
     unwrapped = unwrapped.to(context.device)
-    module, wrapped_in_ddp = data_parallel(unwrapped, config, context, pipeline)
+    module = data_parallel(unwrapped, context, gradient_sync)
     if config.training.torch_compile and context.device.type == "cuda" and not pipeline:
         module = compile_model(module, compile_veto(context.device), by_layer(config))
-    return ParallelModel(unwrapped, module, pipeline, wrapped_in_ddp)
+    return ParallelModel(unwrapped, module, gradient_sync)
 
 
 def shard_model(model: GPTModel, model_config: ModelConfig) -> GPTModel:
@@ -284,21 +289,14 @@ def apply_activation_recomputation(model: nn.Module, model_config: ModelConfig) 
 
 
 def data_parallel(
-    model: nn.Module, config: Config, context: DistributedContext, pipeline: bool
-) -> tuple[nn.Module, bool]:
-    """(`model` in torch DDP when DDP is what reduces its gradients, whether it is). Not under
-    the distributed optimizer, a pipeline, or main gradients (megatron.main_grads: DDP reduces
-    `.grad`); the trainer then all-reduces after the last backward."""
-    wrap = (
-        parallel_state.get_data_parallel_world_size() > 1
-        and not config.parallel.use_distributed_optimizer
-        and not pipeline
-        and config.numerics.main_grads_dtype is None
-    )
-    if not wrap:
-        return model, False
+    model: nn.Module, context: DistributedContext, gradient_sync: GradientSync
+) -> nn.Module:
+    """`model` in torch DDP when DDP is what reduces its gradients
+    (megatron.distributed.gradient_reduction), else `model`."""
+    if not gradient_sync.in_ddp:
+        return model
     group = parallel_state.get_data_parallel_group() if context.world_size > 1 else None
-    return wrap_data_parallel(model, context.device, group), True
+    return wrap_data_parallel(model, context.device, group)
 
 
 def by_layer(config: Config) -> bool:

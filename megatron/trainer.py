@@ -24,12 +24,7 @@ from megatron.checkpointing.layout import iteration_directory_name
 from megatron.checkpointing.model_arguments import MODEL_ARGUMENTS
 from megatron.checkpointing.rng import capture_rng_state, restore_rng_state
 from megatron.config import Config
-from megatron.distributed import (
-    all_reduce_data_parallel_gradients,
-    finalize_gradients,
-    micro_batch_context,
-    reduce_tied_embedding_gradients,
-)
+from megatron.distributed import micro_batch_context
 from megatron.errors import TrainingDiverged
 from megatron.initialize import DistributedContext, print_rank_0
 from megatron.logging import (
@@ -129,8 +124,8 @@ class Trainer:
             if config.logging.tensorboard_dir and context.is_first
             else None
         )
-        self.wrapped_in_ddp = model.wrapped_in_ddp
-        self.hooks.setup(self.unwrapped_model, model.wrapped_in_ddp, context.device)
+        self.gradient_sync = model.gradient_sync
+        self.hooks.setup(self.unwrapped_model, model.gradient_sync, context.device)
         # With the parameter all-gather in flight after each step, every module waits for its
         # own parameters just before its forward; otherwise they are waited for before the
         # forwards begin.
@@ -156,15 +151,7 @@ class Trainer:
             means = self._forwards_and_backwards(data_iterator)
         else:
             means = self._forwards_and_backwards_until_valid(data_iterator)
-        if self.pipeline:
-            if not self.config.parallel.use_distributed_optimizer:
-                # The distributed optimizer reduce-scatters the gradients in its step instead.
-                all_reduce_data_parallel_gradients(self.unwrapped_model)
-            reduce_tied_embedding_gradients(list(self.unwrapped_model))
-        elif not self.wrapped_in_ddp and not self.config.parallel.use_distributed_optimizer:
-            # Main gradients leave DDP out (megatron.parallelize.data_parallel).
-            all_reduce_data_parallel_gradients(self.unwrapped_model)
-        finalize_gradients(self.unwrapped_model, self.config)
+        self.gradient_sync.after_backwards(self.unwrapped_model)
         # Before the step: its parameter all-gather (in flight with --overlap-param-gather)
         # would otherwise run ahead of this all-reduce on the same group, and reading the
         # losses would hold the next forward until the whole gather had arrived.

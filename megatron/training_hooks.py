@@ -13,6 +13,8 @@ from typing import Any, Callable, Dict, Optional
 import torch
 from torch import nn
 
+from megatron.distributed import GradientSync
+
 
 class TrainingHooks:
     """Called by the trainer on every rank, in this order: `compile_veto` once, `setup` once,
@@ -26,9 +28,10 @@ class TrainingHooks:
         (printed as a note, and the model runs eagerly)."""
         return None
 
-    def setup(self, model: nn.Module, wrapped_in_ddp: bool, device: torch.device) -> None:
-        """Once, with the unwrapped model on `device`; `wrapped_in_ddp`: whether torch DDP
-        reduces its gradients (its hooks then wait on autograd's accumulation)."""
+    def setup(self, model: nn.Module, gradient_sync: GradientSync, device: torch.device) -> None:
+        """Once, with the unwrapped model on `device` and the run's gradient synchronization
+        (megatron.distributed: whether torch DDP reduces the gradients, whose hooks then wait
+        on autograd's accumulation)."""
 
     def before_step(self, model: nn.Module) -> bool:
         """At the start of each training step, before its first forward: whether this step

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Sequence, Tuple
 
+from megatron.distributed import DDP, gradient_reduction
 from megatron.model.mlp import MlpMemory, dense_mlp_activation_bytes_per_token
 from moe.config import MoEConfig
 
@@ -116,12 +117,7 @@ def moe_memory(config: Config, moe: MoEConfig, layer_numbers: Sequence[int]) -> 
     if numerics.weight_copies_dtype is None:
         return MlpMemory(casts_per_micro_batch=2 * weights if numerics.autocast else 0)
     # moe.training_hooks._expert_grads_in_place: not when torch DDP reduces the experts.
-    in_ddp = (
-        parallel.data_parallel_size > 1
-        and not parallel.use_distributed_optimizer
-        and parallel.pipeline_model_parallel_size == 1
-        and config.numerics.main_grads_dtype is None
-    )
+    in_ddp = gradient_reduction(config) == DDP
     in_place = not (in_ddp and expert_parallel_size == 1)
     return MlpMemory(
         weight_copies=2 * weights,

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from megatron import parallel_state
+from megatron.distributed import GradientSync
 from megatron.initialize import print_rank_0
 from megatron.training_hooks import TrainingHooks
 from moe.block_factor import SHRINK_WINDOW, BlockFactor
@@ -45,12 +46,12 @@ EAGER_NOTE = (
 )
 
 
-def _expert_grads_in_place(wrapped_in_ddp: bool) -> bool:
+def _expert_grads_in_place(in_ddp: bool) -> bool:
     """Whether the copies add their gradients into the fp32 expert weights themselves. Not when
     torch DDP reduces the expert gradients: its hooks fire on autograd's accumulation, so the
     copies then stand in for the casts and leave accumulation to autograd (expert-parallel
     shards are outside DDP)."""
-    return not (wrapped_in_ddp and parallel_state.get_expert_model_parallel_world_size() == 1)
+    return not (in_ddp and parallel_state.get_expert_model_parallel_world_size() == 1)
 
 
 class MoETrainingHooks(TrainingHooks):
@@ -86,8 +87,8 @@ class MoETrainingHooks(TrainingHooks):
         whole = moe.dropless and moe.mlp_impl == "grouped" and moe.grouped_gemm == TORCH
         return None if whole else EAGER_NOTE
 
-    def setup(self, model: nn.Module, wrapped_in_ddp: bool, device: torch.device) -> None:
-        self.grads_in_place = _expert_grads_in_place(wrapped_in_ddp)
+    def setup(self, model: nn.Module, gradient_sync: GradientSync, device: torch.device) -> None:
+        self.grads_in_place = _expert_grads_in_place(gradient_sync.in_ddp)
         self.device = device
 
     def before_step(self, model: nn.Module) -> bool:

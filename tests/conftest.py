@@ -55,9 +55,9 @@ def triton_kernels(monkeypatch):
 
 def force_kernel_mode(monkeypatch, mode: str) -> None:
     """Every op of this test in kernel `mode` (megatron.kernels.dispatch), in this process and
-    in the processes it starts (MOE_KERNELS, which they read at their first op)."""
+    in the processes it starts (MEGATRON_KERNELS, which they read at their first op)."""
     monkeypatch.setattr(dispatch, "_mode", mode)
-    monkeypatch.setenv("MOE_KERNELS", mode)
+    monkeypatch.setenv("MEGATRON_KERNELS", mode)
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ def _losses(result):
 
 
 def test_on_during_the_run_then_restored(data_prefix, monkeypatch):
-    monkeypatch.setenv("MOE_KERNELS", "reference")
+    monkeypatch.setenv("MEGATRON_KERNELS", "reference")
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     monkeypatch.delenv("NCCL_ALGO", raising=False)
     seen = []

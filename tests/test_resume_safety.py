@@ -229,7 +229,7 @@ def test_the_traceback_is_shown_when_asked(sample_prefix, checkpoints, monkeypat
 
 
 def test_a_changed_model_flag_that_fits_is_a_warning(sample_prefix, tmp_path, capsys, monkeypatch):
-    monkeypatch.setenv("MOE_KERNELS", "reference")
+    monkeypatch.setenv("MEGATRON_KERNELS", "reference")
     moe = ("--seq-length", "32", "--max-position-embeddings", "32", "--moe-num-experts", "4")
     directory = tmp_path / "checkpoints"
     pretrain_gpt.main(save_args(sample_prefix, directory, *moe, "--moe-top-k", "2", train_iters=3))

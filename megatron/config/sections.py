@@ -102,7 +102,7 @@ class TrainingConfig:
     # bf16/fp16 copies of the expert weights and fused accumulation of their gradients
     # (moe.experts); --no-gradient-accumulation-fusion leaves both to autocast and autograd.
     gradient_accumulation_fusion: bool = True
-    # Triton kernels or plain-PyTorch references (megatron.kernels.dispatch): the MOE_KERNELS
+    # Triton kernels or plain-PyTorch references (megatron.kernels.dispatch): the MEGATRON_KERNELS
     # environment variable, read once when the config is built.
     kernels: str = "auto"
     seed: int = 1234

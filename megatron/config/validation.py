@@ -166,7 +166,7 @@ def _resolve_precision(args: argparse.Namespace, notes: List[str]) -> None:
 
 
 def _resolve_kernels(args: argparse.Namespace) -> None:
-    """The kernel mode (megatron.kernels.dispatch) from MOE_KERNELS, read here once."""
+    """The kernel mode (megatron.kernels.dispatch) from MEGATRON_KERNELS, read here once."""
     try:
         args.kernels = kernel_mode_from_environment()
     except ValueError as error:

@@ -3,7 +3,8 @@
 Kernels run on GPU tensors when Triton is importable. The mode can force a choice: "triton"
 forces the kernels (tests do this with `TRITON_INTERPRET=1` to run them on the CPU through
 Triton's interpreter), "reference" forces the references everywhere. It is read once: a run
-takes it from the `MOE_KERNELS` environment variable when its config is built (shown as
+takes it from the `MEGATRON_KERNELS` environment variable (its earlier name `MOE_KERNELS` is
+read when it is unset) when its config is built (shown as
 `kernels` in the arguments block) and sets it for its duration (`kernel_mode_set`); other
 callers get the environment's value at their first op.
 
@@ -48,12 +49,24 @@ KERNEL_MODES = ("auto", "triton", "reference")
 _mode: Optional[str] = None
 
 
+# The variable, and the name it had while it seemed to govern the MoE kernels alone (it
+# governs every kernel): read when the variable is unset, so that existing scripts keep their
+# choice.
+KERNELS_VARIABLE = "MEGATRON_KERNELS"
+EARLIER_KERNELS_VARIABLE = "MOE_KERNELS"
+
+
 def kernel_mode_from_environment() -> str:
-    """MOE_KERNELS: "auto" (default), "triton" or "reference"; ValueError naming any other."""
-    mode = os.environ.get("MOE_KERNELS", "auto")
+    """MEGATRON_KERNELS (else MOE_KERNELS): "auto" (default), "triton" or "reference";
+    ValueError naming any other."""
+    name = next(
+        (name for name in (KERNELS_VARIABLE, EARLIER_KERNELS_VARIABLE) if name in os.environ),
+        None,
+    )
+    mode = os.environ[name] if name else "auto"
     if mode not in KERNEL_MODES:
         raise ValueError(
-            f"MOE_KERNELS={mode!r} is not one of {', '.join(KERNEL_MODES)}; unset it (auto: "
+            f"{name}={mode!r} is not one of {', '.join(KERNEL_MODES)}; unset it (auto: "
             "Triton kernels on GPUs) or choose one of them"
         )
     return mode

@@ -8,8 +8,8 @@ writes the last layers' gradients first), each closed once it holds at least `bu
 elements; a bucket is reduce-scattered as soon as the last backward has written the gradient of
 every parameter in it, while the backward goes on with earlier layers. Gradients that change
 after the backward (the norms' partial sums under sequence parallelism, summed over the
-tensor-parallel group by megatron.distributed.finalize_gradients) go in a last bucket reduced at
-the step.
+tensor-parallel group by megatron.distributed.GradientSync.after_backwards) go in a last
+bucket reduced at the step.
 
 When a gradient is written: autograd's post-accumulate-grad hook on the parameter, or where a
 layer adds gradients itself (moe.weight_copies.GradientAccumulator, for the compute-dtype copies

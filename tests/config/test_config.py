@@ -306,9 +306,17 @@ def test_arguments_block_of_resolved_arguments():
 
 
 def test_the_kernel_mode_is_read_from_the_environment_once_into_the_config(monkeypatch):
-    monkeypatch.setenv("MOE_KERNELS", "reference")
+    monkeypatch.setenv("MEGATRON_KERNELS", "reference")
     cfg = config()
-    monkeypatch.setenv("MOE_KERNELS", "triton")
+    monkeypatch.setenv("MEGATRON_KERNELS", "triton")
     assert cfg.training.kernels == "reference" and cfg.arguments["kernels"] == "reference"
-    monkeypatch.delenv("MOE_KERNELS")
+    monkeypatch.delenv("MEGATRON_KERNELS")
     assert config().training.kernels == "auto"
+
+
+def test_the_kernel_variables_earlier_name_still_chooses(monkeypatch):
+    monkeypatch.delenv("MEGATRON_KERNELS", raising=False)
+    monkeypatch.setenv("MOE_KERNELS", "reference")
+    assert config().training.kernels == "reference"
+    monkeypatch.setenv("MEGATRON_KERNELS", "triton")
+    assert config().training.kernels == "triton"  # the current name wins

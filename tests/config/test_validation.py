@@ -185,9 +185,9 @@ def test_per_split_data_paths():
 
 
 def test_an_unknown_kernel_mode_names_the_variable(monkeypatch):
-    monkeypatch.setenv("MOE_KERNELS", "fast")
+    monkeypatch.setenv("MEGATRON_KERNELS", "fast")
     message = error_message()
-    assert "MOE_KERNELS='fast'" in message and "auto, triton, reference" in message
+    assert "MEGATRON_KERNELS='fast'" in message and "auto, triton, reference" in message
 
 
 @pytest.mark.parametrize(

@@ -121,7 +121,7 @@ def _tensor_parallel_layer(name: str, sp: bool, ep: int) -> dict:
         tokens.requires_grad_(True)
         loss, output = layer_loss(layer, tokens, direction)
         loss.backward()
-        # What finalize_gradients and DDP do after the last backward.
+        # What GradientSync.after_backwards and DDP do after the last backward.
         if sp:
             all_reduce_sequence_parallel_grads(layer.parameters())
         for param in layer.parameters():

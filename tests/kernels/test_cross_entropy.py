@@ -224,7 +224,7 @@ def test_compiles_without_graph_break():
 _TRACE_SCRIPT = textwrap.dedent(
     """
     import json, os
-    os.environ["MOE_KERNELS"] = "triton"
+    os.environ["MEGATRON_KERNELS"] = "triton"
     import torch, triton
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.partitioners import default_partition

@@ -1,6 +1,6 @@
 """The optional-Triton policy of megatron.kernels.dispatch: every module of both kernel packages
 imports without Triton, lists no AOT_SPECS, and its ops run their references even when
-MOE_KERNELS=triton asks for kernels."""
+MEGATRON_KERNELS=triton asks for kernels."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 WITHOUT_TRITON = """
 import importlib, os, pkgutil, sys
 sys.modules["triton"] = None
-os.environ["MOE_KERNELS"] = "triton"
+os.environ["MEGATRON_KERNELS"] = "triton"
 import torch
 from megatron.kernels.dispatch import TRITON_AVAILABLE, use_triton
 assert not TRITON_AVAILABLE and not use_triton(torch.zeros(1))

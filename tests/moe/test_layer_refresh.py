@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron.distributed import NO_REDUCTION, GradientSync
 from moe.config import MoEConfig
 from moe.experts import expert_modules
 from moe.layers import build_moe_layer
@@ -20,7 +21,7 @@ def test_each_layer_refreshes_its_copies_once_its_weights_are_there():
         [build_moe_layer(moe_layer_model_config(32, 64, 16), moe) for _ in range(2)]
     )
     hooks = MoETrainingHooks(moe, torch.bfloat16, num_layers=2, tensorboard=False)
-    hooks.setup(model, wrapped_in_ddp=False, device=torch.device("cpu"))
+    hooks.setup(model, GradientSync(NO_REDUCTION), torch.device("cpu"))
     hooks.weights_arrive_by_layer()
 
     def copies(layer):

@@ -34,7 +34,7 @@ def test_dmoe_top2_trains_and_logs_load_balancing_loss(data_prefix, capsys):
 
 
 def test_the_run_shows_and_scopes_its_kernel_choices(data_prefix, capsys, monkeypatch):
-    """The kernel mode (MOE_KERNELS, read once) shows in the arguments block and holds for the
+    """The kernel mode (MEGATRON_KERNELS, read once) shows in the arguments block and holds for the
     run only; the grouped GEMM chosen for the device is named after the block."""
     from megatron.kernels import dispatch
 
@@ -151,7 +151,7 @@ def test_expert_weight_copies_train_exactly_like_casting_every_micro_batch(
     for name, extra in (("fused", []), ("cast", ["--no-gradient-accumulation-fusion"])):
         result = pretrain_gpt.main(args + extra)
         runs[name] = (result.losses, result.validation)
-    monkeypatch.setattr(moe.training_hooks, "_expert_grads_in_place", lambda wrapped_in_ddp: False)
+    monkeypatch.setattr(moe.training_hooks, "_expert_grads_in_place", lambda in_ddp: False)
     result = pretrain_gpt.main(args)
     runs["copies, autograd's accumulation"] = (result.losses, result.validation)
     capsys.readouterr()
