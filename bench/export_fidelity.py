@@ -22,8 +22,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tools.checkpoint.checkpoint_model import read_checkpoint_model  # noqa: E402
-from tools.checkpoint.hf_export import (  # noqa: E402
+from gpt_pretraining.checkpoint_model import read_checkpoint_model  # noqa: E402
+from gpt_pretraining.huggingface.hf_export import (  # noqa: E402
     TokenizerFiles,
     build_checkpoint_tokenizer,
     export_checkpoint,

@@ -42,10 +42,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gpt_pretraining import GPT_RUN  # noqa: E402
+from gpt_pretraining.generation import load_text_generator, resolve_device, resolve_dtype  # noqa: E402
 from megatron.checkpointing.layout import read_tracker  # noqa: E402
 from megatron.checkpointing.save import CHECKPOINT_VERSION, write_torch_checkpoint  # noqa: E402
 from megatron.inference import GenerationEngine, SamplingOptions  # noqa: E402
-from tools.generate import load_text_generator, resolve_device, resolve_dtype  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB = REPO / "data" / "sample" / "gpt2-vocab.json"
@@ -243,7 +243,7 @@ def _hf_directory(args: argparse.Namespace, dtype: torch.dtype) -> str:
     if args.hf_dir:
         return args.hf_dir
     if not os.path.isdir(args.export_hf):
-        from tools.checkpoint.hf_export import export_checkpoint
+        from gpt_pretraining.huggingface.hf_export import export_checkpoint
 
         stored = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
         export_checkpoint(args.load, args.export_hf, dtype=stored)

@@ -33,7 +33,6 @@ if str(REPO_ROOT) not in sys.path:
 
 from gpt_pretraining import GPT_RUN  # noqa: E402
 from megatron.memory_plan import GIB, estimate_memory  # noqa: E402
-from tools.estimate_memory import build_config  # noqa: E402
 
 DATA_PREFIX = REPO_ROOT / "data" / "owt" / "owt_text_document"
 VOCAB = REPO_ROOT / "data" / "sample" / "gpt2-vocab.json"
@@ -91,7 +90,7 @@ def rows() -> Dict[str, List[str]]:
 
 def predict(flags: List[str], device_memory: int) -> Tuple[float, float]:
     """(predicted total GiB, predicted allocated GiB) of one row."""
-    config, _ = build_config(flags, 1)
+    config, _ = GPT_RUN.config_from_argv(flags, 1)
     estimate = estimate_memory(config, GPT_RUN.mlp_spec(config), device_memory)
     return estimate.total / GIB, estimate.allocated / GIB
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The Hugging Face tools (tools/checkpoint: the exported dMoE's modeling file, export, import)
+# The Hugging Face tools (gpt_pretraining/huggingface: the exported dMoE's modeling file, export, import)
 # under each transformers the `hf` extra allows: for every version named (default: the lowest
 # allowed, 5.17.0 and the newest), a throwaway virtual environment with the pinned test
 # environment (requirements/test-lock.txt) but that transformers and the tokenizers and

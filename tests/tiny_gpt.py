@@ -11,13 +11,13 @@ import pytest
 import torch
 
 import pretrain_gpt
+from gpt_pretraining.checkpoint_format import model_order
 from megatron.checkpointing.convert import read_sharded_as_torch_state
 from megatron.checkpointing.torch_dist import is_sharded_checkpoint, read_common
 from megatron.config import ModelConfig
 from megatron.model import DENSE_MLP, GPTModel, MlpSpec
 from megatron.parallelize import shard_model
 from tests.sample_data import MERGES, VOCAB
-from tools.convert_checkpoint_format import model_order
 
 # dMoE layers of 4 experts with top-2 routing, added to `tiny_gpt_args`.
 MOE_ARGS = ("--moe-num-experts", "4", "--moe-top-k", "2")

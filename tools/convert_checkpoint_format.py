@@ -13,76 +13,11 @@ tools that read one format only (upstream Megatron-LM's reads model_optim_rng.pt
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import List, Optional
 
-import torch
-
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
-
-from gpt_pretraining import GPT_RUN  # noqa: E402
-from megatron.checkpointing.convert import (  # noqa: E402
-    model_order_names,
-    read_sharded_as_torch_state,
-    torch_state_as_sharded,
-)
-from megatron.checkpointing.layout import (  # noqa: E402
-    CheckpointError,
-    iteration_directory_name,
-    read_tracker,
-)
-from megatron.checkpointing.load import read_torch_checkpoint  # noqa: E402
-from megatron.checkpointing.save import write_torch_checkpoint  # noqa: E402
-from megatron.checkpointing.sharded_load import verify_sharded_checkpoint  # noqa: E402
-from megatron.checkpointing.sharded_save import write_sharded_checkpoint  # noqa: E402
-from megatron.checkpointing.torch_dist import is_sharded_checkpoint, read_common  # noqa: E402
-from megatron.errors import UserError  # noqa: E402
-
-FORMATS = ("torch", "torch_dist")
-
-
-def model_order(args: argparse.Namespace) -> tuple:
-    """The state-dict keys and the optimizer's parameter names per group of the model the
-    saved arguments build (on the meta device: no memory)."""
-    config = GPT_RUN.config_from_saved(args)
-    with torch.device("meta"):
-        model = GPT_RUN.model(config)
-    return model_order_names(model, config.optimizer.weight_decay)
-
-
-def convert(load: str, save: str, ckpt_format: str) -> str:
-    """Convert the checkpoint the tracker of `load` names into `ckpt_format` under `save`;
-    returns the written iteration's directory."""
-    iteration = read_tracker(load)
-    if iteration is None:
-        raise CheckpointError(f"{load} has no tracker file: there is no checkpoint to convert")
-    directory = os.path.join(load, iteration_directory_name(iteration))
-    source = "torch_dist" if is_sharded_checkpoint(directory) else "torch"
-    if source == ckpt_format:
-        raise UserError(f"{directory} is already in the {ckpt_format} format; nothing to convert")
-    if os.path.realpath(load) == os.path.realpath(save):
-        raise UserError("--save must be another directory than --load")
-    if source == "torch":
-        state = read_torch_checkpoint(load, iteration, print_fn=print)
-    else:
-        verify_sharded_checkpoint(load, iteration, directory, None, print)
-        state = read_common(directory)
-    args = state.get("args")
-    if args is None or not hasattr(args, "padded_vocab_size"):
-        raise UserError(
-            f"{directory} carries no saved arguments with the padded vocabulary size, which "
-            "name the model's parameters in order; it was not saved by pretrain_gpt.py"
-        )
-    model_keys, parameter_groups = model_order(args)
-    if source == "torch_dist":
-        state = read_sharded_as_torch_state(directory, model_keys, parameter_groups)
-        return write_torch_checkpoint(save, iteration, state)
-    tensors, common = torch_state_as_sharded(state, parameter_groups)
-    error = write_sharded_checkpoint(save, iteration, tensors, common, None)
-    if error is not None:
-        raise CheckpointError(error)
-    return os.path.join(save, iteration_directory_name(iteration))
+from gpt_pretraining.checkpoint_format import FORMATS, convert
+from megatron.errors import UserError
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -4,7 +4,7 @@
         [--split 969,30,1 --split-name valid | --whole-dataset] [--eval-iters N] [--bf16]
 
 Reads the checkpoint of any parallel layout and format as one process's model
-(tools/checkpoint/checkpoint_model.py) and runs it over the samples training cuts from the
+(gpt_pretraining/checkpoint_model.py) and runs it over the samples training cuts from the
 dataset: megatron.data.gpt_dataset's GPTDataset, samples of seq_length + 1 tokens in the order
 training serves them for the same --split, --seq-length and --seed (each defaults to the
 checkpoint's), made into inputs, labels and loss mask by the training run's `get_batch`. Every
@@ -38,6 +38,11 @@ import torch
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
 
+from gpt_pretraining.checkpoint_model import (  # noqa: E402
+    CheckpointModel,
+    checkpoint_tokenizer,
+    read_checkpoint_model,
+)
 from megatron.checkpointing.layout import CheckpointError, read_tracker  # noqa: E402
 from megatron.composition.forward_step import get_batch  # noqa: E402
 from megatron.data.dataset_splits import get_train_valid_test_split  # noqa: E402
@@ -45,11 +50,6 @@ from megatron.data.gpt_dataset import SPLIT_NAMES, GPTDataset  # noqa: E402
 from megatron.data.indexed_dataset import IndexedDatasetError, MMapIndexedDataset  # noqa: E402
 from megatron.data.samplers import MegatronPretrainingSampler  # noqa: E402
 from megatron.errors import UserError  # noqa: E402
-from tools.checkpoint.checkpoint_model import (  # noqa: E402
-    CheckpointModel,
-    checkpoint_tokenizer,
-    read_checkpoint_model,
-)
 
 # Megatron's --split default, for a checkpoint whose run gave none (separate data paths).
 DEFAULT_SPLIT = "969,30,1"

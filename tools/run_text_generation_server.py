@@ -25,13 +25,13 @@ from typing import Any, Dict, List, Optional, Tuple
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
 
-from megatron.errors import UserError  # noqa: E402
-from megatron.inference import SamplingOptions, TextGenerator  # noqa: E402
-from tools.generate import (  # noqa: E402
+from gpt_pretraining.generation import (  # noqa: E402
     OneLineErrorParser,
     add_model_args,
     generator_from_model_args,
 )
+from megatron.errors import UserError  # noqa: E402
+from megatron.inference import SamplingOptions, TextGenerator  # noqa: E402
 
 DEFAULT_TOKENS_TO_GENERATE = 64
 MAX_PROMPTS = 128  # Megatron's limit per request

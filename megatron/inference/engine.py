@@ -47,7 +47,7 @@ class GenerationEngine:
             raise ValueError(
                 "generation needs the whole model of one process (a pipeline stage or a "
                 "tensor-parallel shard was given); build it from the checkpoint with "
-                "tools.checkpoint.checkpoint_model"
+                "gpt_pretraining.checkpoint_model"
             )
         self.model = model.eval()
         self.config = model.config

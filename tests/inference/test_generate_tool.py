@@ -11,11 +11,11 @@ import pytest
 import torch
 
 import pretrain_gpt
+from gpt_pretraining.checkpoint_model import read_checkpoint_model
 from megatron.tokenizer import build_tokenizer
 from tests.sample_data import EOD, MERGES, VOCAB
 from tests.tiny_gpt import tiny_gpt_args
 from tools import generate
-from tools.checkpoint.checkpoint_model import read_checkpoint_model
 
 PROMPTS = ["The city of", "In 1995, scientists"]
 

@@ -14,6 +14,8 @@ pytest.importorskip("safetensors")
 
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
+from gpt_pretraining.checkpoint_model import read_checkpoint_model  # noqa: E402
+from gpt_pretraining.huggingface.hf_files import read_safetensors  # noqa: E402
 from tests.tools.hf_checkpoints import (  # noqa: E402
     GPT2_VOCAB_SIZE,
     LLAMA,
@@ -22,8 +24,6 @@ from tests.tools.hf_checkpoints import (  # noqa: E402
     write_checkpoint,
 )
 from tools.checkpoint import convert  # noqa: E402
-from tools.checkpoint.checkpoint_model import read_checkpoint_model  # noqa: E402
-from tools.checkpoint.hf_files import read_safetensors  # noqa: E402
 
 KINDS = {
     "gpt2": ([], "GPT2LMHeadModel"),

@@ -16,10 +16,10 @@ import torch
 pytest.importorskip("lm_eval")
 pytest.importorskip("accelerate")
 
+from gpt_pretraining.checkpoint_model import read_checkpoint_model  # noqa: E402
+from gpt_pretraining.huggingface.hf_export import TokenizerFiles, build_checkpoint_tokenizer  # noqa: E402
 from tests.tools.hf_checkpoints import GPT2_VOCAB_SIZE, write_checkpoint  # noqa: E402
 from tools.checkpoint import convert  # noqa: E402
-from tools.checkpoint.checkpoint_model import read_checkpoint_model  # noqa: E402
-from tools.checkpoint.hf_export import TokenizerFiles, build_checkpoint_tokenizer  # noqa: E402
 
 DOCS = [
     {"question": "The capital of France is", "choices": ["Paris", "London", "a dog"], "answer": 0},

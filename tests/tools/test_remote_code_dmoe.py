@@ -1,4 +1,4 @@
-"""tools/checkpoint/remote_code: a tiny dMoE GPT of this project, written as a Hugging Face
+"""gpt_pretraining/huggingface/remote_code: a tiny dMoE GPT of this project, written as a Hugging Face
 directory (config.json with auto_map, the two remote-code files, model.safetensors under the
 project's own keys without the padded vocabulary rows), loads with
 `AutoModelForCausalLM.from_pretrained(..., trust_remote_code=True)` and computes what the
@@ -21,11 +21,7 @@ import torch.nn.functional as F
 pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
-from megatron.model import GPTModel  # noqa: E402
-from moe.config import MoEConfig  # noqa: E402
-from moe.mlp_spec import MoEMlpSpec  # noqa: E402
-from tests.tiny_gpt import tiny_model_config  # noqa: E402
-from tools.checkpoint.remote_code.writer import (  # noqa: E402
+from gpt_pretraining.huggingface.remote_code.writer import (  # noqa: E402
     AUTO_MAP,
     REMOTE_CODE_DIR,
     REMOTE_CODE_FILES,
@@ -33,6 +29,10 @@ from tools.checkpoint.remote_code.writer import (  # noqa: E402
     remote_code_config,
     write_remote_code,
 )
+from megatron.model import GPTModel  # noqa: E402
+from moe.config import MoEConfig  # noqa: E402
+from moe.mlp_spec import MoEMlpSpec  # noqa: E402
+from tests.tiny_gpt import tiny_model_config  # noqa: E402
 
 VOCAB = 50  # the tokenizer's; the model pads it to tiny_model_config's 64
 EOS = VOCAB - 1

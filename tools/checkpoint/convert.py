@@ -10,7 +10,7 @@ Megatron-LM's converter flags.
 
 Export picks GPT2LMHeadModel, LlamaForCausalLM, MixtralForCausalLM or, for a GPT-2-style dMoE,
 this project's modeling file carried in the directory (trust_remote_code=True); see
-tools/checkpoint/hf_export.py. Import prints the pretrain_gpt.py flags that build the model;
+gpt_pretraining/huggingface/hf_export.py. Import prints the pretrain_gpt.py flags that build the model;
 train on with `--load DIR --finetune` and them. Needs `pip install -e .[hf]`.
 """
 
@@ -69,7 +69,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 1
     try:
         if args.saver == "hf":
-            from tools.checkpoint.hf_export import TokenizerFiles, export_checkpoint
+            from gpt_pretraining.huggingface.hf_export import TokenizerFiles, export_checkpoint
 
             export_checkpoint(
                 args.load_dir,
@@ -82,7 +82,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 max_shard_bytes=int(args.max_shard_size * 1e9),
             )
         else:
-            from tools.checkpoint.hf_import import import_hf
+            from gpt_pretraining.huggingface.hf_import import import_hf
 
             import_hf(args.load_dir, args.save_dir)
     except ImportError as error:

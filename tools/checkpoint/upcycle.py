@@ -28,6 +28,7 @@ import torch
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir, os.pardir)))
 
 from gpt_pretraining import GPT_RUN  # noqa: E402
+from gpt_pretraining.checkpoint_model import read_checkpoint_model  # noqa: E402
 from megatron.checkpointing.layout import RELEASE, read_tracker  # noqa: E402
 from megatron.checkpointing.save import CHECKPOINT_VERSION, write_torch_checkpoint  # noqa: E402
 from megatron.config import ConfigError  # noqa: E402
@@ -35,7 +36,6 @@ from megatron.errors import UserError  # noqa: E402
 from moe.arguments import add_moe_args  # noqa: E402
 from moe.config import MoEConfig  # noqa: E402
 from moe.router import Router  # noqa: E402
-from tools.checkpoint.checkpoint_model import read_checkpoint_model  # noqa: E402
 
 
 def router_weight_sum(moe: MoEConfig, hidden_size: int) -> float:

@@ -18,9 +18,11 @@ import shutil
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 if TYPE_CHECKING:
+    from gpt_pretraining.huggingface.remote_code.configuration_megatron_dmoe import (
+        MegatronDMoEConfig,
+    )
     from megatron.config import ModelConfig
     from moe.config import MoEConfig
-    from tools.checkpoint.remote_code.configuration_megatron_dmoe import MegatronDMoEConfig
 
 REMOTE_CODE_DIR = os.path.dirname(os.path.abspath(__file__))
 REMOTE_CODE_FILES = ("configuration_megatron_dmoe.py", "modeling_megatron_dmoe.py")
@@ -49,7 +51,9 @@ def remote_code_config(**fields: Any) -> MegatronDMoEConfig:
     `save_pretrained` writes a config.json that `AutoConfig` and `AutoModelForCausalLM` resolve
     to the files `write_remote_code` copies."""
     # Imported here: the config mapping below needs no transformers.
-    from tools.checkpoint.remote_code.configuration_megatron_dmoe import MegatronDMoEConfig
+    from gpt_pretraining.huggingface.remote_code.configuration_megatron_dmoe import (
+        MegatronDMoEConfig,
+    )
 
     config = MegatronDMoEConfig(**fields)
     config.auto_map = dict(AUTO_MAP)
@@ -101,7 +105,9 @@ def _check_supported(
     model_config: ModelConfig, moe_config: Optional[MoEConfig], vocab_size: int
 ) -> None:
     """Raise ValueError for a model MegatronDMoEForCausalLM would not reproduce."""
-    unsupported = "is not supported by the Hugging Face dMoE export (tools/checkpoint/remote_code)"
+    unsupported = (
+        "is not supported by the Hugging Face dMoE export (gpt_pretraining/huggingface/remote_code)"
+    )
     if moe_config is None:
         raise ValueError(
             f"a dense model (no --moe-num-experts) {unsupported}: it exports the dMoE only"

@@ -16,6 +16,7 @@ from typing import Callable, Dict, Optional, Union
 import torch
 
 from gpt_pretraining import GPT_RUN
+from gpt_pretraining.checkpoint_format import model_order
 from megatron.checkpointing.convert import read_sharded_model_state
 from megatron.checkpointing.layout import (
     CheckpointError,
@@ -31,7 +32,6 @@ from megatron.errors import UserError
 from megatron.model import GPTModel
 from megatron.tokenizer import MegatronTokenizer, build_tokenizer
 from moe.config import MoEConfig
-from tools.convert_checkpoint_format import model_order
 
 
 @dataclass

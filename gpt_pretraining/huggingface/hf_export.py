@@ -5,7 +5,7 @@ The class is chosen from the model's shape, the first that expresses it exactly:
 GPT2LMHeadModel (learned positions, LayerNorm, GELU, biases, tied), LlamaForCausalLM (RoPE,
 RMSNorm, SwiGLU), MixtralForCausalLM (the same with dMoE SwiGLU experts and Mixtral's
 routing), else for a GPT-2-style dMoE this project's own modeling file, carried in the
-directory and loaded with trust_remote_code=True (tools/checkpoint/remote_code). A model no
+directory and loaded with trust_remote_code=True (gpt_pretraining/huggingface/remote_code). A model no
 class fits is refused with what each one lacks. Padded vocabulary rows are dropped.
 """
 
@@ -19,22 +19,22 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from megatron.checkpointing.layout import CheckpointError
-from megatron.config import ModelConfig
-from megatron.errors import UserError
-from moe.config import MoEConfig
-from tools.checkpoint import hf_gpt2, hf_llama
-from tools.checkpoint.checkpoint_model import (
+from gpt_pretraining.checkpoint_model import (
     CheckpointModel,
     checkpoint_tokenizer,
     read_checkpoint_model,
 )
-from tools.checkpoint.hf_files import (
+from gpt_pretraining.huggingface import hf_gpt2, hf_llama
+from gpt_pretraining.huggingface.hf_files import (
     DEFAULT_MAX_SHARD_BYTES,
     unsupported_tokenizer_message,
     write_safetensors,
     write_tokenizer,
 )
+from megatron.checkpointing.layout import CheckpointError
+from megatron.config import ModelConfig
+from megatron.errors import UserError
+from moe.config import MoEConfig
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 REMOTE_DMOE = "MegatronDMoEForCausalLM"
@@ -72,7 +72,7 @@ def architecture_for(model: ModelConfig, moe: Optional[MoEConfig]) -> str:
 
 
 def _remote_code_refusals(model: ModelConfig, moe: MoEConfig) -> List[str]:
-    from tools.checkpoint.remote_code.writer import megatron_dmoe_config_from
+    from gpt_pretraining.huggingface.remote_code.writer import megatron_dmoe_config_from
 
     try:
         megatron_dmoe_config_from(model, moe, model.padded_vocab_size, 0)
@@ -83,7 +83,10 @@ def _remote_code_refusals(model: ModelConfig, moe: MoEConfig) -> List[str]:
 
 def hf_weights_and_config(checkpoint: CheckpointModel, vocab_size: int, eod: int) -> tuple:
     """(architecture, Hugging Face tensors, config object) of a checkpoint's model."""
-    from tools.checkpoint.remote_code.writer import megatron_dmoe_config_from, remote_code_config
+    from gpt_pretraining.huggingface.remote_code.writer import (
+        megatron_dmoe_config_from,
+        remote_code_config,
+    )
 
     model, moe = checkpoint.config.model, checkpoint.moe
     state = checkpoint.state_dict
@@ -172,7 +175,7 @@ def export_checkpoint(
         _write_generation_config(temporary, eod)
         write_tokenizer(temporary, tokenizer, eod)
         if architecture == REMOTE_DMOE:
-            from tools.checkpoint.remote_code.writer import write_remote_code
+            from gpt_pretraining.huggingface.remote_code.writer import write_remote_code
 
             write_remote_code(temporary)
         if os.path.isdir(save_dir):

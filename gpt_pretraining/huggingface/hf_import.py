@@ -19,13 +19,13 @@ from typing import Callable, Dict, List, Tuple
 import torch
 
 from gpt_pretraining import GPT_RUN
+from gpt_pretraining.huggingface import hf_gpt2, hf_llama
+from gpt_pretraining.huggingface.hf_files import read_safetensors
 from megatron.checkpointing.layout import RELEASE, read_tracker
 from megatron.checkpointing.save import CHECKPOINT_VERSION, write_torch_checkpoint
 from megatron.composition.run import tokenizer_and_padded_vocab
 from megatron.config import Config, ConfigError
 from megatron.errors import UserError
-from tools.checkpoint import hf_gpt2, hf_llama
-from tools.checkpoint.hf_files import read_safetensors
 
 # Flags a checkpoint's arguments need that do not shape the model; the user's training
 # command gives its own.
@@ -34,7 +34,7 @@ _PLACEHOLDER_TRAINING_FLAGS = [
     "--data-path", "imported-model-no-data",
 ]  # fmt: skip
 _VOCABULARY_ROWS = ("embedding.word_embeddings.weight", "output_layer.weight")
-MEGATRON_DMOE = "megatron_dmoe"  # tools/checkpoint/remote_code
+MEGATRON_DMOE = "megatron_dmoe"  # gpt_pretraining/huggingface/remote_code
 
 
 def _read_config(hf_dir: str):
@@ -53,7 +53,7 @@ def _read_config(hf_dir: str):
 
 
 def _megatron_dmoe_flags(config) -> List[str]:
-    """pretrain_gpt.py's flags for a config.json of tools/checkpoint/remote_code."""
+    """pretrain_gpt.py's flags for a config.json of gpt_pretraining/huggingface/remote_code."""
     flags = [
         "--num-layers", str(config.num_layers), "--hidden-size", str(config.hidden_size),
         "--num-attention-heads", str(config.num_attention_heads),

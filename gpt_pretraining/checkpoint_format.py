@@ -1,0 +1,74 @@
+"""Checkpoints between --ckpt-format torch (one Megatron model_optim_rng.pt) and torch_dist
+(sharded, through torch.distributed.checkpoint), tensor for tensor
+(tools/convert_checkpoint_format.py is its command line), and the order of a saved model's
+parameters, which both formats name their tensors by."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+
+from gpt_pretraining import GPT_RUN
+from megatron.checkpointing.convert import (
+    model_order_names,
+    read_sharded_as_torch_state,
+    torch_state_as_sharded,
+)
+from megatron.checkpointing.layout import (
+    CheckpointError,
+    iteration_directory_name,
+    read_tracker,
+)
+from megatron.checkpointing.load import read_torch_checkpoint
+from megatron.checkpointing.save import write_torch_checkpoint
+from megatron.checkpointing.sharded_load import verify_sharded_checkpoint
+from megatron.checkpointing.sharded_save import write_sharded_checkpoint
+from megatron.checkpointing.torch_dist import is_sharded_checkpoint, read_common
+from megatron.errors import UserError
+
+FORMATS = ("torch", "torch_dist")
+
+
+def model_order(args: argparse.Namespace) -> tuple:
+    """The state-dict keys and the optimizer's parameter names per group of the model the
+    saved arguments build (on the meta device: no memory)."""
+    config = GPT_RUN.config_from_saved(args)
+    with torch.device("meta"):
+        model = GPT_RUN.model(config)
+    return model_order_names(model, config.optimizer.weight_decay)
+
+
+def convert(load: str, save: str, ckpt_format: str) -> str:
+    """Convert the checkpoint the tracker of `load` names into `ckpt_format` under `save`;
+    returns the written iteration's directory."""
+    iteration = read_tracker(load)
+    if iteration is None:
+        raise CheckpointError(f"{load} has no tracker file: there is no checkpoint to convert")
+    directory = os.path.join(load, iteration_directory_name(iteration))
+    source = "torch_dist" if is_sharded_checkpoint(directory) else "torch"
+    if source == ckpt_format:
+        raise UserError(f"{directory} is already in the {ckpt_format} format; nothing to convert")
+    if os.path.realpath(load) == os.path.realpath(save):
+        raise UserError("--save must be another directory than --load")
+    if source == "torch":
+        state = read_torch_checkpoint(load, iteration, print_fn=print)
+    else:
+        verify_sharded_checkpoint(load, iteration, directory, None, print)
+        state = read_common(directory)
+    args = state.get("args")
+    if args is None or not hasattr(args, "padded_vocab_size"):
+        raise UserError(
+            f"{directory} carries no saved arguments with the padded vocabulary size, which "
+            "name the model's parameters in order; it was not saved by pretrain_gpt.py"
+        )
+    model_keys, parameter_groups = model_order(args)
+    if source == "torch_dist":
+        state = read_sharded_as_torch_state(directory, model_keys, parameter_groups)
+        return write_torch_checkpoint(save, iteration, state)
+    tensors, common = torch_state_as_sharded(state, parameter_groups)
+    error = write_sharded_checkpoint(save, iteration, tensors, common, None)
+    if error is not None:
+        raise CheckpointError(error)
+    return os.path.join(save, iteration_directory_name(iteration))
