@@ -5,7 +5,7 @@
 
 The run is composed in the installed package: gpt_pretraining.GPT_RUN builds the config, the
 model, the training hooks and the forward step (megatron with the MoE layers), and
-gpt_pretraining.pretrain.main sets up and trains with megatron.training.pretrain.
+gpt_pretraining.pretrain.main sets up and trains with megatron.training.loop.pretrain.
 """
 
 from gpt_pretraining.pretrain import main

@@ -243,8 +243,8 @@ def pretrain_saving_once(save_iteration: int, checksums: bool, flags: List[str])
     """pretrain_gpt.py whose only save is at `save_iteration` (without checksums when
     `checksums` is false)."""
     from gpt_pretraining.pretrain import main as pretrain_main
-    from megatron import trainer
     from megatron.checkpointing import save_checkpoint
+    from megatron.training import trainer
 
     def save_once(config, iteration, *args, **kwargs):
         if iteration != save_iteration:

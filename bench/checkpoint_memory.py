@@ -30,13 +30,13 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron import parallel_state  # noqa: E402
 from megatron.checkpointing import save_checkpoint  # noqa: E402
 from megatron.config import CheckpointConfig, ModelConfig, OptimizerConfig, TrainingConfig  # noqa: E402
 from megatron.model import GPTModel  # noqa: E402
 from megatron.optimizer.distributed_optimizer import build_distributed_optimizer  # noqa: E402
-from megatron.parallel_state import initialize_model_parallel  # noqa: E402
-from megatron.parallelize import shard_model  # noqa: E402
+from megatron.parallel import parallel_state  # noqa: E402
+from megatron.parallel.parallel_state import initialize_model_parallel  # noqa: E402
+from megatron.parallel.parallelize import shard_model  # noqa: E402
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 

@@ -1,6 +1,6 @@
 """pretrain_gpt.py's run: flags to Config (gpt_pretraining.GPT_RUN), distributed set-up, the
 memory plan, the model built on the meta device and parallelized, the datasets, then
-megatron.training.pretrain; errors a user can fix end in one line and a non-zero exit."""
+megatron.training.loop.pretrain; errors a user can fix end in one line and a non-zero exit."""
 
 from __future__ import annotations
 
@@ -31,11 +31,11 @@ from megatron.initialize import (
 )
 from megatron.kernels.dispatch import kernel_mode_set
 from megatron.memory_plan import device_memory_bytes, memory_plan_lines
-from megatron.parallel_state import destroy_model_parallel
-from megatron.parallelize import parallelize
-from megatron.progress_board import is_collective_timeout
+from megatron.parallel.parallel_state import destroy_model_parallel
+from megatron.parallel.parallelize import parallelize
 from megatron.tokenizer import MegatronTokenizer
-from megatron.training import TrainingResult, pretrain, total_train_iters
+from megatron.training.loop import TrainingResult, pretrain, total_train_iters
+from megatron.training.progress_board import is_collective_timeout
 
 
 def main(argv: Optional[List[str]] = None) -> TrainingResult:

@@ -14,9 +14,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron import parallel_state
-from megatron.progress_board import ProgressBoard
+from megatron.parallel import parallel_state
 from megatron.tensor_parallel import model_parallel_manual_seed
+from megatron.training.progress_board import ProgressBoard
 
 
 @dataclass(frozen=True)
@@ -115,7 +115,7 @@ def initialize_model_parallel(
     timeout_minutes: Optional[float] = None,
 ) -> None:
     """Create the tensor/pipeline/data/expert-parallel process groups
-    (`megatron.parallel_state`) once the default process group exists; groups left by an
+    (`megatron.parallel.parallel_state`) once the default process group exists; groups left by an
     earlier run in this process are replaced."""
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()

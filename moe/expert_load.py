@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron import parallel_state
 from megatron.model.transformer import TransformerLayer
+from megatron.parallel import parallel_state
 from moe.layers import MoELayer
 
 

@@ -27,7 +27,7 @@ against this one.
 Routing statistics stay local, as in MegaBlocks: every rank scores all E experts for its own
 tokens, and its load-balancing loss and `tokens_per_expert` count only its own tokens.
 
-Expert parameters are marked as megatron.expert_parameters describes, which also says how their
+Expert parameters are marked as megatron.parallel.expert_parameters describes, which also says how their
 gradients are reduced.
 """
 

@@ -9,7 +9,7 @@ Under tensor parallelism (Megatron-core's default, expert tensor parallel size =
 TP rank holds f / tp of every expert's ffn channels: w1 and v1 split on their last dim like a
 column-parallel linear, w2 on its ffn dim like a row-parallel one. The experts then compute a
 partial output, which the layer (moe.layers) sums over the TP group. Both that split and the
-expert-parallel one are applied to built experts by megatron.parallelize's steps, through
+expert-parallel one are applied to built experts by megatron.parallel.parallelize's steps, through
 `apply_tensor_parallel` and `place_experts`.
 """
 
@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from megatron.expert_parameters import mark_expert_parallel
-from megatron.parameter_swaps import replace_parameter
+from megatron.parallel.expert_parameters import mark_expert_parallel
+from megatron.parallel.parameter_swaps import replace_parameter
 from megatron.tensor_parallel import set_tensor_model_parallel_attributes
 from moe.kernels.grouped_gemm import MOE, grouped_product
 from moe.kernels.scaled_activation import scaled_activation

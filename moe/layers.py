@@ -21,7 +21,7 @@ moe.experts), sum each token's rows back. What varies is the product: the run's 
 capacity sorts the same way and moves rows into capacity slots (moe.kernels.permute's binned
 layout), weighting them in the scatter back.
 
-A layer is built whole, as one process runs it; megatron.parallelize's steps then shard it.
+A layer is built whole, as one process runs it; megatron.parallel.parallelize's steps then shard it.
 Under expert parallelism (`place_experts`) a layer holds only its rank's block of experts: the
 dMoE moves assignments to the rank of their expert and back by all-to-all (moe.expert_parallel),
 the MoE with capacity moves its fixed-size capacity slots.
@@ -40,9 +40,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron import parallel_state
 from megatron.config import ModelConfig
 from megatron.model.mlp import MLP
+from megatron.parallel import parallel_state
 from moe.config import MoEConfig
 from moe.expert_parallel import run_slots_expert_parallel
 from moe.experts import Experts
@@ -93,7 +93,7 @@ class MoELayer(nn.Module):
         super().__init__()
         self.config = moe_config
         self.hidden_size = model_config.hidden_size
-        # Set by `place_experts` and `apply_tensor_parallel` (megatron.parallelize).
+        # Set by `place_experts` and `apply_tensor_parallel` (megatron.parallel.parallelize).
         self.expert_parallel_rank, self.expert_parallel_size = 0, 1
         self.tensor_parallel = self.sequence_parallel = False
         std = model_config.init_method_std

@@ -31,8 +31,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Sequence, Tuple
 
-from megatron.distributed import DDP, gradient_reduction
 from megatron.model.mlp import MlpMemory, dense_mlp_activation_bytes_per_token
+from megatron.parallel.gradient_sync import DDP, gradient_reduction
 from moe.config import MoEConfig
 
 if TYPE_CHECKING:

@@ -22,7 +22,7 @@ from moe.memory_plan import moe_activation_bytes_per_token, moe_memory
 class MoEMlpSpec(MlpSpec):
     """MoE layers where `moe.is_moe_layer`, the dense MLP elsewhere. `expert_parallel_size`
     (the run's ParallelConfig.expert_model_parallel_size) is what the memory plan counts per
-    rank; the layers themselves are built whole and split by megatron.parallelize."""
+    rank; the layers themselves are built whole and split by megatron.parallel.parallelize."""
 
     moe: MoEConfig
     expert_parallel_size: int = 1

@@ -23,7 +23,7 @@ gates the shard and the logits [b, s / tp, E] are all-gathered with a backward t
 and the router's jitter is drawn on the shard (not the single-process noise, as for dropout;
 every rank still routes the same gathered logits). Each rank's
 router weight gradient then covers its own tokens only: the weight is marked
-`sequence_parallel`, so `megatron.distributed.GradientSync.after_backwards` sums it over the
+`sequence_parallel`, so `megatron.parallel.gradient_sync.GradientSync.after_backwards` sums it over the
 TP group once per step (as for the norms; the router is not all-reduced anywhere else, so nothing is counted
 twice). The experts' input is all-gathered with a reduce-scatter backward, and the partial
 output is reduce-scattered back to the sequence shard; the output bias, added to the shard

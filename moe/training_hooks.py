@@ -1,4 +1,4 @@
-"""What the trainer does for MoE layers around each step (megatron.training_hooks).
+"""What the trainer does for MoE layers around each step (megatron.training.hooks).
 
 - Compute copies of the expert weights (moe.experts.refresh_compute_weights): refreshed before
   the forwards of every step and evaluation (or, when each layer's weights arrive only before
@@ -20,10 +20,10 @@ from typing import Any, Callable, Dict, List, Optional, Set
 import torch
 from torch import nn
 
-from megatron import parallel_state
-from megatron.distributed import GradientSync
 from megatron.initialize import print_rank_0
-from megatron.training_hooks import TrainingHooks
+from megatron.parallel import parallel_state
+from megatron.parallel.gradient_sync import GradientSync
+from megatron.training.hooks import TrainingHooks
 from moe.block_factor import SHRINK_WINDOW, BlockFactor
 from moe.config import MoEConfig
 from moe.expert_load import (

@@ -13,7 +13,7 @@ from gpt_pretraining import GPT_RUN
 from megatron.checkpointing.model_arguments import MODEL_ARGUMENTS
 from megatron.config import ConfigError
 from megatron.model import DENSE_MLP
-from megatron.training_hooks import TrainingHooks
+from megatron.training.hooks import TrainingHooks
 from moe.arguments import MOE_MODEL_ARGUMENTS
 from moe.mlp_spec import MoEMlpSpec
 from moe.training_hooks import MoETrainingHooks

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import pretrain_gpt
-from megatron.logging import format_validation_block
+from megatron.training.logging import format_validation_block
 from tests.tiny_gpt import run_expecting_error, tiny_gpt_args
 
 # A learning rate no model survives: iteration 1 is finite, its update makes iteration 2 NaN.

@@ -2,7 +2,7 @@
 
 import torch
 
-from megatron.logging import format_memory_report
+from megatron.training.logging import format_memory_report
 
 
 def test_memory_report_is_megatrons_line(monkeypatch):

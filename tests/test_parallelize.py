@@ -1,4 +1,4 @@
-"""megatron.parallelize on one process: the model is plain PyTorch as built, whatever the
+"""megatron.parallel.parallelize on one process: the model is plain PyTorch as built, whatever the
 parallel config says, and building it on the meta device then drawing its weights gives the
 weights of a model built with them. The parallel layouts themselves are compared with one
 process in tests/distributed/."""
@@ -10,12 +10,12 @@ import torch
 import torch._dynamo.testing
 from torch import nn
 
-from megatron.expert_parameters import is_expert_parameter
 from megatron.model import DENSE_MLP, GPTModel
 from megatron.model.attention import SelfAttention
 from megatron.model.transformer import TransformerLayer
-from megatron.parallelize import compile_model, materialize_weights, shard_model
-from megatron.parameter_swaps import materialize, replace_parameter
+from megatron.parallel.expert_parameters import is_expert_parameter
+from megatron.parallel.parallelize import compile_model, materialize_weights, shard_model
+from megatron.parallel.parameter_swaps import materialize, replace_parameter
 from megatron.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,

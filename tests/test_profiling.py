@@ -7,7 +7,7 @@ import torch
 
 import pretrain_gpt
 from megatron.config import LoggingConfig
-from megatron.profiling import StepProfiler
+from megatron.training.profiling import StepProfiler
 from tests.tiny_gpt import tiny_gpt_args
 
 

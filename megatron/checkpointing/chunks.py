@@ -6,7 +6,7 @@ chunks it holds. This module says which chunks those are, from the parameters' a
 
 - tensor parallelism (`tensor_model_parallel`, `partition_dim`, `partition_stride`): rank r of
   T holds blocks r, r + T, ... of the tensor split into T * stride equal blocks along the dim;
-- expert parallelism (`megatron.expert_parameters`): rank r of P holds experts
+- expert parallelism (`megatron.parallel.expert_parameters`): rank r of P holds experts
   [r * E/P, (r + 1) * E/P) of the full [E, ...] tensor (then its tensor-parallel part of them);
 - the distributed optimizer: a rank's state of a parameter is one flat range of it, which is a
   few rectangles of the parameter (`flat_range_rectangles`), each then in the blocks above.
@@ -23,8 +23,8 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from megatron import parallel_state
-from megatron.expert_parameters import is_expert_parameter
+from megatron.parallel import parallel_state
+from megatron.parallel.expert_parameters import is_expert_parameter
 
 Offsets = Tuple[int, ...]
 

@@ -24,8 +24,8 @@ from megatron.checkpointing.layout import (
     read_tracker,
     refuse_untracked_checkpoints,
 )
-from megatron.expert_parameters import is_expert_parameter
 from megatron.initialize import broadcast_from, is_global_rank_zero, print_rank_0
+from megatron.parallel.expert_parameters import is_expert_parameter
 
 
 def estimate_checkpoint_bytes(

@@ -11,7 +11,7 @@ exp_avg_sq, SGD's momentum) is gathered and cut like the parameter; scalars such
 
 Which tensors are shards is read from the parameters' attributes: `tensor_model_parallel`,
 `partition_dim` and `partition_stride`, set by the parallel layers, and
-`expert_model_parallel` (megatron.expert_parameters), whose [E/P, ...] slices are experts
+`expert_model_parallel` (megatron.parallel.expert_parameters), whose [E/P, ...] slices are experts
 [r * E/P, (r + 1) * E/P) of the full [E, ...] tensor on expert-parallel rank r.
 """
 
@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron import parallel_state
-from megatron.expert_parameters import is_expert_parameter
+from megatron.parallel import parallel_state
+from megatron.parallel.expert_parameters import is_expert_parameter
 from megatron.tensor_parallel import (
     gather_tensor_model_parallel_weight,
     shard_tensor_model_parallel_weight,

@@ -14,7 +14,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron import parallel_state
 from megatron.checkpointing.checksums import (
     CHECKSUMS_FILENAME,
     ManifestError,
@@ -68,6 +67,7 @@ from megatron.checkpointing.torch_dist import (
     read_tensor_metadata,
 )
 from megatron.initialize import broadcast_from, is_global_rank_zero, print_rank_0
+from megatron.parallel import parallel_state
 from megatron.pipeline.stages import stage_to_full_names
 from megatron.tensor_parallel import MODEL_PARALLEL_RNG
 

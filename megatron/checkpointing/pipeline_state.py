@@ -18,13 +18,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron import parallel_state
 from megatron.checkpointing.full_state import (
     full_model_state_dict,
     full_optimizer_state_dict,
     load_full_model_state_dict,
     load_full_optimizer_state_dict,
 )
+from megatron.parallel import parallel_state
 from megatron.pipeline.stages import (
     WORD_EMBEDDINGS_KEY,
     full_name,

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron import parallel_state
+from megatron.parallel import parallel_state
 from megatron.tensor_parallel import EXPERT_PARALLEL_RNG, model_parallel_rng_tracker
 
 

@@ -17,7 +17,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron import parallel_state
 from megatron.checkpointing.async_save import AsyncCheckpointWriter
 from megatron.checkpointing.checksums import (
     BLOCK_SIZE,
@@ -54,6 +53,7 @@ from megatron.checkpointing.sharded_save import (
 )
 from megatron.checkpointing.torch_dist import FORMAT
 from megatron.initialize import broadcast_from, print_rank_0
+from megatron.parallel import parallel_state
 
 CHECKPOINT_VERSION = 3.0
 

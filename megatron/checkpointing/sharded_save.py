@@ -1,6 +1,6 @@
 """Saving `--ckpt-format torch_dist`: every rank writes its own chunks, in parallel.
 
-The steps, each a collective over the checkpoint group (megatron.parallel_state), so that they
+The steps, each a collective over the checkpoint group (megatron.parallel.parallel_state), so that they
 can run in the training thread or, for `--async-save`, in a background one:
 
 1. global rank 0 makes the temporary directory (megatron.checkpointing.layout) and names it;

@@ -23,7 +23,6 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tupl
 import torch
 from torch import nn
 
-from megatron import parallel_state
 from megatron.checkpointing.chunks import (
     ChunkedTensor,
     chunks_like,
@@ -32,6 +31,7 @@ from megatron.checkpointing.chunks import (
 )
 from megatron.optimizer.distributed_optimizer import DistributedOptimizer
 from megatron.optimizer.optimizer import MegatronOptimizer
+from megatron.parallel import parallel_state
 from megatron.pipeline.stages import WORD_EMBEDDINGS_KEY, full_name
 
 MODEL_PREFIX = "model."

@@ -21,7 +21,7 @@ from torch import nn
 from megatron.config import Config
 from megatron.config.sections import ExtensionBuilder
 from megatron.model import MlpSpec
-from megatron.training_hooks import TrainingHooks
+from megatron.training.hooks import TrainingHooks
 
 # auxiliary_losses(model) after each forward of `model` (a pipeline stage's chunk, or the whole
 # model): {reported name: loss term}, each added to the loss.

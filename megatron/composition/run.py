@@ -19,8 +19,8 @@ from megatron.config import Config, ConfigError, parse_arguments
 from megatron.config.validation import resolve_arguments_with_notes
 from megatron.model import DENSE_MLP, GPTModel, MlpSpec, num_floating_point_operations
 from megatron.tokenizer import MegatronTokenizer, build_tokenizer, vocab_size_with_padding
-from megatron.trainer import ForwardStep
-from megatron.training_hooks import TrainingHooks
+from megatron.training.hooks import TrainingHooks
+from megatron.training.trainer import ForwardStep
 
 # Megatron flags this project parses but does not implement yet.
 _NOT_SUPPORTED = (

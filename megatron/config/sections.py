@@ -45,7 +45,7 @@ class ModelConfig:
     recompute_granularity: str | None = None  # None | "full" | "selective"
     recompute_method: str | None = None  # None | "uniform" | "block"
     recompute_num_layers: int | None = None
-    # Read by megatron.parallelize's tensor-parallel step, not by the model (which is built
+    # Read by megatron.parallel.parallelize's tensor-parallel step, not by the model (which is built
     # plain); the model config carries them as Megatron-core's TransformerConfig does.
     tensor_model_parallel_size: int = 1
     sequence_parallel: bool = False  # only with tensor_model_parallel_size > 1
@@ -64,7 +64,7 @@ class ParallelConfig:
     data_parallel_size: int
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
-    # Data-parallel ranks each expert layer's experts are split over (megatron.parallel_state:
+    # Data-parallel ranks each expert layer's experts are split over (megatron.parallel.parallel_state:
     # expert-parallel groups are carved out of data parallelism); 1: every rank holds them all.
     expert_model_parallel_size: int = 1
     # Model chunks per pipeline rank (interleaved 1F1B); None for the plain 1F1B schedule.
@@ -111,7 +111,7 @@ class TrainingConfig:
     exit_interval: int | None = None
     exit_duration_in_mins: int | None = None
     exit_signal_handler: bool = False
-    # A non-finite loss or gradient norm stops the run (megatron.trainer); off: trains on.
+    # A non-finite loss or gradient norm stops the run (megatron.training.trainer); off: trains on.
     check_for_nan_in_loss_and_grad: bool = True
 
 

@@ -6,8 +6,8 @@ from typing import TYPE_CHECKING, Iterator, Optional
 
 import torch
 
-from megatron import parallel_state
 from megatron.data.samplers import MegatronPretrainingSampler
+from megatron.parallel import parallel_state
 
 if TYPE_CHECKING:
     from megatron.config import Config

@@ -2,14 +2,14 @@
 
 The whole model is built as one process builds it (`GPTModel(config.model, mlp_spec)` on the
 meta device: no memory), then counted by part: embedding, each layer, final norm, output layer.
-Sharding follows megatron.parallelize without process groups:
+Sharding follows megatron.parallel.parallelize without process groups:
 - tensor parallelism by the module names its step splits (column-parallel `linear_qkv`,
   `linear_fc1` and the output layer: weight and bias; row-parallel `linear_proj`, `linear_fc2`:
   the weight, the bias stays whole; the word embedding by vocabulary rows); modules of an
   extension split themselves (`apply_tensor_parallel(size, 0, sequence_parallel)` on the meta
   model, then their shards carry `tensor_model_parallel`);
 - expert parallelism by the extension's own `place_experts(size, 0)`, whose parameters are then
-  marked (megatron.expert_parameters);
+  marked (megatron.parallel.expert_parameters);
 - pipeline parallelism by megatron.pipeline.stages' layer split, the embedding on the first
   stage and the final norm and output layer on the last (with tied embeddings a last stage
   without the table holds a copy of it).
@@ -23,14 +23,14 @@ from typing import TYPE_CHECKING, List, Tuple
 import torch
 from torch import nn
 
-from megatron.expert_parameters import is_expert_parameter
 from megatron.model import GPTModel, MlpSpec
+from megatron.parallel.expert_parameters import is_expert_parameter
 from megatron.pipeline.stages import stage_layer_numbers
 
 if TYPE_CHECKING:
     from megatron.config import Config
 
-# Names of the linear layers megatron.parallelize splits, and how.
+# Names of the linear layers megatron.parallel.parallelize splits, and how.
 COLUMN_PARALLEL = ("linear_qkv", "linear_fc1", "output_layer")
 ROW_PARALLEL = ("linear_proj", "linear_fc2")
 

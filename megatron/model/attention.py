@@ -4,7 +4,7 @@ The fused projection `linear_qkv` is laid out per query group, as Megatron lays 
 output channels are num_query_groups blocks of
     [heads_per_group query heads | 1 key head | 1 value head] x kv_channels,
 so Megatron checkpoints load without reshuffling and tensor parallelism (applied by
-megatron.parallelize) splits the projection along whole groups: each tensor-parallel rank
+megatron.parallel.parallelize) splits the projection along whole groups: each tensor-parallel rank
 attends with its num_query_groups / tp groups (and their heads), and `linear_proj` sums the
 ranks' partial outputs.
 """
@@ -39,7 +39,7 @@ def num_query_groups(config: ModelConfig) -> int:
 class SelfAttention(nn.Module):
     """Pre-normalized hidden states [b, s, h] -> attention output [b, s, h] (before dropout).
 
-    Under tensor parallelism (megatron.parallelize) the heads are this rank's share
+    Under tensor parallelism (megatron.parallel.parallelize) the heads are this rank's share
     (`num_heads` and `num_query_groups` count local ones); with sequence parallelism the input
     and output are this rank's sequence shard [b, s / tp, h] and the core attention sees the
     whole sequence.
@@ -53,7 +53,7 @@ class SelfAttention(nn.Module):
         self.heads_per_group = self.num_heads // self.num_query_groups
         self.head_dim = config.kv_channels
         self.attention_dropout = config.attention_dropout
-        # Selective recompute, switched on by megatron.parallelize for
+        # Selective recompute, switched on by megatron.parallel.parallelize for
         # recompute_granularity="selective".
         self.recompute_core_attention = False
         # Set by tensor parallelism: the heads then differ per TP rank, so their dropout masks

@@ -18,7 +18,7 @@ class LanguageModelEmbedding(nn.Module):
     [b, s / tp, h] with sequence parallelism.
 
     Position embeddings exist only for `position_embedding_type == "learned_absolute"`; with
-    RoPE, positions enter inside attention instead. Under tensor parallelism (megatron.parallelize)
+    RoPE, positions enter inside attention instead. Under tensor parallelism (megatron.parallel.parallelize)
     the word embedding table is split by vocabulary rows; the position table stays whole on
     every rank.
     """

@@ -5,7 +5,7 @@ logits [batch, seq, vocab]. (Megatron keeps [seq, batch, hidden] internally for 
 sequence-parallel layout; our sequence-parallel mappings split dim 1 instead.)
 
 The model is plain PyTorch as built: torch layers, the weights of one process. Parallelism is
-applied to it afterwards by megatron.parallelize, which swaps in tensor-parallel layers and sets
+applied to it afterwards by megatron.parallel.parallelize, which swaps in tensor-parallel layers and sets
 the flags the forwards read; here tensor parallelism changes only the output: the logits stay
 split by vocabulary over TP ranks and the loss is `vocab_parallel_cross_entropy`.
 
@@ -94,7 +94,7 @@ class GPTModel(nn.Module):
         self.pre_process = pre_process
         self.post_process = post_process
         self.input_tensor: Optional[torch.Tensor] = None
-        # Set by tensor parallelism (megatron.parallelize).
+        # Set by tensor parallelism (megatron.parallel.parallelize).
         self.vocab_parallel_output = False
         self.sequence_parallel = False
         self.mlp_spec = mlp_spec

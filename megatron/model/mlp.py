@@ -18,7 +18,7 @@ class MLP(nn.Module):
 
     With SwiGLU, linear_fc1 produces 2 * ffn channels [a, b] and the activation is
     silu(a) * b, the layout of Megatron's fused fc1 (a checkpoint's fc1 rows load unchanged).
-    Under tensor parallelism (megatron.parallelize) each rank holds ffn / tp channels: fc1 is
+    Under tensor parallelism (megatron.parallel.parallelize) each rank holds ffn / tp channels: fc1 is
     split by output rows (with SwiGLU in strided blocks, so a rank's rows are [its a rows; its b
     rows], Megatron's layout) and fc2 by input columns.
     """
@@ -51,7 +51,7 @@ class MlpSpec:
     and the entry point hands that spec to `GPTModel`; the model never imports the extension.
     Such a module maps hidden states [b, s, h] -> [b, s, h]. Its plain torch layers are
     initialized and parallelized like the model's; what it owns beyond them it handles itself
-    through methods that the model and megatron.parallelize call on any submodule defining them:
+    through methods that the model and megatron.parallel.parallelize call on any submodule defining them:
     `init_own_weights(std, output_std)` (its weights and buffers, Megatron's init),
     `apply_tensor_parallel(size, rank, sequence_parallel)` and `place_experts(size, rank)`.
     """

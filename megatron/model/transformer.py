@@ -52,13 +52,13 @@ class TransformerBlock(nn.Module):
     numbered `layer_numbers` (global, 0-based) and the final norm only when it is the last.
 
     Full recompute (training only; switched on by `set_full_recompute`, which
-    megatron.parallelize calls for `recompute_granularity="full"`) keeps just the inputs of
+    megatron.parallel.parallelize calls for `recompute_granularity="full"`) keeps just the inputs of
     checkpointed layers and re-runs their forward in backward:
       "uniform": layers in chunks of `recompute_num_layers`, one checkpoint per chunk;
       "block":   each of the first `recompute_num_layers` layers checkpointed, the rest not.
     Selective recompute lives in SelfAttention (only the core attention is re-run).
 
-    With sequence parallelism (megatron.parallelize sets `sequence_parallel_dropout`) every
+    With sequence parallelism (megatron.parallel.parallelize sets `sequence_parallel_dropout`) every
     dropout in the block acts on this rank's sequence shard, so the whole block draws from the
     tensor-parallel tracker's per-rank stream (Megatron does the same); otherwise the residual
     stream is replicated over TP ranks and its dropout uses the default generator, identical on
@@ -78,7 +78,7 @@ class TransformerBlock(nn.Module):
         self.layers = nn.ModuleList(TransformerLayer(config, i, mlp_spec) for i in layer_numbers)
         self.final_layernorm = build_norm(config) if final_norm else None
         self.has_dropout = config.hidden_dropout > 0.0 or config.attention_dropout > 0.0
-        # Set by tensor and sequence parallelism (megatron.parallelize).
+        # Set by tensor and sequence parallelism (megatron.parallel.parallelize).
         self.tensor_parallel = False
         self.sequence_parallel_dropout = False
 

@@ -5,7 +5,7 @@ its full parameters but only a shard of their optimizer state, as Megatron-LM's
 DistributedOptimizer. Under tensor, pipeline and expert parallelism a rank's parameters are its
 tensor-parallel shards, its pipeline stage's layers and its experts, each sharded over the ranks
 that hold a replica of it: the data-parallel group, or for expert-parallel shards
-(`megatron.expert_parameters.is_expert_parameter`) the expert-data-parallel group.
+(`megatron.parallel.expert_parameters.is_expert_parameter`) the expert-data-parallel group.
 
 Layout. The parameters are grouped by dtype (all fp32 here: mixed precision is autocast) and by
 that replica group (Megatron-Core's dense and expert buffers). With `--main-grads-dtype bf16`
@@ -50,10 +50,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron import parallel_state
 from megatron.config import OptimizerConfig, TrainingConfig
 from megatron.config.numerics import Numerics
-from megatron.expert_parameters import is_expert_parameter
 from megatron.main_grads import gradient
 from megatron.optimizer.grad_reduce import GradReduce, bucket_parameters, default_bucket_size
 from megatron.optimizer.grad_scaler import GradScaler
@@ -67,6 +65,8 @@ from megatron.optimizer.optimizer import (
 )
 from megatron.optimizer.param_gather import ParamGather
 from megatron.optimizer.sharded_buffer import ShardedBuffer, all_gather_into
+from megatron.parallel import parallel_state
+from megatron.parallel.expert_parameters import is_expert_parameter
 
 
 @dataclass

@@ -19,10 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron import parallel_state
 from megatron.config import OptimizerConfig, TrainingConfig
 from megatron.config.numerics import Numerics
-from megatron.expert_parameters import is_expert_parameter
 from megatron.main_grads import attach_main_grads, gradient
 from megatron.model import param_groups_for_weight_decay
 from megatron.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler, GradScaler
@@ -31,6 +29,8 @@ from megatron.optimizer.precision import (
     conversion_note,
     saved_moment_dtypes,
 )
+from megatron.parallel import parallel_state
+from megatron.parallel.expert_parameters import is_expert_parameter
 
 StepResult = Tuple[bool, Optional[float], Optional[int]]
 
@@ -186,7 +186,7 @@ class MegatronOptimizer:
 
         Tensor parallelism, Megatron's rule: a sharded parameter's gradient counts on every
         rank (the shards add up to it), a replicated one (norms, row-parallel biases, position
-        embeddings) only on TP rank 0. Expert parallelism (megatron.expert_parameters): each rank of
+        embeddings) only on TP rank 0. Expert parallelism (megatron.parallel.expert_parameters): each rank of
         an expert-parallel group holds other experts, which all count, while the rest of the
         gradient is the same on all of them after the data-parallel all-reduce and counts only
         on expert-parallel rank 0. Pipeline parallelism: every stage's parameters count, except

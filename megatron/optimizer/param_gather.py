@@ -6,7 +6,7 @@ The buckets are megatron.optimizer.grad_reduce's. With overlap, every bucket's a
 launched right after the step, each group's buckets in the model's order (the reverse of the
 reduce-scatter's), the same order on every rank as NCCL needs; then nothing waits until a
 parameter is needed: the trainer waits for a transformer layer's buckets just before that
-layer's forward (megatron.trainer), for the rest before the forwards begin, and for all of them
+layer's forward (megatron.training.trainer), for the rest before the forwards begin, and for all of them
 before anything else reads the parameters (a checkpoint) or the next step writes them. On a GPU
 a wait is the compute stream's, not the host's: the host runs ahead as before.
 """

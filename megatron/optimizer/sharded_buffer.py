@@ -10,10 +10,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron.collectives import all_gather_single as _all_gather
-from megatron.collectives import reduce_scatter_single as _reduce_scatter
-from megatron.expert_parameters import is_expert_parameter
 from megatron.main_grads import MainGradBuffer
+from megatron.parallel.collectives import all_gather_single as _all_gather
+from megatron.parallel.collectives import reduce_scatter_single as _reduce_scatter
+from megatron.parallel.expert_parameters import is_expert_parameter
 
 
 class ShardedBuffer:

@@ -19,7 +19,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron import parallel_state
+from megatron.parallel import parallel_state
 
 ACTIVATION_TAG = 0
 GRADIENT_TAG = 1

@@ -31,7 +31,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from megatron import parallel_state
+from megatron.parallel import parallel_state
 from megatron.pipeline import p2p
 from megatron.pipeline.p2p import ActivationSpec
 

@@ -1,5 +1,5 @@
 """Pipeline stages of the GPT model: which layers each holds, their names, and the tied word
-embeddings across them (megatron.parallelize.split_pipeline cuts the model by these rules).
+embeddings across them (megatron.parallel.parallelize.split_pipeline cuts the model by these rules).
 
 Megatron's split: with P stages each holds ``num_layers / P`` consecutive layers, stage r the
 layers from ``r * num_layers / P``. With the interleaved schedule (V virtual stages per rank,
@@ -20,8 +20,8 @@ from typing import Dict, List, Optional
 
 import torch
 
-from megatron import parallel_state
 from megatron.model import GPTModel
+from megatron.parallel import parallel_state
 
 _LAYER_KEY = re.compile(r"^decoder\.layers\.(\d+)\.")
 WORD_EMBEDDINGS_KEY = "embedding.word_embeddings.weight"

@@ -1,4 +1,4 @@
-"""The trainer's view of a pipeline (megatron.parallelize.split_pipeline builds the stages): one
+"""The trainer's view of a pipeline (megatron.parallel.parallelize.split_pipeline builds the stages): one
 step's forwards and backwards through the schedule, and the reported values of every stage
 combined on every rank (rank 0 logs them, as without a pipeline)."""
 
@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron import parallel_state
+from megatron.parallel import parallel_state
 from megatron.pipeline.p2p import ActivationSpec
 from megatron.pipeline.schedules import (
     StageForwardStep,

@@ -1,5 +1,5 @@
 """Tensor-parallel building blocks: region mappings, parallel layers, vocabulary-parallel
-cross-entropy and the RNG tracker. Process groups come from `megatron.parallel_state`."""
+cross-entropy and the RNG tracker. Process groups come from `megatron.parallel.parallel_state`."""
 
 from megatron.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron.tensor_parallel.layers import (

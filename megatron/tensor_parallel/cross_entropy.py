@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron import parallel_state
+from megatron.parallel import parallel_state
 
 
 def _all_reduce(tensor: torch.Tensor, op: dist.ReduceOp) -> None:

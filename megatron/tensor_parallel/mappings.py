@@ -30,8 +30,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron import parallel_state
-from megatron.collectives import reduce_scatter_single
+from megatron.parallel import parallel_state
+from megatron.parallel.collectives import reduce_scatter_single
 
 
 def _world_size() -> int:
@@ -82,7 +82,7 @@ def _reduce_scatter(tensor: torch.Tensor, dim: int) -> torch.Tensor:
     if world_size == 1:
         return tensor
     _check_divisible(tensor, dim, world_size)
-    # The one-tensor collective (megatron/collectives.py says why): its input holds the ranks'
+    # The one-tensor collective (megatron/parallel/collectives.py says why): its input holds the ranks'
     # chunks one after another along dim 0.
     chunks = tensor.chunk(world_size, dim)
     result = torch.empty_like(chunks[0], memory_format=torch.contiguous_format)

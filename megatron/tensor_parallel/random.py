@@ -26,7 +26,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from megatron import parallel_state
+from megatron.parallel import parallel_state
 
 MODEL_PARALLEL_RNG = "model-parallel-rng"
 EXPERT_PARALLEL_RNG = "expert-parallel-rng"

@@ -14,7 +14,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import pretrain_gpt  # noqa: E402
-from megatron.trainer import Trainer  # noqa: E402
+from megatron.training.trainer import Trainer  # noqa: E402
 
 
 def _hang_at(iteration: int) -> None:

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 import pretrain_gpt
 from megatron.optimizer.param_gather import ParamGather
-from megatron.trainer import Trainer
+from megatron.training.trainer import Trainer
 from tests.distributed.launch import run_distributed
 from tests.distributed.test_expert_parallel_gpt import moe_gpt_args
 from tests.distributed.test_tensor_parallel_gpt import gpt_args

@@ -14,7 +14,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron import parallel_state
 from megatron.config import (
     Config,
     ConfigError,
@@ -24,16 +23,17 @@ from megatron.config import (
     parse_arguments,
 )
 from megatron.config.validation import resolve_arguments_with_notes
-from megatron.distributed import data_parallel_ignored_names, wrap_data_parallel
-from megatron.expert_parameters import (
+from megatron.model import GPTModel
+from megatron.optimizer import build_optimizer
+from megatron.parallel import parallel_state
+from megatron.parallel.expert_parameters import (
     expert_parameters,
     is_expert_parameter,
     mark_expert_parallel,
     reduce_expert_gradients,
 )
-from megatron.model import GPTModel
-from megatron.optimizer import build_optimizer
-from megatron.parallelize import compile_model, place_experts
+from megatron.parallel.gradient_sync import data_parallel_ignored_names, wrap_data_parallel
+from megatron.parallel.parallelize import compile_model, place_experts
 from moe.arguments import add_moe_args
 from moe.config import MoEConfig, moe_config
 from moe.kernels.grouped_gemm import MOE as MOE_GEMM
@@ -491,7 +491,7 @@ def test_fixed_size_blocks_compile_as_one_graph():
     """With torch._grouped_mm (the grouped GEMM a run on Hopper compiles), the expert-parallel
     layer in fixed-size blocks traces whole: no graph break, no host sync; the same numbers,
     also after its blocks grew (a recompile with the new size as a constant:
-    megatron.parallelize.compile_model)."""
+    megatron.parallel.parallelize.compile_model)."""
     for errors, load, compiled_load in run_distributed(_compiled_blocks_step, 2, TORCH):
         assert max(errors) < 1e-2, errors  # bf16; eager and compiled round alike or nearly
         assert load[1] == compiled_load[1] == 2.0 and load == pytest.approx(compiled_load)

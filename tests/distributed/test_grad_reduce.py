@@ -19,8 +19,8 @@ from megatron.optimizer import build_lr_scheduler, build_optimizer
 from megatron.optimizer.distributed_optimizer import build_distributed_optimizer
 from megatron.optimizer.grad_reduce import bucket_parameters, default_bucket_size
 from megatron.tensor_parallel.layers import set_sequence_parallel_attribute
-from megatron.trainer import install_parameter_waits
-from megatron.training_hooks import TrainingHooks
+from megatron.training.hooks import TrainingHooks
+from megatron.training.trainer import install_parameter_waits
 from moe.weight_copies import GradientAccumulator
 from tests.distributed.launch import run_distributed
 from tests.distributed.test_distributed_optimizer import optimizer_config, training_config
@@ -255,7 +255,7 @@ class ArrivingParameters:
 
 @pytest.mark.parametrize("untie", [False, True], ids=["tied", "untied"])
 def test_every_module_waits_for_its_parameters_in_gather_order(untie: bool):
-    """The trainer's waits (megatron.trainer.install_parameter_waits) on a GPT whose
+    """The trainer's waits (megatron.training.trainer.install_parameter_waits) on a GPT whose
     parameters all arrive only when waited for: the forward reads none before its wait (the
     logits stay finite and equal the model's), and the waits follow the gather order, so none
     waits behind a bucket it does not need yet (the untied output layer's weight, read by the

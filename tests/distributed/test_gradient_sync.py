@@ -1,4 +1,4 @@
-"""Who reduces the data-parallel gradients (megatron.distributed.gradient_reduction), decided
+"""Who reduces the data-parallel gradients (megatron.parallel.gradient_sync.gradient_reduction), decided
 once from the config: what parallelize wraps in DDP, what the trainer reduces after the last
 backward and what the memory planner counts all follow it. (The reductions themselves are
 tested end to end against one process in the tests of each layout.)"""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron.distributed import (
+from megatron.parallel.gradient_sync import (
     AFTER_BACKWARD,
     DDP,
     NO_REDUCTION,

@@ -33,7 +33,7 @@ def test_a_hung_rank_is_named_and_the_others_stop(data_prefix, tmp_path):
     error = errors[0]
     assert error.startswith(
         "error: rank 0 waited 0.2 min (--distributed-timeout-minutes) in the gradient "
-        "reduction during backward, called from megatron/trainer.py:"
+        "reduction during backward, called from megatron/training/trainer.py:"
     ), error
     assert "during iteration 3; rank 1 never arrived (last seen: rank 1 at iteration 3)" in error
     assert f"the latest checkpoint is {save / 'iter_0000002'}: restart the job" in error

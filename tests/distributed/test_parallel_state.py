@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 
-from megatron import parallel_state as ps
+from megatron.parallel import parallel_state as ps
 from tests.distributed.launch import run_distributed
 
 # Expected groups for a world of 4, written out from Megatron-Core's order "tp-cp-ep-dp-pp"

@@ -15,13 +15,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron import parallel_state as ps
 from megatron.checkpointing.full_state import full_model_state_dict
 from megatron.config import ModelConfig, OptimizerConfig, TrainingConfig
-from megatron.distributed import reduce_tied_embedding_gradients
 from megatron.model import GPTModel
 from megatron.optimizer import build_optimizer
-from megatron.parallelize import split_pipeline
+from megatron.parallel import parallel_state as ps
+from megatron.parallel.gradient_sync import reduce_tied_embedding_gradients
+from megatron.parallel.parallelize import split_pipeline
 from megatron.pipeline import p2p
 from megatron.pipeline.p2p import ActivationSpec
 from megatron.pipeline.schedules import (

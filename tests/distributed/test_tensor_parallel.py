@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron import parallel_state as ps
+from megatron.parallel import parallel_state as ps
 from megatron.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,

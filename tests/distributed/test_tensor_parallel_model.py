@@ -14,7 +14,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron import parallel_state as ps
 from megatron.checkpointing.full_state import (
     full_model_state_dict,
     full_optimizer_state_dict,
@@ -23,7 +22,8 @@ from megatron.checkpointing.full_state import (
 from megatron.config import ModelConfig, OptimizerConfig, TrainingConfig
 from megatron.model import GPTModel
 from megatron.optimizer import build_optimizer
-from megatron.parallelize import apply_activation_recomputation, apply_tensor_parallel
+from megatron.parallel import parallel_state as ps
+from megatron.parallel.parallelize import apply_activation_recomputation, apply_tensor_parallel
 from megatron.tensor_parallel import (
     all_reduce_sequence_parallel_grads,
     gather_from_tensor_model_parallel_region,

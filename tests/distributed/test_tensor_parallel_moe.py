@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 
 import pretrain_gpt
-from megatron import parallel_state as ps
-from megatron.expert_parameters import is_expert_parameter, reduce_expert_gradients
-from megatron.parallelize import apply_tensor_parallel, place_experts
+from megatron.parallel import parallel_state as ps
+from megatron.parallel.expert_parameters import is_expert_parameter, reduce_expert_gradients
+from megatron.parallel.parallelize import apply_tensor_parallel, place_experts
 from megatron.tensor_parallel import (
     all_reduce_sequence_parallel_grads,
     gather_tensor_model_parallel_weight,
@@ -79,7 +79,7 @@ def make_layer(name: str, tensor_parallel: int = 1, sequence_parallel: bool = Fa
         **moe_overrides,
     )
     torch.manual_seed(0)
-    # Built whole, then cut to this rank's shards by megatron.parallelize's steps, which copy
+    # Built whole, then cut to this rank's shards by megatron.parallel.parallelize's steps, which copy
     # them: every layout holds slices of the single-process weights.
     return place_experts(apply_tensor_parallel(build_moe_layer(config, moe), config))
 

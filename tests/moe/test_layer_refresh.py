@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron.distributed import NO_REDUCTION, GradientSync
+from megatron.parallel.gradient_sync import NO_REDUCTION, GradientSync
 from moe.config import MoEConfig
 from moe.experts import expert_modules
 from moe.layers import build_moe_layer

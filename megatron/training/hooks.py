@@ -13,7 +13,7 @@ from typing import Any, Callable, Dict, Optional
 import torch
 from torch import nn
 
-from megatron.distributed import GradientSync
+from megatron.parallel.gradient_sync import GradientSync
 
 
 class TrainingHooks:
@@ -30,7 +30,7 @@ class TrainingHooks:
 
     def setup(self, model: nn.Module, gradient_sync: GradientSync, device: torch.device) -> None:
         """Once, with the unwrapped model on `device` and the run's gradient synchronization
-        (megatron.distributed: whether torch DDP reduces the gradients, whose hooks then wait
+        (megatron.parallel.gradient_sync: whether torch DDP reduces the gradients, whose hooks then wait
         on autograd's accumulation)."""
 
     def before_step(self, model: nn.Module) -> bool:
@@ -79,7 +79,7 @@ class TrainingHooks:
         tensorboard: Optional[Any],
     ) -> Dict[str, Any]:
         """After the iteration line of each --log-interval (a collective: every rank calls it).
-        Prints with `print_fn`, writes to `tensorboard` (a megatron.logging.TensorBoardLogger,
+        Prints with `print_fn`, writes to `tensorboard` (a megatron.training.logging.TensorBoardLogger,
         on the rank that writes, else None) and returns named records, which the trainer keeps
         in `TrainingResult.records` (one entry per window)."""
         return {}

@@ -16,7 +16,6 @@ from typing import Callable, Dict, Iterator, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron import parallel_state
 from megatron.checkpointing import load_checkpoint, save_checkpoint
 from megatron.checkpointing.async_save import AsyncCheckpointWriter
 from megatron.checkpointing.finite import agreed_first_non_finite
@@ -24,22 +23,23 @@ from megatron.checkpointing.layout import iteration_directory_name
 from megatron.checkpointing.model_arguments import MODEL_ARGUMENTS
 from megatron.checkpointing.rng import capture_rng_state, restore_rng_state
 from megatron.config import Config
-from megatron.distributed import micro_batch_context
 from megatron.errors import TrainingDiverged
 from megatron.initialize import DistributedContext, print_rank_0
-from megatron.logging import (
-    TensorBoardLogger,
-    format_times_across_ranks,
-    min_max_across_ranks,
-)
 from megatron.model.flops import num_floating_point_operations
 from megatron.model.transformer import TransformerLayer
 from megatron.optimizer import build_lr_scheduler, build_optimizer
 from megatron.optimizer.distributed_optimizer import build_distributed_optimizer
 from megatron.optimizer.precision import PrecisionAwareAdamW
-from megatron.parallelize import ParallelModel
+from megatron.parallel import parallel_state
+from megatron.parallel.gradient_sync import micro_batch_context
+from megatron.parallel.parallelize import ParallelModel
 from megatron.pipeline.training_step import activation_spec, pipeline_step
-from megatron.training_hooks import TrainingHooks
+from megatron.training.hooks import TrainingHooks
+from megatron.training.logging import (
+    TensorBoardLogger,
+    format_times_across_ranks,
+    min_max_across_ranks,
+)
 
 ForwardStep = Callable[
     [torch.nn.Module, Dict[str, torch.Tensor]], Tuple[torch.Tensor, Dict[str, torch.Tensor]]
@@ -385,7 +385,7 @@ class Trainer:
             self.async_writer.wait(print_rank_0)
 
     def mark_progress(self, where: str) -> None:
-        """Record where this rank is (megatron.progress_board), in multi-process runs."""
+        """Record where this rank is (megatron.training.progress_board), in multi-process runs."""
         if self.context.progress is not None:
             self.context.progress.mark(where)
 

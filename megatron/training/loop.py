@@ -1,8 +1,8 @@
 """The training loop: iterations, Megatron's log lines, evaluation and saving on schedule, exits.
 
-The train step itself, evaluation and checkpoints are the `Trainer`'s (megatron.trainer).
+The train step itself, evaluation and checkpoints are the `Trainer`'s (megatron.training.trainer).
 `pretrain` is model-agnostic: the entry point (pretrain_gpt.py) hands it a model with parallelism
-applied (megatron.parallelize), datasets and a `forward_step(model, batch) -> (loss, reported)`
+applied (megatron.parallel.parallelize), datasets and a `forward_step(model, batch) -> (loss, reported)`
 function, where `reported` maps log names such as "lm loss" to detached scalars averaged over
 micro-batches and data-parallel ranks for the log.
 """
@@ -23,16 +23,16 @@ from megatron.config import Config
 from megatron.data.loader import build_data_iterator
 from megatron.errors import TrainingDiverged
 from megatron.initialize import DistributedContext, print_rank_0
-from megatron.logging import (
+from megatron.parallel.parallelize import ParallelModel
+from megatron.training.hooks import TrainingHooks
+from megatron.training.logging import (
     IterationStats,
     format_iteration_line,
     format_memory_report,
     format_validation_block,
 )
-from megatron.parallelize import ParallelModel
-from megatron.profiling import StepProfiler
-from megatron.trainer import ForwardStep, Trainer
-from megatron.training_hooks import TrainingHooks
+from megatron.training.profiling import StepProfiler
+from megatron.training.trainer import ForwardStep, Trainer
 
 
 @dataclass
@@ -44,7 +44,7 @@ class TrainingResult:
     losses: List[Dict[str, float]] = field(default_factory=list)
     validation: List[Tuple[str, Dict[str, float]]] = field(default_factory=list)
     # What the training hooks logged, one entry per --log-interval window under each name
-    # (megatron.training_hooks), e.g. "expert load" of an MoE model.
+    # (megatron.training.hooks), e.g. "expert load" of an MoE model.
     records: Dict[str, List[Any]] = field(default_factory=dict)
     skipped_iterations: int = 0
     exit_reason: Optional[str] = None
@@ -273,7 +273,7 @@ def pretrain(
     `datasets` maps "train"/"valid"/"test" to datasets (or None). `model_arguments` name the
     saved arguments that define the model (megatron.checkpointing.model_arguments), with
     those of extensions such as the MoE layers; `hooks` do those extensions' work around the
-    steps (megatron.training_hooks); `flops_per_iteration` counts a global batch's model FLOPs
+    steps (megatron.training.hooks); `flops_per_iteration` counts a global batch's model FLOPs
     for the log line (default: a dense GPT model's).
     """
     trainer = Trainer(config, context, model, forward_step, hooks, flops_per_iteration)

@@ -30,7 +30,7 @@ class IterationStats:
     tflops_per_gpu: float
     num_zeros_in_grad: Optional[int] = None
     params_norm: Optional[float] = None
-    # Fields model extensions add after the throughput (megatron.training_hooks), by name.
+    # Fields model extensions add after the throughput (megatron.training.hooks), by name.
     extra: Dict[str, float] = field(default_factory=dict)
 
 

@@ -7,7 +7,7 @@ Which gradient is reduced where:
   overlapped with the last micro-batch's backward; or by the distributed optimizer's
   reduce-scatter; or, under a pipeline or with main gradients, by one all-reduce after the
   last backward;
-- expert-parallel shards (megatron.expert_parameters): left out of DDP, since each rank of an
+- expert-parallel shards (megatron.parallel.expert_parameters): left out of DDP, since each rank of an
   expert-parallel group holds different experts; `GradientSync.after_backwards` sums them over
   the expert-data-parallel group and divides by the data-parallel size
   (`reduce_expert_gradients`);
@@ -27,10 +27,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron import parallel_state
 from megatron.config import Config
-from megatron.expert_parameters import is_expert_parameter, reduce_expert_gradients
 from megatron.main_grads import gradient
+from megatron.parallel import parallel_state
+from megatron.parallel.expert_parameters import is_expert_parameter, reduce_expert_gradients
 from megatron.pipeline.stages import tied_embedding_weights
 from megatron.tensor_parallel import all_reduce_sequence_parallel_grads
 
@@ -102,7 +102,7 @@ def gradient_reduction(config: Config) -> str:
 @dataclass(frozen=True)
 class GradientSync:
     """A run's gradient synchronization, the one object the trainer calls after the last
-    backward (megatron.parallelize builds it with the model and wraps the model in DDP when
+    backward (megatron.parallel.parallelize builds it with the model and wraps the model in DDP when
     `in_ddp`). `reduction`: gradient_reduction's answer."""
 
     reduction: str

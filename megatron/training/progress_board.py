@@ -15,6 +15,7 @@ import os
 import time
 import traceback
 from datetime import timedelta
+from pathlib import Path
 from typing import List, Optional
 
 import torch.distributed as dist
@@ -23,8 +24,9 @@ _WHERE = "megatron/progress/where/{rank}"
 _TIMED_OUT = "megatron/progress/timed_out/{rank}"
 # The most a timed-out rank waits for the others to time out as well.
 GRACE_SECONDS = 30.0
-# Frames of the project (not of torch or other libraries) start with this path.
-_PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+# Frames of the project (not of torch or other libraries) start with this path: the
+# repository root, above megatron/training/.
+_PROJECT = str(Path(__file__).resolve().parents[2]) + os.sep
 
 
 def is_collective_timeout(error: BaseException) -> bool:

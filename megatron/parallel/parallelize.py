@@ -9,7 +9,7 @@ and hands it to `parallelize`, which returns what the trainer runs. Steps:
    VocabParallelEmbedding) holding this rank's shard; attention keeps its share of the heads;
    the norms, the embedding, the blocks and the output learn about sequence parallelism.
 2. Expert placement (`place_experts`): expert layers keep their expert-parallel block of
-   experts and mark them (megatron.expert_parameters).
+   experts and mark them (megatron.parallel.expert_parameters).
 3. Weights (`materialize_weights`): a model built on the meta device gets storage and draws
    its weights; every parallel layer draws its full weight and keeps its shard, so any layout
    starts from the single-process weights.
@@ -23,7 +23,7 @@ and hands it to `parallelize`, which returns what the trainer runs. Steps:
    trainer all-reduces them after the schedule.
 8. Compile (`compile_model`): torch.compile of the whole model on GPUs, or of each layer where
    the gradients must leave the backward layer by layer (`by_layer`), unless an extension's
-   training hooks veto it (megatron.training_hooks).
+   training hooks veto it (megatron.training.hooks).
 
 Steps 1 and 2 also work on a model built with real weights (its shards are copied, so a
 world-size-1 model and its parallel form hold the same numbers). Modules of an extension
@@ -39,9 +39,6 @@ from typing import TYPE_CHECKING, Callable, List, Optional
 import torch
 from torch import nn
 
-from megatron import parallel_state
-from megatron.distributed import GradientSync, wrap_data_parallel
-from megatron.expert_parameters import expert_parameters
 from megatron.initialize import DistributedContext, print_rank_0
 from megatron.model import GPTModel
 from megatron.model.attention import SelfAttention
@@ -49,7 +46,10 @@ from megatron.model.embeddings import LanguageModelEmbedding
 from megatron.model.mlp import MLP
 from megatron.model.norms import RMSNorm
 from megatron.model.transformer import TransformerBlock, TransformerLayer
-from megatron.parameter_swaps import materialize
+from megatron.parallel import parallel_state
+from megatron.parallel.expert_parameters import expert_parameters
+from megatron.parallel.gradient_sync import GradientSync, wrap_data_parallel
+from megatron.parallel.parameter_swaps import materialize
 from megatron.pipeline.stages import stage_layer_numbers
 from megatron.tensor_parallel import (
     ColumnParallelLinear,
@@ -166,7 +166,7 @@ def _check_tensor_parallel_groups(size: int) -> None:
     if groups_size != size:
         raise ValueError(
             f"the model config asks for tensor_model_parallel_size={size} but the "
-            f"tensor-parallel group has {groups_size} rank(s); call megatron.parallel_state."
+            f"tensor-parallel group has {groups_size} rank(s); call megatron.parallel.parallel_state."
             f"initialize_model_parallel(tensor_model_parallel_size={size}) first"
         )
 
@@ -292,7 +292,7 @@ def data_parallel(
     model: nn.Module, context: DistributedContext, gradient_sync: GradientSync
 ) -> nn.Module:
     """`model` in torch DDP when DDP is what reduces its gradients
-    (megatron.distributed.gradient_reduction), else `model`."""
+    (megatron.parallel.gradient_sync.gradient_reduction), else `model`."""
     if not gradient_sync.in_ddp:
         return model
     group = parallel_state.get_data_parallel_group() if context.world_size > 1 else None

@@ -205,7 +205,7 @@ def _group(kind: str) -> _Group:
     if _STATE is None:
         raise RuntimeError(
             f"the {kind} parallel group does not exist yet: call "
-            f"megatron.parallel_state.initialize_model_parallel() first"
+            f"megatron.parallel.parallel_state.initialize_model_parallel() first"
         )
     if kind not in _STATE.groups:
         # Only the embedding group leaves ranks out: the middle pipeline stages.

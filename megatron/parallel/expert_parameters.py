@@ -3,7 +3,7 @@
 A layer whose parameters differ between the ranks of an expert-parallel group (MoE experts,
 moe.experts) marks them with `mark_expert_parallel`; DDP, the optimizers and checkpointing read
 the mark (`is_expert_parameter`) without knowing which layer set it. The groups themselves belong
-to megatron.parallel_state.
+to megatron.parallel.parallel_state.
 
 Gradient semantics. After backward, an expert parameter on rank r holds the gradient of the
 losses of *all* ranks of its EP group with respect to r's experts (the all-to-all backward brings
@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron import parallel_state
 from megatron.main_grads import gradient
+from megatron.parallel import parallel_state
 
 
 def mark_expert_parallel(param: nn.Parameter) -> None:
