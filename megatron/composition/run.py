@@ -32,8 +32,9 @@ _NOT_SUPPORTED = (
 def tokenizer_and_padded_vocab(
     args: argparse.Namespace, log: Optional[Callable[[str], None]] = None
 ) -> Tuple[MegatronTokenizer, int]:
-    """The tokenizer the flags name and its vocabulary padded as Megatron pads it (a multiple of
-    --make-vocab-size-divisible-by times the tensor-parallel size): part of the model's shape."""
+    """The tokenizer that resolved flags name, and its vocabulary padded as Megatron pads it (a
+    multiple of --make-vocab-size-divisible-by times the tensor-parallel size): part of the
+    model's shape."""
     tokenizer = build_tokenizer(
         args.tokenizer_type,
         vocab_file=args.vocab_file,
@@ -43,7 +44,7 @@ def tokenizer_and_padded_vocab(
     padded = vocab_size_with_padding(
         tokenizer.vocab_size,
         args.make_vocab_size_divisible_by,
-        getattr(args, "tensor_model_parallel_size", 1),
+        args.tensor_model_parallel_size,
         log=log,
     )
     return tokenizer, padded

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Callable, Mapping, Optional, Sequence, Tuple, Type, TypeVar
@@ -243,10 +244,11 @@ class Config:
     arguments: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     extensions: Tuple[Any, ...] = ()
 
-    @property
+    @functools.cached_property
     def numerics(self) -> Numerics:
         """Compute, gradient and optimizer-state dtypes, decided from the sections
-        (megatron.config.numerics)."""
+        (megatron.config.numerics); derived once per Config (the trainer reads it every
+        micro-batch), and anew for a changed copy (dataclasses.replace)."""
         return Numerics.of(self.training, self.optimizer)
 
     def extension(self, kind: Type[T]) -> Optional[T]:
