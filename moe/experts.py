@@ -10,7 +10,8 @@ TP rank holds f / tp of every expert's ffn channels: w1 and v1 split on their la
 column-parallel linear, w2 on its ffn dim like a row-parallel one. The experts then compute a
 partial output, which the layer (moe.layers) sums over the TP group. Both that split and the
 expert-parallel one are applied to built experts by megatron.parallel.parallelize's steps, through
-`apply_tensor_parallel` and `place_experts`.
+`keep_ffn_channels` (the experts' tensor-parallel style, moe.tensor_parallel) and
+`place_experts`.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ class Experts(nn.Module):
     As built it holds every expert whole. After `place_experts(P, r)` it holds only the E / P
     experts of expert-parallel rank r, experts [r * E/P, (r + 1) * E/P), as [E/P, ...]
     parameters marked for moe.expert_parallel; local expert i is global expert r * E/P + i.
-    After `apply_tensor_parallel(T, t, ...)` it holds channels [t * f/T, (t + 1) * f/T) of each
+    After `keep_ffn_channels(T, t)` (tensor parallelism) it holds channels [t * f/T, (t + 1) * f/T) of each
     expert's ffn (module docstring), marked with Megatron's tensor-parallel attributes so
     checkpoints and the grad norm treat them as shards.
 
@@ -75,7 +76,7 @@ class Experts(nn.Module):
             raise ValueError(f"activation must be 'gelu' or 'silu', got {activation!r}")
         self.num_experts = num_experts
         self.ffn_hidden_size = ffn_hidden_size
-        # This rank's share, narrowed by `place_experts` and `apply_tensor_parallel`.
+        # This rank's share, narrowed by `place_experts` and `keep_ffn_channels`.
         self.num_local_experts, self.first_local_expert = num_experts, 0
         self.local_ffn_hidden_size, self.first_local_channel = ffn_hidden_size, 0
         self.mlp_type = mlp_type
@@ -97,7 +98,7 @@ class Experts(nn.Module):
         self._accumulates_in_place = False
         self._accumulators: Tuple[GradientAccumulator, ...] = ()
 
-    def apply_tensor_parallel(self, size: int, rank: int, sequence_parallel: bool) -> None:
+    def keep_ffn_channels(self, size: int, rank: int) -> None:
         """Keep channels [rank * f/size, (rank + 1) * f/size) of every expert's ffn (a copy of
         them, or meta ones on the meta device) and mark the weights as tensor-parallel shards."""
         if self.ffn_hidden_size % size != 0:

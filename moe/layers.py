@@ -25,9 +25,9 @@ A layer is built whole, as one process runs it; megatron.parallel.parallelize's 
 Under expert parallelism (`place_experts`) a layer holds only its rank's block of experts: the
 dMoE moves assignments to the rank of their expert and back by all-to-all (moe.expert_parallel),
 the MoE with capacity moves its fixed-size capacity slots.
-Under tensor parallelism (`apply_tensor_parallel`) each TP rank holds a slice of every expert's
-ffn channels and the layer routes, combines and reduces as moe.tensor_parallel describes; the
-two combine.
+Under tensor parallelism (the styles of moe.mlp_spec) each TP rank holds a slice of every
+expert's ffn channels and the layer's tokens enter and leave the experts through
+moe.tensor_parallel's region instead of moe.router.LocalRegion; the two combine.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ from moe.kernels.grouped_gemm import TORCH
 from moe.overlapped_exchange import OverlappedExchange, run_experts_overlapped
 from moe.reference import reference_moe
 from moe.router import (
+    LocalRegion,
     Router,
     Routing,
     balancing_probabilities,
@@ -59,11 +60,6 @@ from moe.router import (
     update_expert_bias,
 )
 from moe.static_exchange import StaticExchange, block_capacity, run_experts_static
-from moe.tensor_parallel import (
-    mark_sequence_parallel_parameters,
-    reduce_expert_output,
-    route_tensor_parallel,
-)
 
 
 def _compiling() -> bool:
@@ -93,9 +89,10 @@ class MoELayer(nn.Module):
         super().__init__()
         self.config = moe_config
         self.hidden_size = model_config.hidden_size
-        # Set by `place_experts` and `apply_tensor_parallel` (megatron.parallel.parallelize).
+        # Set by `place_experts` (megatron.parallel.parallelize).
         self.expert_parallel_rank, self.expert_parallel_size = 0, 1
-        self.tensor_parallel = self.sequence_parallel = False
+        # Where tokens enter the experts and their output leaves: swapped by tensor parallelism.
+        self.region: nn.Module = LocalRegion()
         std = model_config.init_method_std
         output_std = std / math.sqrt(2.0 * model_config.num_layers)
         self.router = Router(model_config.hidden_size, moe_config, init_std=std)
@@ -159,14 +156,6 @@ class MoELayer(nn.Module):
         for buffer in self.buffers(recurse=False):
             buffer.zero_()
 
-    def apply_tensor_parallel(self, size: int, rank: int, sequence_parallel: bool) -> None:
-        """Route and reduce over the tensor-parallel group (moe.tensor_parallel); the experts
-        split their channels themselves, the shared expert is a dense MLP."""
-        self.tensor_parallel = True
-        self.sequence_parallel = sequence_parallel
-        if sequence_parallel:
-            mark_sequence_parallel_parameters(self.router, self.bias)
-
     def place_experts(self, size: int, rank: int) -> None:
         """Run the experts of expert-parallel rank `rank` of `size` (the experts keep their
         block themselves); raises ConfigError for a size these experts cannot be split over."""
@@ -212,12 +201,7 @@ class MoELayer(nn.Module):
             # Permute in the compute dtype, as MegaBlocks does: half the bytes moved. The expert
             # kernels are autograd Functions autocast does not see; Experts casts their weights.
             tokens = tokens.to(torch.get_autocast_dtype(device_type))
-        if self.tensor_parallel:
-            routing, expert_tokens = route_tensor_parallel(
-                self.router, tokens, hidden_states.shape, self.sequence_parallel
-            )
-        else:
-            routing, expert_tokens = self.router(tokens), tokens
+        routing, expert_tokens = self.region.enter(self.router, tokens, hidden_states.shape)
         output, tokens_per_expert = self.compute_experts(expert_tokens, routing)
         # Computed on recomputation too: a checkpointed re-run must save the same tensors.
         probabilities = balancing_probabilities(routing, self.config.router_score)
@@ -231,10 +215,7 @@ class MoELayer(nn.Module):
                     self.window_tokens_per_expert += tokens_per_expert
                 if bias_update:
                     self.pending_tokens_per_expert += tokens_per_expert.float()
-        if self.tensor_parallel:
-            output = reduce_expert_output(output, hidden_states.shape, self.sequence_parallel)
-        else:
-            output = output.view(hidden_states.shape)
+        output = self.region.leave(output, hidden_states.shape)
         if self.bias is not None:
             output = output + self.bias
         if self.shared_expert is not None:

@@ -7,15 +7,17 @@ capacity, per `MoEConfig.dropless`, moe.layers); the others keep the dense MLP.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Sequence, Tuple
+from typing import Callable, List, Mapping, Sequence, Tuple
 
 from torch import nn
 
 from megatron.config import Config, ConfigError, ModelConfig
 from megatron.model.mlp import MlpMemory, MlpSpec, dense_mlp_flops_per_token
 from moe.config import MoEConfig
-from moe.layers import build_moe_layer
+from moe.experts import Experts
+from moe.layers import MoELayer, build_moe_layer
 from moe.memory_plan import moe_activation_bytes_per_token, moe_memory
+from moe.tensor_parallel import experts_style, moe_layer_style
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,11 @@ class MoEMlpSpec(MlpSpec):
         if self.moe.is_moe_layer(layer_number):
             return build_moe_layer(config, self.moe)
         return super().build(config, layer_number)
+
+    def tensor_parallel_styles(self) -> Mapping[type, Callable]:
+        """The MoE layer's tokens enter and leave its experts over the tensor-parallel group,
+        and the experts keep their share of every expert's ffn channels (moe.tensor_parallel)."""
+        return {MoELayer: moe_layer_style, Experts: experts_style}
 
     def forward_flops_per_token(self, config: ModelConfig, layer_number: int) -> int:
         """The top-k expert MLPs (gated when mlp_type is glu), the router and the optional

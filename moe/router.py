@@ -4,7 +4,7 @@ DeepSeek-V3 auxiliary-loss-free expert bias."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -159,3 +159,19 @@ def update_expert_bias(
         counts = counts.clone()
         dist.all_reduce(counts, group=group)
     expert_bias += rate * torch.sign(counts.mean() - counts).to(expert_bias.dtype)
+
+
+class LocalRegion(nn.Module):
+    """Where an MoE layer's tokens enter its experts and their output leaves, on one rank: the
+    router routes the tokens themselves, and the output takes their shape. Tensor parallelism
+    swaps it for moe.tensor_parallel.TensorParallelRegion. No parameters."""
+
+    def enter(
+        self, router: Router, tokens: torch.Tensor, shape: torch.Size
+    ) -> Tuple[Routing, torch.Tensor]:
+        """(routing of `tokens` [T, h], the experts' input rows: `tokens`)."""
+        return router(tokens), tokens
+
+    def leave(self, output: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        """The experts' output [T, h] shaped like the layer's input `shape`."""
+        return output.view(shape)

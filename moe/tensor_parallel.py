@@ -20,8 +20,9 @@ Gradients, rank r, the layer's output gradient dy being complete and replicated:
 With sequence parallelism the layer gets this rank's sequence shard [b, s / tp, h]. The router
 gates the shard and the logits [b, s / tp, E] are all-gathered with a backward that only splits
 (its rows' gradient is complete on every rank): cheaper than gathering the hidden states for it,
-and the router's jitter is drawn on the shard (not the single-process noise, as for dropout;
-every rank still routes the same gathered logits). Each rank's
+and the router's jitter is drawn on the shard from the rank's stream (not the single-process
+noise, as for dropout; every rank still routes the same gathered logits, and what routing
+itself draws comes from the default generator, alike on every rank). Each rank's
 router weight gradient then covers its own tokens only: the weight is marked
 `sequence_parallel`, so `megatron.parallel.gradient_sync.GradientSync.after_backwards` sums it over the
 TP group once per step (as for the norms; the router is not all-reduced anywhere else, so nothing is counted
@@ -33,7 +34,7 @@ only, is marked `sequence_parallel` too.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Tuple
+from typing import Tuple
 
 import torch
 from torch import nn
@@ -44,44 +45,69 @@ from megatron.tensor_parallel import (
     reduce_from_tensor_model_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
     set_sequence_parallel_attribute,
+    sharded_dropout_rng,
 )
 from moe.router import Router, Routing
 
 
-def mark_sequence_parallel_parameters(router: Router, bias: Optional[nn.Parameter]) -> None:
-    """Under sequence parallelism, the router weight and the output bias see one sequence
-    shard per rank: their gradients are summed over the TP group after backward."""
-    set_sequence_parallel_attribute(router.layer.weight)
-    if bias is not None:
-        set_sequence_parallel_attribute(bias)
+class TensorParallelRegion(nn.Module):
+    """Where an MoE layer's tokens enter its experts and their output leaves, over the
+    tensor-parallel group (the module docstring): the parallel form of moe.router.LocalRegion,
+    swapped in by `moe_layer_style`. No parameters."""
+
+    def __init__(self, sequence_parallel: bool) -> None:
+        super().__init__()
+        self.sequence_parallel = sequence_parallel
+
+    def enter(
+        self, router: Router, tokens: torch.Tensor, shape: torch.Size
+    ) -> Tuple[Routing, torch.Tensor]:
+        """(routing of the whole token set, the experts' input rows [T, h]) for this rank's
+        `tokens` [N, h], which are `shape` [b, s, h] ([b, s / tp, h] with sequence
+        parallelism)."""
+        if self.sequence_parallel:
+            # The jitter's noise falls on this rank's shard: drawn from the rank's stream.
+            jitter = router.training and router.config.jitter_eps is not None
+            with sharded_dropout_rng(jitter):
+                local_logits = router.logits(tokens).view(*shape[:-1], -1)
+            logits = gather_from_sequence_parallel_region(
+                local_logits, tensor_parallel_output_grad=False
+            )
+            routing = router.route(logits.reshape(-1, logits.shape[-1]))
+            expert_tokens = gather_from_sequence_parallel_region(tokens.view(shape))
+            expert_tokens = expert_tokens.reshape(-1, shape[-1])
+        else:
+            routing = router(tokens)
+            expert_tokens = copy_to_tensor_model_parallel_region(tokens)
+        weights = copy_to_tensor_model_parallel_region(routing.expert_weights)
+        return dataclasses.replace(routing, expert_weights=weights), expert_tokens
+
+    def leave(self, partial: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        """The layer's expert output, shaped like its input `shape`, from this rank's partial
+        output [T, h] over the whole token set."""
+        if self.sequence_parallel:
+            batch, _, hidden = shape
+            return reduce_scatter_to_sequence_parallel_region(partial.view(batch, -1, hidden))
+        return reduce_from_tensor_model_parallel_region(partial).view(shape)
+
+    def extra_repr(self) -> str:
+        return f"sequence_parallel={self.sequence_parallel}"
 
 
-def route_tensor_parallel(
-    router: Router, tokens: torch.Tensor, shape: torch.Size, sequence_parallel: bool
-) -> Tuple[Routing, torch.Tensor]:
-    """(routing of the whole token set, the experts' input rows [T, h]) for this rank's
-    `tokens` [N, h], which are `shape` [b, s, h] ([b, s / tp, h] with `sequence_parallel`)."""
-    if sequence_parallel:
-        local_logits = router.logits(tokens).view(*shape[:-1], -1)
-        logits = gather_from_sequence_parallel_region(
-            local_logits, tensor_parallel_output_grad=False
-        )
-        routing = router.route(logits.reshape(-1, logits.shape[-1]))
-        expert_tokens = gather_from_sequence_parallel_region(tokens.view(shape))
-        expert_tokens = expert_tokens.reshape(-1, shape[-1])
-    else:
-        routing = router(tokens)
-        expert_tokens = copy_to_tensor_model_parallel_region(tokens)
-    weights = copy_to_tensor_model_parallel_region(routing.expert_weights)
-    return dataclasses.replace(routing, expert_weights=weights), expert_tokens
+def moe_layer_style(layer: nn.Module, layout) -> None:
+    """Tensor-parallel style of an MoE layer (megatron.parallel.tensor_parallelism): its tokens
+    enter and leave through `TensorParallelRegion`; under sequence parallelism the router
+    weight and the output bias see one sequence shard per rank, so their gradients are summed
+    over the TP group after backward. The experts split their channels by their own style; the
+    shared expert is a dense MLP."""
+    layer.region = TensorParallelRegion(layout.sequence_parallel)
+    if layout.sequence_parallel:
+        set_sequence_parallel_attribute(layer.router.layer.weight)
+        if layer.bias is not None:
+            set_sequence_parallel_attribute(layer.bias)
 
 
-def reduce_expert_output(
-    partial: torch.Tensor, shape: torch.Size, sequence_parallel: bool
-) -> torch.Tensor:
-    """The layer's expert output, shaped like its input `shape`, from this rank's partial
-    output [T, h] over the whole token set."""
-    if sequence_parallel:
-        batch, _, hidden = shape
-        return reduce_scatter_to_sequence_parallel_region(partial.view(batch, -1, hidden))
-    return reduce_from_tensor_model_parallel_region(partial).view(shape)
+def experts_style(experts: nn.Module, layout) -> None:
+    """Tensor-parallel style of the experts: each rank keeps its share of every expert's ffn
+    channels (moe.experts.Experts.keep_ffn_channels)."""
+    experts.keep_ffn_channels(layout.size, layout.rank)

@@ -5,6 +5,9 @@ process in tests/distributed/."""
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import pytest
 import torch
 import torch._dynamo.testing
@@ -12,18 +15,23 @@ from torch import nn
 
 from megatron.model import DENSE_MLP, GPTModel
 from megatron.model.attention import SelfAttention
+from megatron.model.gpt_model import OutputHead
 from megatron.model.transformer import TransformerLayer
 from megatron.parallel.expert_parameters import is_expert_parameter
 from megatron.parallel.parallelize import compile_model, materialize_weights, shard_model
 from megatron.parallel.parameter_swaps import materialize, replace_parameter
 from megatron.tensor_parallel import (
     ColumnParallelLinear,
+    PerRankRandom,
     RowParallelLinear,
+    SequenceShard,
     VocabParallelEmbedding,
+    VocabParallelOutputHead,
     set_tensor_model_parallel_attributes,
 )
 from moe.config import MoEConfig
 from moe.mlp_spec import MoEMlpSpec
+from moe.tensor_parallel import TensorParallelRegion
 from tests.tiny_gpt import tiny_model_config
 
 MOE = MoEConfig(num_experts=4, top_k=2, shared_expert=True, router_bias_update_rate=0.01)
@@ -55,14 +63,22 @@ def test_the_model_is_plain_pytorch_whatever_the_parallel_config():
     config = tiny_model_config(tensor_model_parallel_size=2, sequence_parallel=True)
     with torch.device("cpu"):
         model = GPTModel(config, MoEMlpSpec(MOE, expert_parallel_size=2))
-    parallel_layers = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
-    assert not any(isinstance(module, parallel_layers) for module in model.modules())
+    parallel_parts = (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+        VocabParallelOutputHead,
+        PerRankRandom,
+        SequenceShard,
+        TensorParallelRegion,
+    )
+    assert not any(isinstance(module, parallel_parts) for module in model.modules())
     marks = ("tensor_model_parallel", "sequence_parallel", "expert_model_parallel")
     for name, param in model.named_parameters():
         assert not any(hasattr(param, mark) for mark in marks), name
     attention = next(m for m in model.modules() if isinstance(m, SelfAttention))
     assert attention.num_heads == config.num_attention_heads
-    assert not model.vocab_parallel_output and not model.sequence_parallel
+    assert type(model.output_head) is OutputHead
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -143,3 +159,36 @@ def test_layer_by_layer_compile_keeps_the_layers_forward_hooks_eager():
     assert counter.frame_count >= 1  # the layers' forward
     assert list(model.state_dict()) == names
     torch._dynamo.reset()
+
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+PLAIN_MODEL_SOURCES = sorted((REPO_ROOT / "megatron" / "model").glob("*.py")) + [
+    REPO_ROOT / "moe" / name for name in ("layers.py", "experts.py", "router.py")
+]
+
+
+@pytest.mark.parametrize("path", PLAIN_MODEL_SOURCES, ids=lambda path: path.name)
+def test_the_plain_model_holds_no_tensor_parallel_switch(path):
+    """Tensor parallelism swaps parts (megatron.parallel.tensor_parallelism); no module of the
+    plain model keeps a tensor- or sequence-parallel flag for its forward to read, and the
+    framework's model code takes nothing from megatron.tensor_parallel but the recompute's
+    checkpoint (its weights initialise without knowing the parallel layer types)."""
+    tree = ast.parse(path.read_text())
+    switches = [
+        f"{path.name}:{node.lineno}: self.{target.attr}"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Assign)
+        for target in node.targets
+        if isinstance(target, ast.Attribute)
+        and any(word in target.attr for word in ("tensor_parallel", "sequence_parallel", "fork"))
+    ]
+    assert not switches, switches
+    if path.parent.name == "model":
+        imported = {
+            alias.name
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom)
+            and (node.module or "").startswith("megatron.tensor_")
+            for alias in node.names
+        }
+        assert imported <= {"checkpoint"}, imported

@@ -43,7 +43,8 @@ class GenerationEngine:
         vocab_size: Optional[int] = None,
         cuda_graphs: bool = True,
     ) -> None:
-        if not (model.pre_process and model.post_process) or model.vocab_parallel_output:
+        sharded = any(getattr(p, "tensor_model_parallel", False) for p in model.parameters())
+        if not (model.pre_process and model.post_process) or sharded:
             raise ValueError(
                 "generation needs the whole model of one process (a pipeline stage or a "
                 "tensor-parallel shard was given); build it from the checkpoint with "

@@ -6,8 +6,9 @@ Sharding follows megatron.parallel.parallelize without process groups:
 - tensor parallelism by the module names its step splits (column-parallel `linear_qkv`,
   `linear_fc1` and the output layer: weight and bias; row-parallel `linear_proj`, `linear_fc2`:
   the weight, the bias stays whole; the word embedding by vocabulary rows); modules of an
-  extension split themselves (`apply_tensor_parallel(size, 0, sequence_parallel)` on the meta
-  model, then their shards carry `tensor_model_parallel`);
+  extension by the tensor-parallel styles of its MLP spec, applied to the meta model as rank 0
+  of `size` (megatron.parallel.tensor_parallelism.apply_styles; their shards then carry
+  `tensor_model_parallel`);
 - expert parallelism by the extension's own `place_experts(size, 0)`, whose parameters are then
   marked (megatron.parallel.expert_parameters);
 - pipeline parallelism by megatron.pipeline.stages' layer split, the embedding on the first
@@ -25,6 +26,7 @@ from torch import nn
 
 from megatron.model import GPTModel, MlpSpec
 from megatron.parallel.expert_parameters import is_expert_parameter
+from megatron.parallel.tensor_parallelism import TensorParallelLayout, apply_styles
 from megatron.pipeline.stages import stage_layer_numbers
 
 if TYPE_CHECKING:
@@ -106,8 +108,9 @@ def count_parameters(config: Config, mlp_spec: MlpSpec) -> ModelParameterCounts:
     for module in list(model.modules()):
         if expert > 1 and callable(getattr(module, "place_experts", None)):
             module.place_experts(expert, 0)
-        if tensor > 1 and callable(getattr(module, "apply_tensor_parallel", None)):
-            module.apply_tensor_parallel(tensor, 0, model_config.sequence_parallel)
+    if tensor > 1:
+        layout = TensorParallelLayout(tensor, 0, model_config.sequence_parallel)
+        apply_styles(model, mlp_spec.tensor_parallel_styles(), layout)
     if model.output_layer is not None:
         output_layer = _count(model.output_layer, tensor, name="output_layer")
     else:  # tied: a last stage without the table holds a copy (megatron.pipeline.stages)

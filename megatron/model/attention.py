@@ -19,7 +19,6 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from megatron.model.rotary import apply_rotary_emb
-from megatron.tensor_parallel import sharded_dropout_rng
 
 if TYPE_CHECKING:
     from megatron.config import ModelConfig
@@ -39,10 +38,10 @@ def num_query_groups(config: ModelConfig) -> int:
 class SelfAttention(nn.Module):
     """Pre-normalized hidden states [b, s, h] -> attention output [b, s, h] (before dropout).
 
-    Under tensor parallelism (megatron.parallel.parallelize) the heads are this rank's share
-    (`num_heads` and `num_query_groups` count local ones); with sequence parallelism the input
-    and output are this rank's sequence shard [b, s / tp, h] and the core attention sees the
-    whole sequence.
+    Under tensor parallelism (megatron.parallel.tensor_parallelism) the heads are this rank's
+    share (`num_heads` and `num_query_groups` count local ones) and the core attention draws its
+    dropout from the rank's stream; with sequence parallelism the input and output are this
+    rank's sequence shard [b, s / tp, h] and the core attention sees the whole sequence.
     """
 
     def __init__(self, config: ModelConfig, layer_number: int) -> None:
@@ -52,13 +51,7 @@ class SelfAttention(nn.Module):
         self.num_query_groups = num_query_groups(config)
         self.heads_per_group = self.num_heads // self.num_query_groups
         self.head_dim = config.kv_channels
-        self.attention_dropout = config.attention_dropout
-        # Selective recompute, switched on by megatron.parallel.parallelize for
-        # recompute_granularity="selective".
-        self.recompute_core_attention = False
-        # Set by tensor parallelism: the heads then differ per TP rank, so their dropout masks
-        # must too (under sequence parallelism the whole block forks instead, TransformerBlock).
-        self.fork_dropout_rng = False
+        self.core_attention = DotProductAttention(self.heads_per_group, config.attention_dropout)
 
         query_size = self.num_heads * self.head_dim
         kv_size = self.num_query_groups * self.head_dim
@@ -76,15 +69,7 @@ class SelfAttention(nn.Module):
         batch, seq = query.shape[:2]  # the whole sequence, also when the input was a shard
         # SDPA wants [b, heads, s, head_dim].
         query, key, value = (t.transpose(1, 2) for t in (query, key, value))
-        # Forked outside the checkpoint: torch's recompute then replays the forked stream.
-        dropout_active = self.training and self.attention_dropout > 0.0
-        with sharded_dropout_rng(self.fork_dropout_rng and dropout_active):
-            if self.recompute_core_attention and self.training:
-                # Selective recompute: the s x s attention intermediates are the big
-                # activations, and re-running only SDPA in backward is cheap next to them.
-                context = checkpoint(self.core_attention, query, key, value, use_reentrant=False)
-            else:
-                context = self.core_attention(query, key, value)
+        context = self.core_attention(query, key, value)
         context = context.transpose(1, 2).reshape(batch, seq, self.num_heads * self.head_dim)
         return self.linear_proj(context)
 
@@ -112,10 +97,32 @@ class SelfAttention(nn.Module):
             key = apply_rotary_emb(key, cos, sin)
         return query, key, value
 
-    def core_attention(
-        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
-    ) -> torch.Tensor:
-        """softmax(q k^T / sqrt(d) + causal mask) v, with attention dropout when training."""
+
+class DotProductAttention(nn.Module):
+    """softmax(q k^T / sqrt(d) + causal mask) v over [b, heads, s, head_dim], with attention
+    dropout when training; no parameters.
+
+    Selective recompute (`recompute`, switched on by megatron.parallel.parallelize for
+    recompute_granularity="selective") re-runs it in backward: the s x s attention intermediates
+    are the big activations, and re-running only SDPA is cheap next to them. The checkpoint is
+    taken inside this module, so a part wrapping it (the per-rank stream of tensor parallelism,
+    megatron.tensor_parallel.parts) forks outside the checkpoint, and torch's recompute replays
+    the forked stream as the default generator.
+    """
+
+    def __init__(self, heads_per_group: int, dropout: float) -> None:
+        super().__init__()
+        self.heads_per_group = heads_per_group
+        self.dropout = dropout
+        self.recompute = False
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        if self.recompute and self.training:
+            return checkpoint(self.attend, query, key, value, use_reentrant=False)
+        return self.attend(query, key, value)
+
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """The attention itself (see the class docstring)."""
         if self.heads_per_group > 1:
             # Query head i uses key/value group i // heads_per_group. Expanded here (inside the
             # recomputed region) rather than via SDPA's enable_gqa, which needs torch >= 2.5.
@@ -125,6 +132,6 @@ class SelfAttention(nn.Module):
             query,
             key,
             value,
-            dropout_p=self.attention_dropout if self.training else 0.0,
+            dropout_p=self.dropout if self.training else 0.0,
             is_causal=True,
         )

@@ -7,8 +7,6 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from megatron.tensor_parallel import scatter_to_sequence_parallel_region, sharded_dropout_rng
-
 if TYPE_CHECKING:
     from megatron.config import ModelConfig
 
@@ -18,9 +16,10 @@ class LanguageModelEmbedding(nn.Module):
     [b, s / tp, h] with sequence parallelism.
 
     Position embeddings exist only for `position_embedding_type == "learned_absolute"`; with
-    RoPE, positions enter inside attention instead. Under tensor parallelism (megatron.parallel.parallelize)
-    the word embedding table is split by vocabulary rows; the position table stays whole on
-    every rank.
+    RoPE, positions enter inside attention instead. Under tensor parallelism
+    (megatron.parallel.tensor_parallelism) the word embedding table is split by vocabulary rows;
+    the position table stays whole on every rank; with sequence parallelism the dropout becomes
+    "keep this rank's sequence shard, then drop out with this rank's stream".
     """
 
     def __init__(self, config: ModelConfig) -> None:
@@ -32,7 +31,6 @@ class LanguageModelEmbedding(nn.Module):
                 config.max_position_embeddings, config.hidden_size
             )
         self.embedding_dropout = nn.Dropout(config.hidden_dropout)
-        self.sequence_parallel = False  # set by sequence parallelism
 
     def forward(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None
@@ -43,9 +41,4 @@ class LanguageModelEmbedding(nn.Module):
             if position_ids is None:
                 position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)
             embeddings = embeddings + self.position_embeddings(position_ids)
-        if self.sequence_parallel:
-            # Each rank keeps its sequence shard; the shards differ, so their masks must too.
-            embeddings = scatter_to_sequence_parallel_region(embeddings)
-            with sharded_dropout_rng(self.training and self.embedding_dropout.p > 0.0):
-                return self.embedding_dropout(embeddings)
         return self.embedding_dropout(embeddings)

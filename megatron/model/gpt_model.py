@@ -4,10 +4,11 @@ Tensors are batch-first: token ids [batch, seq], hidden states [batch, seq, hidd
 logits [batch, seq, vocab]. (Megatron keeps [seq, batch, hidden] internally for its
 sequence-parallel layout; our sequence-parallel mappings split dim 1 instead.)
 
-The model is plain PyTorch as built: torch layers, the weights of one process. Parallelism is
-applied to it afterwards by megatron.parallel.parallelize, which swaps in tensor-parallel layers and sets
-the flags the forwards read; here tensor parallelism changes only the output: the logits stay
-split by vocabulary over TP ranks and the loss is `vocab_parallel_cross_entropy`.
+The model is plain PyTorch as built: torch layers, the weights of one process, no switch for
+any parallelism. Parallelism is applied to it afterwards by megatron.parallel.parallelize, which
+swaps its parts for their parallel forms (megatron.parallel.tensor_parallelism); here tensor
+parallelism swaps the output head, so the logits stay split by vocabulary over TP ranks and the
+loss is the vocabulary-parallel cross-entropy.
 
 Built under ``torch.device("meta")`` the model holds no memory; `init_weights` draws its weights
 once they have storage. The constructors' own draws (torch's default inits) never reach the
@@ -30,14 +31,6 @@ from megatron.model.mlp import DENSE_MLP, MlpSpec
 from megatron.model.norms import RMSNorm
 from megatron.model.rotary import RotaryEmbedding
 from megatron.model.transformer import TransformerBlock
-from megatron.tensor_parallel import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-    copy_to_tensor_model_parallel_region,
-    gather_from_sequence_parallel_region,
-    vocab_parallel_cross_entropy,
-)
 
 if TYPE_CHECKING:
     from megatron.config import ModelConfig
@@ -47,6 +40,27 @@ POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
 # Linear layers whose output is added to the residual stream; Megatron scales their init
 # by 1 / sqrt(2 * num_layers) so the residual variance does not grow with depth.
 OUTPUT_PROJECTION_NAMES = ("linear_proj", "linear_fc2")
+
+
+class OutputHead(nn.Module):
+    """Final hidden states [b, s, h] and the [vocab, h] output weight -> logits [b, s, vocab],
+    or with `labels` [b, s] the per-token fp32 losses [b, s]. It holds no parameter (the weight
+    is the model's `output_weight()`); tensor parallelism swaps it for its vocabulary-parallel
+    form (megatron.tensor_parallel.parts)."""
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        weight: torch.Tensor,
+        labels: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        logits = F.linear(hidden_states, weight)
+        if labels is None:
+            return logits
+        # fp32 math (a 50k-way log-softmax in bf16 is visibly inaccurate) on the bf16 logits:
+        # the fused kernel reads them once forward and once backward, no fp32 copy.
+        losses = cross_entropy(logits.view(-1, logits.shape[-1]), labels.reshape(-1))
+        return losses.view_as(labels)
 
 
 class GPTModel(nn.Module):
@@ -94,9 +108,6 @@ class GPTModel(nn.Module):
         self.pre_process = pre_process
         self.post_process = post_process
         self.input_tensor: Optional[torch.Tensor] = None
-        # Set by tensor parallelism (megatron.parallel.parallelize).
-        self.vocab_parallel_output = False
-        self.sequence_parallel = False
         self.mlp_spec = mlp_spec
         with torch.random.fork_rng(devices=[]):  # see the module docstring
             self._build_modules(config, layer_numbers)
@@ -112,6 +123,7 @@ class GPTModel(nn.Module):
         self.decoder = TransformerBlock(
             config, layer_numbers, final_norm=self.post_process, mlp_spec=self.mlp_spec
         )
+        self.output_head = OutputHead() if self.post_process else None
         self.output_layer = None
         if self.post_process and (
             config.untie_embeddings_and_output_weights or not self.pre_process
@@ -126,25 +138,23 @@ class GPTModel(nn.Module):
     @torch.no_grad()
     def init_weights(self) -> None:
         """Megatron's init: normal(0, std) weights, std / sqrt(2L) for output projections,
-        zero biases, unit norm weights. Deterministic given torch.manual_seed; a tensor-parallel
-        layer draws its full weight the same way and keeps its shard, so any TP size gets the
-        TP=1 weights. A module of an extension (MlpSpec) initializes what it owns itself, by its
-        `init_own_weights(std, output_std)`; on the meta device nothing is drawn."""
+        zero biases, unit norm weights. Deterministic given torch.manual_seed. A module that
+        draws its weights itself defines `init_own_weights(std, output_std)` and gets the std
+        of its own weights (the scaled one for an output projection) and the scaled std for
+        output projections inside it: an extension's module (MlpSpec), or a parallel layer
+        swapped in by parallelism, which draws its full weight and keeps its shard, so every
+        layout gets the single-process weights. On the meta device nothing is drawn."""
         std = self.config.init_method_std
         scaled_std = std / math.sqrt(2.0 * self.config.num_layers)
         for name, module in self.named_modules():
             is_output_projection = name.rsplit(".", 1)[-1] in OUTPUT_PROJECTION_NAMES
             layer_std = scaled_std if is_output_projection else std
-            if isinstance(module, nn.Linear):
+            if callable(getattr(module, "init_own_weights", None)):
+                module.init_own_weights(layer_std, scaled_std)
+            elif isinstance(module, nn.Linear):
                 nn.init.normal_(module.weight, mean=0.0, std=layer_std)
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
-            elif isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
-                module.reset_parameters(_normal_init(layer_std))  # zeroes the bias too
-            elif isinstance(module, VocabParallelEmbedding):
-                module.reset_parameters(_normal_init(std))
-            elif callable(getattr(module, "init_own_weights", None)):
-                module.init_own_weights(std, scaled_std)  # e.g. MoE experts (MlpSpec)
             elif isinstance(module, nn.Embedding):
                 nn.init.normal_(module.weight, mean=0.0, std=std)
             elif isinstance(module, (nn.LayerNorm, RMSNorm)):
@@ -175,7 +185,8 @@ class GPTModel(nn.Module):
         averages. `position_ids` [b, s] default to 0..s-1 (used by learned and rotary
         position embeddings alike). Attention is always causal over the whole sequence.
         Under tensor parallelism the logits are this rank's vocabulary shard [b, s, vocab / tp]
-        and the losses, identical on every TP rank, come from the vocab-parallel cross-entropy.
+        and the losses, identical on every TP rank, come from the vocab-parallel cross-entropy
+        (the output head's parallel form).
         A pipeline stage before the last returns its hidden states [b, s, h] instead.
         """
         seq_length = input_ids.shape[1]
@@ -196,34 +207,4 @@ class GPTModel(nn.Module):
         hidden_states = self.decoder(hidden_states, rotary_cos_sin)
         if not self.post_process:
             return hidden_states
-        if self.vocab_parallel_output:
-            return self._tensor_parallel_output(hidden_states, labels)
-        logits = F.linear(hidden_states, self.output_weight())
-        if labels is None:
-            return logits
-        # fp32 math (a 50k-way log-softmax in bf16 is visibly inaccurate) on the bf16 logits:
-        # the fused kernel reads them once forward and once backward, no fp32 copy.
-        losses = cross_entropy(logits.view(-1, logits.shape[-1]), labels.reshape(-1))
-        return losses.view_as(labels)
-
-    def _tensor_parallel_output(
-        self, hidden_states: torch.Tensor, labels: torch.Tensor | None
-    ) -> torch.Tensor:
-        """Vocabulary-split logits from replicated (or sequence-split) hidden states, or their
-        per-token losses: the full [b, s, vocab] logits never exist on one rank."""
-        if self.sequence_parallel:
-            # Backward reduce-scatters: each rank's vocab shard gives a partial input gradient.
-            hidden_states = gather_from_sequence_parallel_region(hidden_states)
-        else:
-            hidden_states = copy_to_tensor_model_parallel_region(hidden_states)
-        logits = F.linear(hidden_states, self.output_weight())
-        if labels is None:
-            return logits
-        return vocab_parallel_cross_entropy(logits, labels)
-
-
-def _normal_init(std: float):
-    def init(weight: torch.Tensor) -> None:
-        nn.init.normal_(weight, mean=0.0, std=std)
-
-    return init
+        return self.output_head(hidden_states, self.output_weight(), labels)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, List, Sequence, Tuple
+from typing import TYPE_CHECKING, Callable, List, Mapping, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -18,9 +18,9 @@ class MLP(nn.Module):
 
     With SwiGLU, linear_fc1 produces 2 * ffn channels [a, b] and the activation is
     silu(a) * b, the layout of Megatron's fused fc1 (a checkpoint's fc1 rows load unchanged).
-    Under tensor parallelism (megatron.parallel.parallelize) each rank holds ffn / tp channels: fc1 is
-    split by output rows (with SwiGLU in strided blocks, so a rank's rows are [its a rows; its b
-    rows], Megatron's layout) and fc2 by input columns.
+    Under tensor parallelism (megatron.parallel.tensor_parallelism) each rank holds ffn / tp
+    channels: fc1 is split by output rows (with SwiGLU in strided blocks, so a rank's rows are
+    [its a rows; its b rows], Megatron's layout) and fc2 by input columns.
     """
 
     def __init__(self, config: ModelConfig) -> None:
@@ -50,15 +50,23 @@ class MlpSpec:
     An extension subclasses it to give some layers another module (moe.mlp_spec: MoE layers),
     and the entry point hands that spec to `GPTModel`; the model never imports the extension.
     Such a module maps hidden states [b, s, h] -> [b, s, h]. Its plain torch layers are
-    initialized and parallelized like the model's; what it owns beyond them it handles itself
-    through methods that the model and megatron.parallel.parallelize call on any submodule defining them:
-    `init_own_weights(std, output_std)` (its weights and buffers, Megatron's init),
-    `apply_tensor_parallel(size, rank, sequence_parallel)` and `place_experts(size, rank)`.
+    initialized and parallelized like the model's. What it owns beyond them: its weights and
+    buffers it initializes by `init_own_weights(std, output_std)` (Megatron's init; the model
+    calls it on any submodule defining it); its tensor-parallel form comes from the styles this
+    spec names (`tensor_parallel_styles`), applied by the same step as the model's own
+    (megatron.parallel.tensor_parallelism); its expert-parallel share it keeps by
+    `place_experts(size, rank)` (megatron.parallel.parallelize).
     """
 
     def build(self, config: ModelConfig, layer_number: int) -> nn.Module:
         """The feed-forward module of layer `layer_number` (0-based, as in `decoder.layers.<n>`)."""
         return MLP(config)
+
+    def tensor_parallel_styles(self) -> Mapping[type, Callable]:
+        """{module type: style} for the modules this spec builds that tensor parallelism must
+        treat beyond their torch layers (megatron.parallel.tensor_parallelism.TensorParallelStyle);
+        the dense MLP is one of the framework's own styles."""
+        return {}
 
     def forward_flops_per_token(self, config: ModelConfig, layer_number: int) -> int:
         """Matmul FLOPs of one token's forward through that module (megatron.model.flops)."""

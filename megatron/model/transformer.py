@@ -6,12 +6,11 @@ from typing import TYPE_CHECKING, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from megatron.model.attention import SelfAttention
 from megatron.model.mlp import DENSE_MLP, MlpSpec
 from megatron.model.norms import build_norm
-from megatron.tensor_parallel import checkpoint_rng_contexts, sharded_dropout_rng
+from megatron.tensor_parallel import checkpoint
 
 if TYPE_CHECKING:
     from megatron.config import ModelConfig
@@ -58,11 +57,9 @@ class TransformerBlock(nn.Module):
       "block":   each of the first `recompute_num_layers` layers checkpointed, the rest not.
     Selective recompute lives in SelfAttention (only the core attention is re-run).
 
-    With sequence parallelism (megatron.parallel.parallelize sets `sequence_parallel_dropout`) every
-    dropout in the block acts on this rank's sequence shard, so the whole block draws from the
-    tensor-parallel tracker's per-rank stream (Megatron does the same); otherwise the residual
-    stream is replicated over TP ranks and its dropout uses the default generator, identical on
-    every rank.
+    Randomness under tensor parallelism is the parts' business (megatron.tensor_parallel.parts):
+    what draws on a shard draws from the per-rank stream, and the checkpoint's recompute replays
+    those streams (megatron.tensor_parallel.checkpoint).
     """
 
     def __init__(
@@ -77,10 +74,6 @@ class TransformerBlock(nn.Module):
             layer_numbers = range(config.num_layers)
         self.layers = nn.ModuleList(TransformerLayer(config, i, mlp_spec) for i in layer_numbers)
         self.final_layernorm = build_norm(config) if final_norm else None
-        self.has_dropout = config.hidden_dropout > 0.0 or config.attention_dropout > 0.0
-        # Set by tensor and sequence parallelism (megatron.parallel.parallelize).
-        self.tensor_parallel = False
-        self.sequence_parallel_dropout = False
 
         self.recompute_full = False
         self.recompute_method: Optional[str] = None
@@ -115,25 +108,15 @@ class TransformerBlock(nn.Module):
     ) -> torch.Tensor:
         # Non-reentrant: works with inputs that do not require grad and with autograd.grad;
         # RNG state is restored on recompute, so dropout masks match the first forward (the
-        # default generator by torch, the tensor-parallel tracker's streams by context_fn).
-        replay = {"context_fn": checkpoint_rng_contexts} if self.tensor_parallel else {}
-        return checkpoint(
-            self._run_layers,
-            start,
-            end,
-            hidden_states,
-            rotary_cos_sin,
-            use_reentrant=False,
-            **replay,
-        )
+        # default generator by torch, the tensor-parallel tracker's streams by the checkpoint).
+        return checkpoint(self._run_layers, start, end, hidden_states, rotary_cos_sin)
 
     def forward(
         self, hidden_states: torch.Tensor, rotary_cos_sin: RotaryCosSin = None
     ) -> torch.Tensor:
         """[b, s, h] -> final-normalized [b, s, h] (sequence shards under sequence parallel;
         not normalized on a pipeline stage before the last)."""
-        with sharded_dropout_rng(self.sequence_parallel_dropout and self.training):
-            hidden_states = self._run_all_layers(hidden_states, rotary_cos_sin)
+        hidden_states = self._run_all_layers(hidden_states, rotary_cos_sin)
         if self.final_layernorm is None:
             return hidden_states
         return self.final_layernorm(hidden_states)

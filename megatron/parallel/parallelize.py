@@ -4,10 +4,10 @@ The entry point builds the whole model as plain PyTorch at world size 1, on the 
 that it holds no memory (`GPTModel(config.model, mlp_spec)` under ``torch.device("meta")``),
 and hands it to `parallelize`, which returns what the trainer runs. Steps:
 
-1. Tensor and sequence parallelism (`apply_tensor_parallel`): each linear layer and the word
-   embedding becomes its Megatron parallel layer (ColumnParallelLinear, RowParallelLinear,
-   VocabParallelEmbedding) holding this rank's shard; attention keeps its share of the heads;
-   the norms, the embedding, the blocks and the output learn about sequence parallelism.
+1. Tensor and sequence parallelism (megatron.parallel.tensor_parallelism): each module gets
+   the style of its type, the framework's or the model's MLP spec's: linear layers and the word
+   embedding become Megatron's parallel layers holding this rank's shard, attention keeps its
+   share of the heads, the output head, dropouts and core attention their parallel parts.
 2. Expert placement (`place_experts`): expert layers keep their expert-parallel block of
    experts and mark them (megatron.parallel.expert_parameters).
 3. Weights (`materialize_weights`): a model built on the meta device gets storage and draws
@@ -27,8 +27,8 @@ and hands it to `parallelize`, which returns what the trainer runs. Steps:
 
 Steps 1 and 2 also work on a model built with real weights (its shards are copied, so a
 world-size-1 model and its parallel form hold the same numbers). Modules of an extension
-(megatron.model.mlp.MlpSpec) take part through methods the steps call on any module defining
-them: `apply_tensor_parallel(size, rank, sequence_parallel)` and `place_experts(size, rank)`.
+(megatron.model.mlp.MlpSpec) take part through the styles their spec names (step 1) and
+`place_experts(size, rank)`, which step 2 calls on any module defining it.
 """
 
 from __future__ import annotations
@@ -41,22 +41,14 @@ from torch import nn
 
 from megatron.initialize import DistributedContext, print_rank_0
 from megatron.model import GPTModel
-from megatron.model.attention import SelfAttention
-from megatron.model.embeddings import LanguageModelEmbedding
-from megatron.model.mlp import MLP
-from megatron.model.norms import RMSNorm
+from megatron.model.attention import DotProductAttention
 from megatron.model.transformer import TransformerBlock, TransformerLayer
 from megatron.parallel import parallel_state
 from megatron.parallel.expert_parameters import expert_parameters
 from megatron.parallel.gradient_sync import GradientSync, wrap_data_parallel
 from megatron.parallel.parameter_swaps import materialize
+from megatron.parallel.tensor_parallelism import apply_tensor_parallel
 from megatron.pipeline.stages import stage_layer_numbers
-from megatron.tensor_parallel import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-    set_sequence_parallel_attribute,
-)
 
 if TYPE_CHECKING:
     from megatron.config import Config, ModelConfig
@@ -109,83 +101,6 @@ def shard_model(model: GPTModel, model_config: ModelConfig) -> GPTModel:
     place_experts(model)
     materialize_weights(model)
     return model
-
-
-def apply_tensor_parallel(model: nn.Module, model_config: ModelConfig) -> nn.Module:
-    """Megatron's tensor (and with `model_config.sequence_parallel`, sequence) parallelism over
-    the tensor-parallel group, applied to `model` (a GPT model, stage chunk or one layer) in
-    place; returns it. Nothing changes at tensor-parallel size 1.
-
-    Column-parallel (output split): attention's fused QKV, the MLP's fc1 (strided under SwiGLU,
-    so each rank holds its gate and its up rows), the untied output layer. Row-parallel (input
-    split, partial outputs summed or reduce-scattered): attention's output projection, fc2.
-    Vocabulary-parallel: the word embedding. Under sequence parallelism every norm sees one
-    sequence shard, so its parameters are marked for the gradient all-reduce over the TP group.
-    """
-    size = model_config.tensor_model_parallel_size
-    if size == 1:
-        return model
-    _check_tensor_parallel_groups(size)
-    sequence_parallel = model_config.sequence_parallel
-    rank = parallel_state.get_tensor_model_parallel_rank()
-    for module in list(model.modules()):  # a snapshot: the layers swapped in are not revisited
-        if isinstance(module, GPTModel):
-            module.vocab_parallel_output = True
-            module.sequence_parallel = sequence_parallel
-            if module.output_layer is not None:
-                shared = getattr(module.output_layer.weight, "shared_embedding", False)
-                module.output_layer = ColumnParallelLinear.from_linear(module.output_layer)
-                if shared:
-                    module.output_layer.weight.shared_embedding = True
-        elif isinstance(module, LanguageModelEmbedding):
-            module.word_embeddings = VocabParallelEmbedding.from_embedding(module.word_embeddings)
-            module.sequence_parallel = sequence_parallel
-        elif isinstance(module, TransformerBlock):
-            module.tensor_parallel = True
-            module.sequence_parallel_dropout = sequence_parallel and module.has_dropout
-        elif isinstance(module, SelfAttention):
-            _split_heads(module, size, sequence_parallel)
-        elif isinstance(module, MLP):
-            stride = 2 if module.swiglu else 1
-            module.linear_fc1 = ColumnParallelLinear.from_linear(
-                module.linear_fc1, sequence_parallel, stride
-            )
-            module.linear_fc2 = RowParallelLinear.from_linear(module.linear_fc2, sequence_parallel)
-        elif isinstance(module, (nn.LayerNorm, RMSNorm)):
-            if sequence_parallel:
-                for param in module.parameters():
-                    set_sequence_parallel_attribute(param)
-        elif callable(getattr(module, "apply_tensor_parallel", None)):
-            module.apply_tensor_parallel(size, rank, sequence_parallel)
-    return model
-
-
-def _check_tensor_parallel_groups(size: int) -> None:
-    """The process groups must exist for the TP size the config asks for."""
-    groups_size = parallel_state.get_tensor_model_parallel_world_size()
-    if groups_size != size:
-        raise ValueError(
-            f"the model config asks for tensor_model_parallel_size={size} but the "
-            f"tensor-parallel group has {groups_size} rank(s); call megatron.parallel.parallel_state."
-            f"initialize_model_parallel(tensor_model_parallel_size={size}) first"
-        )
-
-
-def _split_heads(attention: SelfAttention, size: int, sequence_parallel: bool) -> None:
-    """Give `attention` this rank's query groups (and their heads): QKV split by whole groups,
-    the output projection by their input channels."""
-    if attention.num_query_groups % size != 0:
-        raise ValueError(
-            f"{attention.num_query_groups} query groups do not split over a tensor-parallel "
-            f"size of {size}; choose --num-query-groups (or --num-attention-heads) divisible by it"
-        )
-    attention.linear_qkv = ColumnParallelLinear.from_linear(attention.linear_qkv, sequence_parallel)
-    attention.linear_proj = RowParallelLinear.from_linear(attention.linear_proj, sequence_parallel)
-    attention.num_heads //= size
-    attention.num_query_groups //= size
-    # The heads differ per rank, so their dropout masks must too; under sequence parallelism
-    # the whole block already draws from the per-rank stream (TransformerBlock).
-    attention.fork_dropout_rng = not sequence_parallel
 
 
 def place_experts(model: nn.Module) -> nn.Module:
@@ -283,8 +198,8 @@ def apply_activation_recomputation(model: nn.Module, model_config: ModelConfig) 
             module.set_full_recompute(
                 model_config.recompute_method, model_config.recompute_num_layers
             )
-        elif granularity == "selective" and isinstance(module, SelfAttention):
-            module.recompute_core_attention = True
+        elif granularity == "selective" and isinstance(module, DotProductAttention):
+            module.recompute = True
     return model
 
 

@@ -22,10 +22,12 @@ from megatron.tensor_parallel.mappings import (
     scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
+from megatron.tensor_parallel.parts import PerRankRandom, SequenceShard, VocabParallelOutputHead
 from megatron.tensor_parallel.random import (
     EXPERT_PARALLEL_RNG,
     MODEL_PARALLEL_RNG,
     RNGStatesTracker,
+    checkpoint,
     checkpoint_rng_contexts,
     model_parallel_manual_seed,
     model_parallel_rng_tracker,
@@ -36,10 +38,14 @@ __all__ = [
     "EXPERT_PARALLEL_RNG",
     "MODEL_PARALLEL_RNG",
     "ColumnParallelLinear",
+    "PerRankRandom",
     "RNGStatesTracker",
     "RowParallelLinear",
+    "SequenceShard",
     "VocabParallelEmbedding",
+    "VocabParallelOutputHead",
     "all_reduce_sequence_parallel_grads",
+    "checkpoint",
     "checkpoint_rng_contexts",
     "copy_to_tensor_model_parallel_region",
     "default_init_method",

@@ -56,6 +56,15 @@ def default_init_method(weight: torch.Tensor) -> None:
     nn.init.normal_(weight, mean=0.0, std=0.02)
 
 
+def normal_init_method(std: float) -> InitMethod:
+    """normal(0, `std`): Megatron's init for every weight of a GPT model."""
+
+    def init(weight: torch.Tensor) -> None:
+        nn.init.normal_(weight, mean=0.0, std=std)
+
+    return init
+
+
 def set_tensor_model_parallel_attributes(
     param: torch.Tensor, partition_dim: int, stride: int = 1
 ) -> None:
@@ -260,6 +269,11 @@ class ColumnParallelLinear(nn.Module):
         if self.bias is not None:
             nn.init.zeros_(self.bias)
 
+    def init_own_weights(self, std: float, output_std: float) -> None:
+        """Megatron's init for a model's weight (megatron.model.gpt_model.GPTModel.init_weights):
+        normal(0, `std`) drawn whole, this rank's rows kept; a zero bias."""
+        self.reset_parameters(normal_init_method(std))
+
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
             input_ = gather_from_sequence_parallel_region(input_, SEQUENCE_DIM)
@@ -343,6 +357,11 @@ class RowParallelLinear(nn.Module):
         if self.bias is not None:
             nn.init.zeros_(self.bias)
 
+    def init_own_weights(self, std: float, output_std: float) -> None:
+        """Megatron's init for a model's weight (megatron.model.gpt_model.GPTModel.init_weights):
+        normal(0, `std`) drawn whole, this rank's columns kept; a zero bias."""
+        self.reset_parameters(normal_init_method(std))
+
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             input_ = scatter_to_tensor_model_parallel_region(input_)
@@ -416,6 +435,11 @@ class VocabParallelEmbedding(nn.Module):
     def reset_parameters(self, init_method: InitMethod = default_init_method) -> None:
         """Draw the full table with ``init_method`` and keep this rank's rows."""
         _initialize_shard(self.weight, (self.num_embeddings, self.embedding_dim), 0, init_method)
+
+    def init_own_weights(self, std: float, output_std: float) -> None:
+        """Megatron's init for a model's weight (megatron.model.gpt_model.GPTModel.init_weights):
+        normal(0, `std`) drawn whole, this rank's rows kept."""
+        self.reset_parameters(normal_init_method(std))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if parallel_state.get_tensor_model_parallel_world_size() == 1:

@@ -22,9 +22,10 @@ GPU is available, else "cpu", so the same code drives dropout on CPU tests and o
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
+import torch.utils.checkpoint
 
 from megatron.parallel import parallel_state
 
@@ -156,3 +157,18 @@ def checkpoint_rng_contexts() -> tuple[contextlib.AbstractContextManager, ...]:
             _TRACKER.set_states(current)
 
     return contextlib.nullcontext(), replay()
+
+
+def checkpoint(function: Callable, *args):
+    """``function(*args)`` under torch's non-reentrant activation checkpoint; with more than
+    one tensor-parallel rank the recompute also replays the tracker's streams
+    (`checkpoint_rng_contexts`), which the per-rank parts inside the region
+    (megatron.tensor_parallel.parts) draw from. Without tensor parallelism nothing forks, and
+    the plain checkpoint is what torch.compile can trace (it refuses a ``context_fn`` of this
+    kind)."""
+    tensor_parallel = (
+        parallel_state.model_parallel_is_initialized()
+        and parallel_state.get_tensor_model_parallel_world_size() > 1
+    )
+    replay = {"context_fn": checkpoint_rng_contexts} if tensor_parallel else {}
+    return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, **replay)

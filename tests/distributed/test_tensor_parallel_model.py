@@ -23,12 +23,15 @@ from megatron.config import ModelConfig, OptimizerConfig, TrainingConfig
 from megatron.model import GPTModel
 from megatron.optimizer import build_optimizer
 from megatron.parallel import parallel_state as ps
-from megatron.parallel.parallelize import apply_activation_recomputation, apply_tensor_parallel
+from megatron.parallel.parallelize import apply_activation_recomputation
+from megatron.parallel.tensor_parallelism import apply_tensor_parallel
 from megatron.tensor_parallel import (
+    MODEL_PARALLEL_RNG,
     all_reduce_sequence_parallel_grads,
     gather_from_tensor_model_parallel_region,
     gather_tensor_model_parallel_weight,
     model_parallel_manual_seed,
+    model_parallel_rng_tracker,
 )
 from tests.distributed.launch import run_distributed
 from tests.tiny_gpt import sharded_gpt_model, tiny_model_config
@@ -199,7 +202,23 @@ def _dropout_is_consistent(rank: int, world_size: int, sp: bool) -> None:
         assert all(torch.equal(peer, peers[0]) for peer in peers)
     # Dropout is active: another seed gives another loss.
     assert not torch.equal(_loss_and_grads(models["plain"], 6, sp)[0], loss)
+    _check_which_stream_each_dropout_draws_from(models["plain"], sp)
     ps.destroy_model_parallel()
+
+
+def _check_which_stream_each_dropout_draws_from(model: GPTModel, sp: bool) -> None:
+    """What differs per TP rank draws from the rank's stream (the attention probabilities of
+    its heads, and under sequence parallelism everything: the stream is a shard), what is
+    replicated from the default generator, the same on every rank (the residual dropout
+    without sequence parallelism)."""
+    model_parallel_manual_seed(7)
+    tracker = model_parallel_rng_tracker()
+    tokens, labels = tokens_and_labels(model.config)
+    default_before = torch.get_rng_state()
+    rank_stream_before = tracker.get_states()[MODEL_PARALLEL_RNG]
+    model(tokens, labels=labels)
+    assert not torch.equal(tracker.get_states()[MODEL_PARALLEL_RNG], rank_stream_before)
+    assert torch.equal(torch.get_rng_state(), default_before) == sp
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp_sp"])

@@ -23,7 +23,8 @@ import torch.distributed as dist
 import pretrain_gpt
 from megatron.parallel import parallel_state as ps
 from megatron.parallel.expert_parameters import is_expert_parameter, reduce_expert_gradients
-from megatron.parallel.parallelize import apply_tensor_parallel, place_experts
+from megatron.parallel.parallelize import place_experts
+from megatron.parallel.tensor_parallelism import apply_tensor_parallel
 from megatron.tensor_parallel import (
     all_reduce_sequence_parallel_grads,
     gather_tensor_model_parallel_weight,
@@ -31,6 +32,7 @@ from megatron.tensor_parallel import (
 from moe.config import MoEConfig
 from moe.kernels import grouped_gemm
 from moe.layers import build_moe_layer
+from moe.mlp_spec import MoEMlpSpec
 from tests.distributed.launch import run_distributed
 from tests.tiny_gpt import MOE_ARGS, moe_layer_model_config, saved_state, tiny_gpt_args
 
@@ -81,7 +83,8 @@ def make_layer(name: str, tensor_parallel: int = 1, sequence_parallel: bool = Fa
     torch.manual_seed(0)
     # Built whole, then cut to this rank's shards by megatron.parallel.parallelize's steps, which copy
     # them: every layout holds slices of the single-process weights.
-    return place_experts(apply_tensor_parallel(build_moe_layer(config, moe), config))
+    layer = apply_tensor_parallel(build_moe_layer(config, moe), config, MoEMlpSpec(moe))
+    return place_experts(layer)
 
 
 def batches(data_parallel_size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -50,7 +50,7 @@ def loss_and_grads(dropout: float, **recompute):
     # Full recompute runs the first layer's forward again in backward; the others once.
     assert len(mlp_forwards) == (2 if config.recompute_granularity == "full" else 1)
     selective = config.recompute_granularity == "selective"
-    assert model.decoder.layers[0].self_attention.recompute_core_attention == selective
+    assert model.decoder.layers[0].self_attention.core_attention.recompute == selective
     return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
