@@ -204,7 +204,7 @@ class _TorchCheckpoint:
         unsharded_view = getattr(optimizer, "unsharded_view", None)
         if unsharded_view is not None:
             optimizer = unsharded_view(gather=False)
-        if is_pipeline_parallel():
+        if is_pipeline_parallel(model):
             load_pipeline_optimizer_state_dict(
                 optimizer, model, optimizer_state, self.state["model"]
             )
@@ -238,7 +238,7 @@ class _ShardedCheckpoint:
         missing = sorted(name[len(MODEL_PREFIX) :] for name in targets.keys() - stored)
         unexpected = (
             []
-            if is_pipeline_parallel()
+            if is_pipeline_parallel(model)
             else sorted(name[len(MODEL_PREFIX) :] for name in stored - targets.keys())
         )
         if missing or unexpected:
@@ -386,7 +386,7 @@ def _read_checkpoint_file(root: str, iteration: Iteration, path: str) -> Dict[st
 def _load_model_state(
     model: nn.Module, model_state: Dict[str, Any], path: str, differences: List[str]
 ) -> None:
-    pipeline = is_pipeline_parallel()
+    pipeline = is_pipeline_parallel(model)
     if pipeline:
         # This rank's stages, under single-process names; the other stages' keys are theirs.
         expected = {

@@ -54,6 +54,7 @@ from megatron.checkpointing.sharded_save import (
 from megatron.checkpointing.torch_dist import FORMAT
 from megatron.initialize import broadcast_from, print_rank_0
 from megatron.parallel import parallel_state
+from megatron.pipeline.stages import holds_stage_chunks
 
 CHECKPOINT_VERSION = 3.0
 
@@ -72,9 +73,9 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     return model
 
 
-def is_pipeline_parallel() -> bool:
-    """Whether the model is split into pipeline stages (an nn.ModuleList of chunks)."""
-    return parallel_state.get_pipeline_model_parallel_world_size() > 1
+def is_pipeline_parallel(model: nn.Module) -> bool:
+    """Whether `model` (maybe in DDP) is split into pipeline stages: this rank's chunks."""
+    return holds_stage_chunks(unwrap_model(model))
 
 
 def save_checkpoint(
@@ -144,7 +145,7 @@ def save_checkpoint(
     # expert-data-parallel rank 0 (without expert parallelism: data-parallel rank 0).
     in_writing_replica = parallel_state.get_expert_data_parallel_rank() == 0
     # Under pipeline parallelism the stages' tensors are gathered to the first stage too.
-    pipeline = is_pipeline_parallel()
+    pipeline = is_pipeline_parallel(model)
     model_state = None
     if in_writing_replica:
         model = unwrap_model(model)

@@ -32,15 +32,11 @@ from megatron.checkpointing.chunks import (
 from megatron.optimizer.distributed_optimizer import DistributedOptimizer
 from megatron.optimizer.optimizer import MegatronOptimizer
 from megatron.parallel import parallel_state
-from megatron.pipeline.stages import WORD_EMBEDDINGS_KEY, full_name
+from megatron.pipeline.stages import WORD_EMBEDDINGS_KEY, full_name, holds_stage_chunks
 
 MODEL_PREFIX = "model."
 STATE_PREFIX = "optimizer.state."
 SCALAR_PREFIX = "optimizer.scalar."
-
-
-def _pipelined(model: nn.Module) -> bool:
-    return parallel_state.get_pipeline_model_parallel_world_size() > 1
 
 
 def named_model_tensors(model: nn.Module) -> Iterator[Tuple[Optional[str], torch.Tensor]]:
@@ -57,7 +53,7 @@ def named_parameters(model: nn.Module) -> Iterator[Tuple[Optional[str], torch.Te
 def _with_full_names(
     model: nn.Module, items: Callable[[nn.Module], Iterable[Tuple[str, torch.Tensor]]]
 ) -> Iterator[Tuple[Optional[str], torch.Tensor]]:
-    if not _pipelined(model):
+    if not holds_stage_chunks(model):
         yield from items(model)
         return
     for chunk in model:  # this rank's stage chunks

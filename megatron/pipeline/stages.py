@@ -19,6 +19,7 @@ import re
 from typing import Dict, List, Optional
 
 import torch
+from torch import nn
 
 from megatron.model import GPTModel
 from megatron.parallel import parallel_state
@@ -100,6 +101,13 @@ def full_to_stage_state_dict(
     if _holds_embedding_copy(chunk):
         stage_state[OUTPUT_LAYER_KEY] = full_state[WORD_EMBEDDINGS_KEY]
     return stage_state
+
+
+def holds_stage_chunks(model: nn.Module) -> bool:
+    """Whether `model` is this rank's pipeline stage chunks (an nn.ModuleList of GPTModels:
+    megatron.parallel.parallelize.ParallelModel.unwrapped under a pipeline) rather than one
+    whole model: the layout's answer to "is this a pipeline run", read off the model."""
+    return isinstance(model, nn.ModuleList)
 
 
 def _holds_embedding_copy(chunk: GPTModel) -> bool:
