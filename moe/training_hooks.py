@@ -21,7 +21,6 @@ import torch
 from torch import nn
 
 from megatron.initialize import print_rank_0
-from megatron.parallel import parallel_state
 from megatron.parallel.gradient_sync import GradientSync
 from megatron.training.hooks import TrainingHooks
 from moe.block_factor import SHRINK_WINDOW, BlockFactor
@@ -46,12 +45,12 @@ EAGER_NOTE = (
 )
 
 
-def _expert_grads_in_place(in_ddp: bool) -> bool:
+def _expert_grads_in_place(gradient_sync: GradientSync) -> bool:
     """Whether the copies add their gradients into the fp32 expert weights themselves. Not when
     torch DDP reduces the expert gradients: its hooks fire on autograd's accumulation, so the
     copies then stand in for the casts and leave accumulation to autograd (expert-parallel
     shards are outside DDP)."""
-    return not (in_ddp and parallel_state.get_expert_model_parallel_world_size() == 1)
+    return not (gradient_sync.in_ddp and not gradient_sync.expert_parallel)
 
 
 class MoETrainingHooks(TrainingHooks):
@@ -74,6 +73,7 @@ class MoETrainingHooks(TrainingHooks):
         self.log_expert_load = moe.per_layer_logging or tensorboard
         self.compute_dtype = copies_dtype
         self.grads_in_place = True
+        self.expert_parallel = False  # the layout's, from `setup`
         self.device = torch.device("cpu")
         self.imbalance_per_layer: Dict[int, float] = {}
         self.step_start: Optional[StepStart] = None
@@ -88,7 +88,8 @@ class MoETrainingHooks(TrainingHooks):
         return None if whole else EAGER_NOTE
 
     def setup(self, model: nn.Module, gradient_sync: GradientSync, device: torch.device) -> None:
-        self.grads_in_place = _expert_grads_in_place(gradient_sync.in_ddp)
+        self.grads_in_place = _expert_grads_in_place(gradient_sync)
+        self.expert_parallel = gradient_sync.expert_parallel
         self.device = device
 
     def before_step(self, model: nn.Module) -> bool:
@@ -165,7 +166,7 @@ class MoETrainingHooks(TrainingHooks):
             flush_expert_gradients(model)
 
     def iteration_fields(self, model: nn.Module) -> Dict[str, float]:
-        if parallel_state.get_expert_model_parallel_world_size() == 1:
+        if not self.expert_parallel:
             return {}
         imbalance = gather_expert_parallel_imbalance(model, self.moe_layer_numbers, self.device)
         # The capacity-limited MoE exchanges fixed-size slots, balanced by construction: it

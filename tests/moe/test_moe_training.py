@@ -151,7 +151,7 @@ def test_expert_weight_copies_train_exactly_like_casting_every_micro_batch(
     for name, extra in (("fused", []), ("cast", ["--no-gradient-accumulation-fusion"])):
         result = pretrain_gpt.main(args + extra)
         runs[name] = (result.losses, result.validation)
-    monkeypatch.setattr(moe.training_hooks, "_expert_grads_in_place", lambda in_ddp: False)
+    monkeypatch.setattr(moe.training_hooks, "_expert_grads_in_place", lambda sync: False)
     result = pretrain_gpt.main(args)
     runs["copies, autograd's accumulation"] = (result.losses, result.validation)
     capsys.readouterr()
