@@ -30,10 +30,10 @@ from megatron.kernels import dispatch  # noqa: E402  (after the interpreter is s
 def sample_prefix(tmp_path_factory):
     """The bundled corpus preprocessed once per session (GPT-2 BPE, --append-eod); tests must
     not change its files (copy them first; runs write index caches beside them)."""
-    from tools import preprocess_data
+    from megatron.data import preprocess
 
     prefix = tmp_path_factory.mktemp("owt") / "owt"
-    assert preprocess_data.main(gpt2_preprocess_args(CORPUS, prefix)) == 0
+    assert preprocess.main(gpt2_preprocess_args(CORPUS, prefix)) == 0
     return f"{prefix}_text_document"
 
 

@@ -100,7 +100,7 @@ def write_index(
 class MMapIndexedDatasetBuilder:
     """Appends sequences to a `.bin` file and writes the matching `.idx` at `finalize`.
 
-    The caller decides where the files go; `tools/preprocess_data.py` points it at temporary
+    The caller decides where the files go; `megatron.data.preprocess` points it at temporary
     names and renames them once both are complete.
     """
 

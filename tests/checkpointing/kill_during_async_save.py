@@ -109,11 +109,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     with tempfile.TemporaryDirectory() as directory:
         data_prefix = args.data_path
         if data_prefix is None:
+            from megatron.data import preprocess
             from tests.sample_data import CORPUS, gpt2_preprocess_args
-            from tools import preprocess_data
 
             prefix = Path(directory) / "owt"
-            preprocess_data.main(gpt2_preprocess_args(CORPUS, prefix))
+            preprocess.main(gpt2_preprocess_args(CORPUS, prefix))
             data_prefix = f"{prefix}_text_document"
         return run(data_prefix, directory, args.kills, args.seed, args.window)
 

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import numpy as np
 
+from megatron.data import preprocess
 from megatron.data.indexed_dataset import MMapIndexedDataset
 from megatron.tokenizer import build_tokenizer
 from tests.sample_data import REPO, SAMPLE, gpt2_preprocess_args
-from tools import preprocess_data
 
 MEGATRON_WRITTEN = REPO / "tests" / "fixtures" / "megatron_written" / "owt20_text_document"
 
@@ -39,7 +39,7 @@ def test_our_preprocessing_writes_megatrons_bytes(tmp_path):
     source.write_text("".join(_first_documents(20)), encoding="utf-8")
     prefix = tmp_path / "owt20"
     args = gpt2_preprocess_args(source, prefix)
-    assert preprocess_data.main(args) == 0
+    assert preprocess.main(args) == 0
     for suffix in (".bin", ".idx"):
         ours = Path(f"{prefix}_text_document{suffix}").read_bytes()
         megatrons = Path(f"{MEGATRON_WRITTEN}{suffix}").read_bytes()

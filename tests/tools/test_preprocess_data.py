@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 import sentencepiece
 
+from megatron.data import preprocess
 from megatron.data.indexed_dataset import MMapIndexedDataset
 from megatron.tokenizer import build_tokenizer
 from tests.sample_data import CORPUS, EOD, MERGES, REPO, VOCAB
 from tests.sample_data import gpt2_preprocess_args as _gpt2_args
-from tools import preprocess_data
 
 
 def _documents():
@@ -33,7 +33,7 @@ def sample_outputs(tmp_path_factory):
     outputs = {}
     for workers in (1, 2):
         prefix = directory / f"owt_w{workers}"
-        assert preprocess_data.main(_gpt2_args(CORPUS, prefix, workers=workers)) == 0
+        assert preprocess.main(_gpt2_args(CORPUS, prefix, workers=workers)) == 0
         outputs[workers] = Path(f"{prefix}_text_document")
     return outputs
 
@@ -99,7 +99,7 @@ def _assert_no_outputs(prefix):
 def test_bad_line_stops_naming_file_and_line(tmp_path, capsys, bad_line, message):
     source = _write_lines(tmp_path / "bad.jsonl", [*GOOD[:3], bad_line, *GOOD[3:]])
     prefix = tmp_path / "out" / "bad"
-    assert preprocess_data.main(_gpt2_args(source, prefix)) == 1
+    assert preprocess.main(_gpt2_args(source, prefix)) == 1
     error = capsys.readouterr().err
     assert f"{source}:4:" in error
     assert __import__("re").search(message, error), error
@@ -110,7 +110,7 @@ def test_skip_invalid_reports_count_and_lines(tmp_path, capsys):
     lines = [*GOOD[:2], b"not json\n", GOOD[2], b'{"text": null}\n', *GOOD[3:]]
     source = _write_lines(tmp_path / "mixed.jsonl.gz", lines)
     prefix = tmp_path / "mixed"
-    assert preprocess_data.main(_gpt2_args(source, prefix, "--skip-invalid")) == 0
+    assert preprocess.main(_gpt2_args(source, prefix, "--skip-invalid")) == 0
     error = capsys.readouterr().err
     assert "Skipped 2 invalid lines" in error
     assert f"{source}:3: malformed JSON" in error
@@ -131,7 +131,7 @@ def test_lone_surrogate_stops_naming_file_line_and_key(tmp_path, capsys, bad_key
     lines[3] = json.dumps({"text": "body 3", "title": "title 3", bad_key: "abc \ud800 def"}) + "\n"
     source = _write_lines(tmp_path / "surrogate.jsonl", lines)
     prefix = tmp_path / "out" / "surrogate"
-    assert preprocess_data.main(_gpt2_args(source, prefix, "--json-keys", "text", "title")) == 1
+    assert preprocess.main(_gpt2_args(source, prefix, "--json-keys", "text", "title")) == 1
     error = capsys.readouterr().err
     assert [line for line in error.splitlines() if line.startswith("error:")] == [
         f"error: {source}:4: the value of '{bad_key}' holds a lone surrogate \\ud800 at character 4,"
@@ -172,8 +172,8 @@ def tokenizer_flags(tmp_path_factory):
 def test_skip_invalid_skips_lone_surrogate_line_only(
     tmp_path, capsys, tokenizer_flags, tokenizer_type
 ):
-    def preprocess(source, prefix, *extra):
-        return preprocess_data.main(
+    def run_tool(source, prefix, *extra):
+        return preprocess.main(
             ["--input", str(source), "--output-prefix", str(prefix), "--append-eod"]
             + ["--tokenizer-type", tokenizer_type, *tokenizer_flags[tokenizer_type]]
             + ["--workers", "2", *extra]
@@ -182,8 +182,8 @@ def test_skip_invalid_skips_lone_surrogate_line_only(
     good = [*GOOD[:2], SURROGATE_PAIR, *GOOD[2:]]
     clean = _write_lines(tmp_path / "clean.jsonl", good)
     dirty = _write_lines(tmp_path / "dirty.jsonl", [*good[:4], LONE_SURROGATE, *good[4:]])
-    assert preprocess(clean, tmp_path / "clean") == 0
-    assert preprocess(dirty, tmp_path / "dirty", "--skip-invalid") == 0
+    assert run_tool(clean, tmp_path / "clean") == 0
+    assert run_tool(dirty, tmp_path / "dirty", "--skip-invalid") == 0
     error = capsys.readouterr().err
     assert "Skipped 1 invalid lines" in error
     assert f"{dirty}:5: the value of 'text' holds a lone surrogate \\ud800 at character 4" in error
@@ -197,7 +197,7 @@ def test_skip_invalid_skips_lone_surrogate_line_only(
 def test_empty_input_is_an_error(tmp_path, capsys, name):
     source = _write_lines(tmp_path / name, ["\n", "  \n"] if name.startswith("blank") else [])
     prefix = tmp_path / "out" / "empty"
-    assert preprocess_data.main(_gpt2_args(source, prefix)) == 1
+    assert preprocess.main(_gpt2_args(source, prefix)) == 1
     assert f"{source}: the file is empty" in capsys.readouterr().err
     _assert_no_outputs(str(prefix))
 
@@ -209,32 +209,32 @@ def test_truncated_compressed_input_is_an_error(tmp_path, capsys, suffix):
     cut = tmp_path / f"cut{suffix}"
     cut.write_bytes(data[: len(data) // 2])
     prefix = tmp_path / "out" / "cut"
-    assert preprocess_data.main(_gpt2_args(cut, prefix)) == 1
+    assert preprocess.main(_gpt2_args(cut, prefix)) == 1
     assert f"{cut}: the file is truncated or corrupt after line" in capsys.readouterr().err
     _assert_no_outputs(str(prefix))
 
 
 def test_missing_input_and_bad_flags(tmp_path, capsys):
-    assert preprocess_data.main(_gpt2_args(tmp_path / "absent.jsonl", tmp_path / "x")) == 1
+    assert preprocess.main(_gpt2_args(tmp_path / "absent.jsonl", tmp_path / "x")) == 1
     assert "absent.jsonl: no such file" in capsys.readouterr().err
-    assert preprocess_data.main(_gpt2_args(str(tmp_path / "*.jsonl"), tmp_path / "x")) == 1
+    assert preprocess.main(_gpt2_args(str(tmp_path / "*.jsonl"), tmp_path / "x")) == 1
     assert "the pattern matches no files" in capsys.readouterr().err
     source = _write_lines(tmp_path / "ok.jsonl", GOOD)
     args = _gpt2_args(source, tmp_path / "x")
     args[args.index("--vocab-file") + 1] = str(tmp_path / "missing-vocab.json")
-    assert preprocess_data.main(args) == 1
+    assert preprocess.main(args) == 1
     assert "--vocab-file" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        preprocess_data.main(_gpt2_args(source, tmp_path / "x", workers=0))
+        preprocess.main(_gpt2_args(source, tmp_path / "x", workers=0))
 
 
 def test_failed_run_keeps_previous_outputs(tmp_path):
     source = _write_lines(tmp_path / "ok.jsonl", GOOD)
     prefix = tmp_path / "keep"
-    assert preprocess_data.main(_gpt2_args(source, prefix)) == 0
+    assert preprocess.main(_gpt2_args(source, prefix)) == 0
     before = {s: Path(f"{prefix}_text_document{s}").read_bytes() for s in (".bin", ".idx")}
     bad = _write_lines(tmp_path / "bad.jsonl", [*GOOD, b"{oops\n"])
-    assert preprocess_data.main(_gpt2_args(bad, prefix)) == 1
+    assert preprocess.main(_gpt2_args(bad, prefix)) == 1
     after = {s: Path(f"{prefix}_text_document{s}").read_bytes() for s in (".bin", ".idx")}
     assert before == after
     assert sorted(os.listdir(tmp_path)) == [
@@ -249,7 +249,7 @@ def test_glob_of_several_files_in_order(tmp_path):
     _write_lines(tmp_path / "part-b.jsonl.gz", GOOD[3:])
     _write_lines(tmp_path / "part-a.jsonl", GOOD[:3])
     prefix = tmp_path / "glob"
-    assert preprocess_data.main(_gpt2_args(str(tmp_path / "part-*"), prefix)) == 0
+    assert preprocess.main(_gpt2_args(str(tmp_path / "part-*"), prefix)) == 0
     dataset = MMapIndexedDataset(f"{prefix}_text_document")
     tokenizer = build_tokenizer("GPT2BPETokenizer", vocab_file=str(VOCAB), merge_file=str(MERGES))
     for index, line in enumerate(GOOD):
@@ -261,10 +261,10 @@ def test_glob_of_several_files_in_order(tmp_path):
 def test_empty_documents_dropped_or_kept(tmp_path, capsys):
     lines = [GOOD[0], json.dumps({"text": ""}) + "\n", GOOD[1]]
     source = _write_lines(tmp_path / "holes.jsonl", lines)
-    assert preprocess_data.main(_gpt2_args(source, tmp_path / "dropped")) == 0
+    assert preprocess.main(_gpt2_args(source, tmp_path / "dropped")) == 0
     assert "Dropped 1 empty documents" in capsys.readouterr().err
     assert len(MMapIndexedDataset(f"{tmp_path}/dropped_text_document").doc_idx) == 3
-    assert preprocess_data.main(_gpt2_args(source, tmp_path / "kept", "--keep-empty")) == 0
+    assert preprocess.main(_gpt2_args(source, tmp_path / "kept", "--keep-empty")) == 0
     kept = MMapIndexedDataset(f"{tmp_path}/kept_text_document")
     assert len(kept.doc_idx) == 4
     assert kept.get(1).tolist() == [EOD]
@@ -289,7 +289,7 @@ EMPTY_TEXT = json.dumps({"text": ""}) + "\n"
 def test_all_documents_empty_is_an_error(tmp_path, capsys, lines, extra, empty_key, documents):
     source = _write_lines(tmp_path / "hollow.jsonl", lines)
     prefix = tmp_path / "out" / "hollow"
-    assert preprocess_data.main(_gpt2_args(source, prefix, *extra)) == 1
+    assert preprocess.main(_gpt2_args(source, prefix, *extra)) == 1
     error = capsys.readouterr().err
     assert [line for line in error.splitlines() if line.startswith("error:")] == [
         f"error: --input {source}: all {documents} documents were empty (their '{empty_key}'"
@@ -297,7 +297,7 @@ def test_all_documents_empty_is_an_error(tmp_path, capsys, lines, extra, empty_k
         " --keep-empty keeps empty documents"
     ], error
     _assert_no_outputs(str(prefix))
-    assert preprocess_data.main(_gpt2_args(source, tmp_path / "kept", "--keep-empty", *extra)) == 0
+    assert preprocess.main(_gpt2_args(source, tmp_path / "kept", "--keep-empty", *extra)) == 0
     kept = MMapIndexedDataset(f"{tmp_path}/kept_{empty_key}_document")
     assert [kept.get(i).tolist() for i in range(len(kept))] == [[EOD]] * documents
 
@@ -306,7 +306,7 @@ def test_several_json_keys(tmp_path):
     lines = [json.dumps({"text": f"body {i}", "title": f"title {i}"}) + "\n" for i in range(4)]
     source = _write_lines(tmp_path / "keys.jsonl", lines)
     prefix = tmp_path / "keys"
-    assert preprocess_data.main(_gpt2_args(source, prefix, "--json-keys", "text", "title")) == 0
+    assert preprocess.main(_gpt2_args(source, prefix, "--json-keys", "text", "title")) == 0
     assert len(MMapIndexedDataset(f"{prefix}_text_document")) == 4
     assert len(MMapIndexedDataset(f"{prefix}_title_document")) == 4
 
@@ -314,7 +314,7 @@ def test_several_json_keys(tmp_path):
 def test_split_sentences_writes_sentence_level(tmp_path):
     source = _write_lines(tmp_path / "sentences.jsonl", GOOD)
     prefix = tmp_path / "sentences"
-    assert preprocess_data.main(_gpt2_args(source, prefix, "--split-sentences")) == 0
+    assert preprocess.main(_gpt2_args(source, prefix, "--split-sentences")) == 0
     dataset = MMapIndexedDataset(f"{prefix}_text_sentence")
     assert len(dataset.doc_idx) == len(GOOD) + 1
     assert len(dataset) == 2 * len(GOOD)
@@ -326,7 +326,11 @@ def test_killed_run_leaves_no_complete_looking_pair(tmp_path):
     prefix = tmp_path / "killed"
     command = [sys.executable, str(REPO / "tools" / "preprocess_data.py")]
     command += _gpt2_args(source, prefix, "--log-interval", "50", "--chunk-size", "1", workers=1)
-    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    # The user's command line; PYTHONPATH for a checkout that is not installed.
+    environment = dict(os.environ, PYTHONPATH=str(REPO))
+    process = subprocess.Popen(
+        command, stderr=subprocess.PIPE, text=True, start_new_session=True, env=environment
+    )
     line = process.stderr.readline()
     while line and not line.startswith("Processed"):
         line = process.stderr.readline()
@@ -345,7 +349,7 @@ def test_without_tiktoken_the_files_are_identical(sample_outputs, tmp_path, monk
     monkeypatch.setitem(sys.modules, "tiktoken", None)
     monkeypatch.setattr(document_encoder, "_tokenizer", None)
     prefix = tmp_path / "no_tiktoken"
-    assert preprocess_data.main(_gpt2_args(CORPUS, prefix, workers=2)) == 0
+    assert preprocess.main(_gpt2_args(CORPUS, prefix, workers=2)) == 0
     assert document_encoder._tokenizer.engine == "tokenizers"
     for suffix in (".bin", ".idx"):
         expected = Path(str(sample_outputs[2]) + suffix).read_bytes()
@@ -358,7 +362,7 @@ def test_a_long_document_is_encoded_in_pieces_like_the_whole(tmp_path):
     corpus = tmp_path / "long.jsonl"
     _write_lines(corpus, [json.dumps({"text": text}) + "\n"])
     prefix = tmp_path / "long"
-    assert preprocess_data.main(_gpt2_args(corpus, prefix, workers=2)) == 0
+    assert preprocess.main(_gpt2_args(corpus, prefix, workers=2)) == 0
     dataset = MMapIndexedDataset(f"{prefix}_text_document")
     whole = build_tokenizer("GPT2BPETokenizer", vocab_file=str(VOCAB), merge_file=str(MERGES))
     assert whole.engine == "tiktoken"
