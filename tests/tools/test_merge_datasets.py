@@ -2,8 +2,8 @@
 
 import numpy as np
 
+from megatron.data import merge_datasets
 from megatron.data.indexed_dataset import MMapIndexedDataset, MMapIndexedDatasetBuilder
-from tools import merge_datasets
 
 
 def _write(prefix, documents):
