@@ -1,12 +1,16 @@
-"""Checkpoints between --ckpt-format torch (one Megatron model_optim_rng.pt) and torch_dist
-(sharded, through torch.distributed.checkpoint), tensor for tensor
-(tools/convert_checkpoint_format.py is its command line), and the order of a saved model's
-parameters, which both formats name their tensors by."""
+"""Convert a checkpoint between --ckpt-format torch (one Megatron model_optim_rng.pt) and
+torch_dist (sharded, through torch.distributed.checkpoint), tensor for tensor.
+
+The library of tools/convert_checkpoint_format.py (`convert`, and the command line's flags and
+entry, `main`), and the order of a saved model's parameters, which both formats name their
+tensors by."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
+from typing import List, Optional
 
 import torch
 
@@ -72,3 +76,21 @@ def convert(load: str, save: str, ckpt_format: str) -> str:
     if error is not None:
         raise CheckpointError(error)
     return os.path.join(save, iteration_directory_name(iteration))
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """tools/convert_checkpoint_format.py: 0, or 1 after one `error:` line."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    parser.add_argument("--load", required=True, help="checkpoint directory to convert")
+    parser.add_argument("--save", required=True, help="directory to write the converted one to")
+    parser.add_argument(
+        "--ckpt-format", required=True, choices=FORMATS, help="the format to convert to"
+    )
+    args = parser.parse_args(argv)
+    try:
+        written = convert(args.load, args.save, args.ckpt_format)
+    except UserError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    print(f"converted to {args.ckpt_format}: {written}")
+    return 0

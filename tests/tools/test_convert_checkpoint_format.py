@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import pretrain_gpt
+from gpt_pretraining.checkpoint_format import main as convert
 from tests.tiny_gpt import MOE_ARGS, saved_state, tiny_gpt_args
-from tools.convert_checkpoint_format import main as convert
 
 BIAS = ("--moe-router-bias-update-rate", "0.01")  # a persistent buffer that changes
 
