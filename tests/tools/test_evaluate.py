@@ -19,11 +19,11 @@ import torch.nn.functional as F
 import pretrain_gpt
 from gpt_pretraining.checkpoint_format import main as convert
 from gpt_pretraining.checkpoint_model import read_checkpoint_model
+from gpt_pretraining.evaluation import main as evaluate
 from megatron.data.gpt_dataset import build_dataset, build_train_valid_test_datasets
 from megatron.data.indexed_dataset import MMapIndexedDataset
 from tests.sample_data import EOD
 from tests.tiny_gpt import MOE_ARGS, tiny_gpt_args
-from tools.evaluate import main as evaluate
 
 SPLIT = "949,50,1"  # tiny_gpt_args's
 SEQ_LENGTH = 64
