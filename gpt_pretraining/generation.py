@@ -1,6 +1,7 @@
 """A checkpoint of pretrain_gpt.py (any format, any parallel layout) as a TextGenerator on one
 device: the flags that pick it (`add_model_args`, shared by tools/generate.py and
-tools/run_text_generation_server.py), the device and dtype they name, and the config for
+tools/run_text_generation_server.py, whose libraries are gpt_pretraining.generate_text and
+gpt_pretraining.text_generation_server), the device and dtype they name, and the config for
 running it there (the experts all local, the grouped GEMM chosen for that device and dtype)."""
 
 from __future__ import annotations

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 import pretrain_gpt
+from gpt_pretraining import generate_text
 from gpt_pretraining.checkpoint_model import read_checkpoint_model
 from megatron.tokenizer import build_tokenizer
 from tests.sample_data import EOD, MERGES, VOCAB
 from tests.tiny_gpt import tiny_gpt_args
-from tools import generate
 
 PROMPTS = ["The city of", "In 1995, scientists"]
 
@@ -41,7 +41,7 @@ def run(argv, capsys):
     """(exit code, stdout, stderr) of tools/generate.py with `argv`."""
     capsys.readouterr()
     try:
-        code = generate.main(argv)
+        code = generate_text.main(argv)
     except SystemExit as exit_info:  # argparse's errors
         code = exit_info.code
     captured = capsys.readouterr()

@@ -10,8 +10,8 @@ import torch
 
 pytest.importorskip("transformers")
 
+from gpt_pretraining import generate_text  # noqa: E402
 from tests.tools.hf_checkpoints import MIXTRAL, write_checkpoint  # noqa: E402
-from tools import generate  # noqa: E402
 from tools.checkpoint import convert  # noqa: E402
 
 PROMPTS = ["The history of the city", "In 1998, the company announced that"]
@@ -38,7 +38,7 @@ def test_greedy_generation_equals_transformers(kind, tmp_path, capsys, auto_mode
     argv += ["--tokens-to-generate", str(NEW_TOKENS)]
     for prompt in PROMPTS:
         argv += ["--prompt", prompt]
-    assert generate.main(argv) == 0
+    assert generate_text.main(argv) == 0
     ours = [json.loads(line)["tokens"] for line in capsys.readouterr().out.splitlines()]
 
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "hf")

@@ -12,12 +12,12 @@ import urllib.request
 import pytest
 import torch
 
+from gpt_pretraining.text_generation_server import GenerationServer
 from megatron.inference import GenerationEngine, SamplingOptions, TextGenerator
 from megatron.model import GPTModel
 from megatron.tokenizer import build_tokenizer
 from tests.sample_data import MERGES, VOCAB
 from tests.tiny_gpt import tiny_model_config
-from tools.run_text_generation_server import GenerationServer
 
 
 @pytest.fixture(scope="module")
