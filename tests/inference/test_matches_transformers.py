@@ -11,8 +11,8 @@ import torch
 pytest.importorskip("transformers")
 
 from gpt_pretraining import generate_text  # noqa: E402
+from gpt_pretraining.huggingface import hf_convert  # noqa: E402
 from tests.tools.hf_checkpoints import MIXTRAL, write_checkpoint  # noqa: E402
-from tools.checkpoint import convert  # noqa: E402
 
 PROMPTS = ["The history of the city", "In 1998, the company announced that"]
 KINDS = {
@@ -31,7 +31,7 @@ def test_greedy_generation_equals_transformers(kind, tmp_path, capsys, auto_mode
     flags = [*KINDS[kind], "--seq-length", "48", "--max-position-embeddings", "48"]
     write_checkpoint(tmp_path / "ckpt", flags)
     argv = ["--model-type", "GPT", "--loader", "megatron", "--saver", "hf"]
-    assert convert.main([*argv, "--load-dir", str(tmp_path / "ckpt"), "--save-dir",
+    assert hf_convert.main([*argv, "--load-dir", str(tmp_path / "ckpt"), "--save-dir",
                          str(tmp_path / "hf")]) == 0  # fmt: skip
     capsys.readouterr()
     argv = ["--load", str(tmp_path / "ckpt"), "--greedy", "--json", "--device", "cpu"]

@@ -15,6 +15,7 @@ pytest.importorskip("safetensors")
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from gpt_pretraining.checkpoint_model import read_checkpoint_model  # noqa: E402
+from gpt_pretraining.huggingface import hf_convert  # noqa: E402
 from gpt_pretraining.huggingface.hf_files import read_safetensors  # noqa: E402
 from tests.tools.hf_checkpoints import (  # noqa: E402
     GPT2_VOCAB_SIZE,
@@ -23,7 +24,6 @@ from tests.tools.hf_checkpoints import (  # noqa: E402
     tiny_config,
     write_checkpoint,
 )
-from tools.checkpoint import convert  # noqa: E402
 
 KINDS = {
     "gpt2": ([], "GPT2LMHeadModel"),
@@ -41,13 +41,14 @@ KINDS = {
 def export(load_dir, save_dir, *extra) -> None:
     argv = ["--model-type", "GPT", "--loader", "megatron", "--saver", "hf"]
     assert (
-        convert.main([*argv, "--load-dir", str(load_dir), "--save-dir", str(save_dir), *extra]) == 0
+        hf_convert.main([*argv, "--load-dir", str(load_dir), "--save-dir", str(save_dir), *extra])
+        == 0
     )
 
 
 def import_(load_dir, save_dir) -> None:
     argv = ["--model-type", "GPT", "--loader", "hf", "--saver", "megatron"]
-    assert convert.main([*argv, "--load-dir", str(load_dir), "--save-dir", str(save_dir)]) == 0
+    assert hf_convert.main([*argv, "--load-dir", str(load_dir), "--save-dir", str(save_dir)]) == 0
 
 
 def ours_and_theirs(auto_model, checkpoint_dir, hf_dir, tokens):
@@ -220,7 +221,7 @@ def test_models_no_class_fits_are_refused(flags, expected, tmp_path, capsys):
     write_checkpoint(tmp_path / "ckpt", flags)
     argv = ["--model-type", "GPT", "--loader", "megatron", "--saver", "hf"]
     argv += ["--load-dir", str(tmp_path / "ckpt"), "--save-dir", str(tmp_path / "hf")]
-    assert convert.main(argv) == 1
+    assert hf_convert.main(argv) == 1
     error = capsys.readouterr().err.strip()
     assert error.startswith("error: no Hugging Face class fits this model") and "\n" not in error
     assert expected in error
@@ -233,7 +234,7 @@ def test_missing_tokenizer_file_names_the_flag(tmp_path, capsys):
     moved = tmp_path / "elsewhere.json"
     argv = ["--model-type", "GPT", "--loader", "megatron", "--saver", "hf", "--vocab-file",
             str(moved), "--load-dir", str(tmp_path / "ckpt"), "--save-dir", str(tmp_path / "hf")]  # fmt: skip
-    assert convert.main(argv) == 1
+    assert hf_convert.main(argv) == 1
     error = capsys.readouterr().err
     assert f"{moved}" in error and "--vocab-file" in error
 
@@ -253,7 +254,7 @@ def test_a_sentencepiece_tokenizer_is_refused_before_anything_is_written(tmp_pat
     )
     argv = ["--model-type", "GPT", "--loader", "megatron", "--saver", "hf"]
     argv += ["--load-dir", str(tmp_path / "ckpt"), "--save-dir", str(tmp_path / "hf")]
-    assert convert.main(argv) == 1
+    assert hf_convert.main(argv) == 1
     error = capsys.readouterr().err.strip()
     assert error.startswith("error: the checkpoint's SentencePieceTokenizer") and "\n" not in error
     assert not (tmp_path / "hf").exists()

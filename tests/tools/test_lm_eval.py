@@ -17,9 +17,9 @@ pytest.importorskip("lm_eval")
 pytest.importorskip("accelerate")
 
 from gpt_pretraining.checkpoint_model import read_checkpoint_model  # noqa: E402
+from gpt_pretraining.huggingface import hf_convert  # noqa: E402
 from gpt_pretraining.huggingface.hf_export import TokenizerFiles, build_checkpoint_tokenizer  # noqa: E402
 from tests.tools.hf_checkpoints import GPT2_VOCAB_SIZE, write_checkpoint  # noqa: E402
-from tools.checkpoint import convert  # noqa: E402
 
 DOCS = [
     {"question": "The capital of France is", "choices": ["Paris", "London", "a dog"], "answer": 0},
@@ -50,7 +50,7 @@ def test_lm_eval_scores_the_exported_model(tmp_path):
     write_checkpoint(tmp_path / "ckpt", [])
     argv = ["--model-type", "GPT", "--loader", "megatron", "--saver", "hf"]
     argv += ["--load-dir", str(tmp_path / "ckpt"), "--save-dir", str(tmp_path / "hf")]
-    assert convert.main(argv) == 0
+    assert hf_convert.main(argv) == 0
     tasks = tmp_path / "tasks"
     tasks.mkdir()
     data = tasks / "docs.jsonl"

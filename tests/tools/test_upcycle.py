@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import pretrain_gpt
+from gpt_pretraining import upcycle
 from gpt_pretraining.checkpoint_model import read_checkpoint_model
 from tests.tiny_gpt import tiny_gpt_args
-from tools.checkpoint import upcycle
 
 SWIGLU = [
     "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
