@@ -110,7 +110,9 @@ launch_pretraining() {
     done
     local chosen reason_file
     reason_file=$(mktemp)
-    chosen=$(python "$REPO_ROOT/tools/estimate_memory.py" \
+    # PYTHONPATH: the tool imports this checkout's package, installed or not.
+    chosen=$(PYTHONPATH="$REPO_ROOT${PYTHONPATH:+:$PYTHONPATH}" \
+        python "$REPO_ROOT/tools/estimate_memory.py" \
         --world-size $((${NPROC_PER_NODE:-1} * ${NNODES:-1})) \
         --gpu-memory-gib "${GPU_MEMORY_GIB:-auto}" "${choice_args[@]}" \
         "${base_args[@]}" --then "$@" "${extra_words[@]}" 2>"$reason_file") || {

@@ -24,7 +24,8 @@ MERGE_FILE=${4:-${MERGE_FILE:-$REPO_ROOT/data/sample/gpt2-merges.txt}}
 WORKERS=${WORKERS:-$(nproc)}
 
 mkdir -p "$(dirname "$OUTPUT_PREFIX")"
-python "$REPO_ROOT/tools/preprocess_data.py" \
+# PYTHONPATH: the tool imports this checkout's package, installed or not.
+PYTHONPATH="$REPO_ROOT${PYTHONPATH:+:$PYTHONPATH}" python "$REPO_ROOT/tools/preprocess_data.py" \
     --input "$INPUT" \
     --output-prefix "$OUTPUT_PREFIX" \
     --vocab-file "$VOCAB_FILE" \

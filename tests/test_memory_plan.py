@@ -17,11 +17,11 @@ from gpt_pretraining import GPT_RUN
 from megatron.config import Config
 from megatron.memory_plan import GIB, count_parameters, estimate_memory, format_estimate_line
 from megatron.memory_plan.activations import layer_bytes_per_token, norm_bytes_per_token
+from megatron.memory_plan.command_line import build_config
 from megatron.memory_plan.suggestions import format_warning, suggest_fits
 from megatron.model import GPTModel
 from tests import processes
 from tests.tiny_gpt import sharded_gpt_model
-from tools.estimate_memory import build_config
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TINY = (
@@ -42,7 +42,7 @@ TOLERANCE = 0.02
 
 
 def config_of(*flags: str, world_size: int = 1) -> Config:
-    config, _ = build_config([*TINY, *flags], world_size)
+    config, _ = build_config(GPT_RUN, [*TINY, *flags], world_size)
     return config
 
 
@@ -169,7 +169,7 @@ def test_recomputed_chunks_return_their_expert_gradients_one_chunk_at_a_time():
     # recomputation runs each checkpointed chunk's backward alone (measured: BENCHMARKS.md,
     # "Memory planner", the recompute rows).
     def returned(*flags: str) -> int:
-        config, _ = build_config([*DMOE_125M, *flags], 1)
+        config, _ = build_config(GPT_RUN, [*DMOE_125M, *flags], 1)
         return estimate_memory(config, GPT_RUN.mlp_spec(config)).returned_gradients
 
     everything = returned()
@@ -266,7 +266,7 @@ def test_weight_casts_are_the_intercept():
 
 
 def test_the_line_and_the_suggestions_fit():
-    config, _ = build_config(DMOE_125M, 1)
+    config, _ = build_config(GPT_RUN, DMOE_125M, 1)
     device = 80 * GIB
     estimate = estimate_memory(config, GPT_RUN.mlp_spec(config), device)
     line = format_estimate_line(estimate)
@@ -281,7 +281,7 @@ def test_the_line_and_the_suggestions_fit():
     assert suggestions and all(s.estimate.total <= device for s in suggestions)
     # The flags say what was estimated: the same run with them gives the same number.
     for suggestion in suggestions:
-        changed, _ = build_config([*DMOE_125M, *suggestion.flags.split()], 1)
+        changed, _ = build_config(GPT_RUN, [*DMOE_125M, *suggestion.flags.split()], 1)
         again = estimate_memory(changed, GPT_RUN.mlp_spec(changed), device)
         assert again.total == suggestion.estimate.total, suggestion.flags
     assert format_warning(estimate, suggestions).startswith("WARNING: ")
