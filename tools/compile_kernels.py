@@ -7,17 +7,13 @@
                                                # types and constexpr values on every target
 
 Runs on any machine, GPU or not (megatron.kernels.aot says what it builds and how); exits 1 when a
-kernel fails to build for a target. Run it without TRITON_INTERPRET set.
+kernel fails to build for a target. Run it without TRITON_INTERPRET set. The library is
+megatron.kernels.aot; this tool names the packages whose kernels it builds.
 """
 
-from __future__ import annotations
-
-import os
 import sys
 
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
-
-from megatron.kernels.aot import main  # noqa: E402
+from megatron.kernels.aot import main
 
 # Every package whose modules list AOT_SPECS: the dense model's kernels and the MoE kernels.
 KERNEL_PACKAGES = ("megatron.kernels", "moe.kernels")

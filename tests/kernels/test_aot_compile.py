@@ -41,6 +41,7 @@ BUILDING = (
 def _run(*command: str):
     """The JSON a child process without TRITON_INTERPRET prints."""
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(REPO_ROOT)  # the user's command line on a checkout not installed
     result = subprocess.run(
         [sys.executable, *command],
         cwd=REPO_ROOT,
