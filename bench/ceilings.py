@@ -1,20 +1,16 @@
 """The GPU's two ceilings, measured (the device README's METHOD.md): device-memory bandwidth from a
 1 GiB device-to-device copy (bytes read plus written) and bf16 matmul rate through cuBLAS.
 
-    python bench/ceilings.py
+    python -m bench.ceilings
 """
 
 from __future__ import annotations
 
 import functools
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.grouped_products import median_ms  # noqa: E402
+from bench.grouped_products import median_ms
 
 
 def main() -> None:

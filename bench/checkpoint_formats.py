@@ -19,7 +19,7 @@ checkpoint is on disk at a time. The mode "torch_dist --async-save, no checksums
 checksums (its files are not read back to be hashed), and "most dirty GB" is the most page cache
 the kernel held dirty or under writeback during the training run.
 
-    python bench/checkpoint_formats.py --save-dir /tmp/ckpt --train-iters 40 -- \\
+    python -m bench.checkpoint_formats --save-dir /tmp/ckpt --train-iters 40 -- \\
         --num-layers 12 --hidden-size 768 ... --data-path ... --vocab-file ... --merge-file ...
 """
 
@@ -39,10 +39,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from megatron.checkpointing.layout import read_tracker
 
-from megatron.checkpointing.layout import read_tracker  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 MODES = {
     "torch": ["--ckpt-format", "torch"],
@@ -103,14 +102,16 @@ def run(
     already = read_tracker(save_dir) == save_iteration  # a load run
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
-    entry = [__file__, PRETRAIN_SAVING_ONCE, str(save_iteration), str(int(checksums))]
+    entry = ["-m", "bench.checkpoint_formats", PRETRAIN_SAVING_ONCE, str(save_iteration)]
+    # PYTHONPATH: `-m bench...` from the checkout, whatever the working directory.
+    pythonpath = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     process = subprocess.Popen(
-        [sys.executable, *entry, *flags],
+        [sys.executable, *entry, str(int(checksums)), *flags],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": pythonpath},
     )
     lines = []
     for line in process.stdout:

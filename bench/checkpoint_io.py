@@ -4,7 +4,7 @@ Builds the model of pretrain_gpt.py's flags on this machine's device, gives it A
 optimizer step on zero gradients), and times `megatron.checkpointing` on it, one checkpoint on
 disk at a time (the dMoE 125M's is 42 GB):
 
-    python bench/checkpoint_io.py --save-dir /tmp/ckpt -- \\
+    python -m bench.checkpoint_io --save-dir /tmp/ckpt -- \\
         --num-layers 12 --hidden-size 768 --num-attention-heads 12 --moe-num-experts 64 ... \\
         --vocab-file data/sample/gpt2-vocab.json --merge-file data/sample/gpt2-merges.txt
 
@@ -18,24 +18,20 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import sys
 import time
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from gpt_pretraining import GPT_RUN  # noqa: E402
-from megatron.checkpointing import checkpoint_file, load_checkpoint, save_checkpoint  # noqa: E402
-from megatron.checkpointing.checksums import (  # noqa: E402
+from gpt_pretraining import GPT_RUN
+from megatron.checkpointing import checkpoint_file, load_checkpoint, save_checkpoint
+from megatron.checkpointing.checksums import (
     CHECKSUMS_FILENAME,
     find_damage,
     read_manifest,
 )
-from megatron.initialize import initialize_model_parallel  # noqa: E402
-from megatron.optimizer import build_lr_scheduler, build_optimizer  # noqa: E402
+from megatron.initialize import initialize_model_parallel
+from megatron.optimizer import build_lr_scheduler, build_optimizer
 
 ITERATION = 4
 

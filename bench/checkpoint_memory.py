@@ -1,6 +1,6 @@
 """Host memory of each rank while it saves, in each checkpoint format (CPU, gloo).
 
-    python bench/checkpoint_memory.py [--ranks 4] [--hidden-size 512] [--num-layers 6]
+    python -m bench.checkpoint_memory [--ranks 4] [--hidden-size 512] [--num-layers 6]
 
 Each of the ranks (tensor parallel 2 x data parallel 2 by default, with the distributed
 optimizer) builds its shards of a GPT model, gives it Adam state, and saves it once as
@@ -17,26 +17,22 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import sys
 import tempfile
 import threading
 import time
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from megatron.checkpointing import save_checkpoint  # noqa: E402
-from megatron.config import CheckpointConfig, ModelConfig, OptimizerConfig, TrainingConfig  # noqa: E402
-from megatron.model import GPTModel  # noqa: E402
-from megatron.optimizer.distributed_optimizer import build_distributed_optimizer  # noqa: E402
-from megatron.parallel import parallel_state  # noqa: E402
-from megatron.parallel.parallel_state import initialize_model_parallel  # noqa: E402
-from megatron.parallel.parallelize import shard_model  # noqa: E402
+from megatron.checkpointing import save_checkpoint
+from megatron.config import CheckpointConfig, ModelConfig, OptimizerConfig, TrainingConfig
+from megatron.model import GPTModel
+from megatron.optimizer.distributed_optimizer import build_distributed_optimizer
+from megatron.parallel import parallel_state
+from megatron.parallel.parallel_state import initialize_model_parallel
+from megatron.parallel.parallelize import shard_model
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 

@@ -5,7 +5,7 @@ For each checkpoint: export it (tools/checkpoint/convert.py), load the export wi
 largest logit difference relative to the largest logit, and each model's language-model loss
 (this project's over the tokenizer's vocabulary and over the padded one it trains with):
 
-    python bench/export_fidelity.py runs/quickstart/checkpoints other/checkpoints ...
+    python -m bench.export_fidelity runs/quickstart/checkpoints other/checkpoints ...
 """
 
 from __future__ import annotations
@@ -14,16 +14,13 @@ import argparse
 import json
 import lzma
 import os
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from gpt_pretraining.checkpoint_model import read_checkpoint_model  # noqa: E402
-from gpt_pretraining.huggingface.hf_export import (  # noqa: E402
+from gpt_pretraining.checkpoint_model import read_checkpoint_model
+from gpt_pretraining.huggingface.hf_export import (
     TokenizerFiles,
     build_checkpoint_tokenizer,
     export_checkpoint,

@@ -2,14 +2,14 @@
 `generate` on the same model exported to a Hugging Face directory, in one process.
 
     # random-weight checkpoints of the example models (a trained dMoE 125M is 44 GB)
-    python bench/generation.py --example gpt2_125m --load /tmp/gen/gpt2_125m \\
+    python -m bench.generation --example gpt2_125m --load /tmp/gen/gpt2_125m \\
         --export-hf /tmp/gen/gpt2_125m_hf
-    python bench/generation.py --example dmoe_125m --load /tmp/gen/dmoe_125m \\
+    python -m bench.generation --example dmoe_125m --load /tmp/gen/dmoe_125m \\
         --export-hf /tmp/gen/dmoe_125m_hf
     # any checkpoint, and an export made before (tools/checkpoint/convert.py --saver hf)
-    python bench/generation.py --load CKPT --hf-dir HF_DIR
+    python -m bench.generation --load CKPT --hf-dir HF_DIR
     # a CPU smoke run: 2 layers, hidden 64
-    python bench/generation.py --example dmoe_125m --tiny --load /tmp/gen/tiny \\
+    python -m bench.generation --example dmoe_125m --tiny --load /tmp/gen/tiny \\
         --batch-sizes 1 2 --tokens 8
 
 For each batch size: random prompts of --prompt-length tokens, then exactly --tokens new tokens
@@ -39,13 +39,11 @@ from typing import Callable, List, Optional, Sequence
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from gpt_pretraining import GPT_RUN  # noqa: E402
-from gpt_pretraining.generation import load_text_generator, resolve_device, resolve_dtype  # noqa: E402
-from megatron.checkpointing.layout import read_tracker  # noqa: E402
-from megatron.checkpointing.save import CHECKPOINT_VERSION, write_torch_checkpoint  # noqa: E402
-from megatron.inference import GenerationEngine, SamplingOptions  # noqa: E402
+from gpt_pretraining import GPT_RUN
+from gpt_pretraining.generation import load_text_generator, resolve_device, resolve_dtype
+from megatron.checkpointing.layout import read_tracker
+from megatron.checkpointing.save import CHECKPOINT_VERSION, write_torch_checkpoint
+from megatron.inference import GenerationEngine, SamplingOptions
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB = REPO / "data" / "sample" / "gpt2-vocab.json"
@@ -182,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[List[str]] = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
-    args.command = " ".join(["python", "bench/generation.py", *argv])
+    args.command = " ".join(["python", "-m", "bench.generation", *argv])
     if args.hf_dir and args.export_hf:
         raise SystemExit("error: give --hf-dir (an export made before) or --export-hf, not both")
     if args.example and read_tracker(args.load) is None:

@@ -5,25 +5,21 @@ SDPA attention, fused AdamW, micro batch 16, sequence 1024), eager and under tor
 The same harness then times `megatron.model.GPTModel` with the same settings, so the model's own
 cost is separated from the training loop's (pretrain_gpt.py's log line gives the loop's).
 
-    python bench/gpt_step.py [--micro-batch-size 16] [--steps 20]
+    python -m bench.gpt_step [--micro-batch-size 16] [--steps 20]
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from megatron.config import ModelConfig  # noqa: E402
-from megatron.model import GPTModel  # noqa: E402
-from megatron.model.flops import num_floating_point_operations  # noqa: E402
+from megatron.config import ModelConfig
+from megatron.model import GPTModel
+from megatron.model.flops import num_floating_point_operations
 
 VOCAB = 50304
 H100_BF16_DENSE_TFLOPS = 989.0

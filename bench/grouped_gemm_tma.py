@@ -3,7 +3,7 @@
 then, with --gather-configs, the four products whose row operand is a gather of token rows, fused
 (read through the index) against index_select followed by torch._grouped_mm.
 
-    python bench/grouped_gemm_tma.py [--configs 0 1 2] [--gather-configs 2]
+    python -m bench.grouped_gemm_tma [--configs 0 1 2] [--gather-configs 2]
 
 Each time is the median over 5 replays of a CUDA graph of 20 calls: the GPU's time, without the
 host's setup work (offsets, allocations) between calls. Every result is checked
@@ -13,17 +13,13 @@ against torch._grouped_mm; a tile shape that does not fit or disagrees is report
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.grouped_products import _operands  # noqa: E402
-from bench.kernels.grouped_gemm_tma import grouped_mm_tma, weight_grad_tma  # noqa: E402
-from bench.moe_layer import CONFIGS, capture_graph, median_step_ms  # noqa: E402
-from moe.kernels.grouped_gemm import TileSizes  # noqa: E402
+from bench.grouped_products import _operands
+from bench.kernels.grouped_gemm_tma import grouped_mm_tma, weight_grad_tma
+from bench.moe_layer import CONFIGS, capture_graph, median_step_ms
+from moe.kernels.grouped_gemm import TileSizes
 
 # (block_m, block_n, block_k, group_m, warps, stages)
 ROW_TILES = [

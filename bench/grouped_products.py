@@ -1,7 +1,7 @@
 """The six expert products of one dMoE layer step, each timed alone, next to the dense matmul of
 the same FLOPs: where the grouped layer's GEMM time goes (bench/moe_layer.py times the layer).
 
-    python bench/grouped_products.py [--configs 0 1 2 3] [--triton] [--sweep] [--layouts]
+    python -m bench.grouped_products [--configs 0 1 2 3] [--triton] [--sweep] [--layouts]
 
 For expert weights w1 [E, h, f] and w2 [E, f, h] and N = tokens * top_k rows sorted by expert:
 forward x @ w1, a @ w2; backward dy @ w2^T, a^T dy (weight gradient), dh @ w1^T, x^T dh. The
@@ -18,14 +18,10 @@ from __future__ import annotations
 
 import argparse
 import functools
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.moe_layer import CONFIGS  # noqa: E402
+from bench.moe_layer import CONFIGS
 
 
 def median_ms(fn, warmup=5, repeats=20) -> float:

@@ -18,7 +18,7 @@ Strategies:
   duration after it, so the driver serves the main thread's calls in between;
 - `pageable`: no registration (copies into pageable memory go through the driver's staging).
 
-    python bench/host_buffers.py --gigabytes 16
+    python -m bench.host_buffers --gigabytes 16
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """The memory planner against measurement: each row runs pretrain_gpt.py for a few iterations
 on one GPU and compares the start-up estimate with the peak the run reports.
 
-    python bench/memory_plan.py                       # every row that the estimate says fits
-    python bench/memory_plan.py --rows dmoe-125m-mb16 dmoe-125m-mb16-recompute --output r.json
-    python bench/memory_plan.py --dry-run             # the commands and predictions, no GPU
+    python -m bench.memory_plan                       # every row that the estimate says fits
+    python -m bench.memory_plan --rows dmoe-125m-mb16 dmoe-125m-mb16-recompute --output r.json
+    python -m bench.memory_plan --dry-run             # the commands and predictions, no GPU
 
 Each run: 3 iterations of a global batch of 2 micro-batches (the accumulation path runs),
 --log-interval 3 so that Megatron's one-time memory line (`[Rank 0] (after 3 iterations)
@@ -27,13 +27,10 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
+from gpt_pretraining import GPT_RUN
+from megatron.memory_plan import GIB, estimate_memory
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
-
-from gpt_pretraining import GPT_RUN  # noqa: E402
-from megatron.memory_plan import GIB, estimate_memory  # noqa: E402
-
 DATA_PREFIX = REPO_ROOT / "data" / "owt" / "owt_text_document"
 VOCAB = REPO_ROOT / "data" / "sample" / "gpt2-vocab.json"
 MERGES = REPO_ROOT / "data" / "sample" / "gpt2-merges.txt"

@@ -1,6 +1,6 @@
 """Where a GPT-2 125M training step spends its time on one GPU: dropout variants and top kernels.
 
-    python bench/model_variants.py [--micro-batch-size 32]
+    python -m bench.model_variants [--micro-batch-size 32]
 
 Times megatron.model.GPTModel under torch.compile with Megatron's default dropout (0.1) and with
 each dropout switched off, then prints the CUDA kernels that take most of the default step.
@@ -9,16 +9,12 @@ each dropout switched off, then prints the CUDA kernels that take most of the de
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.gpt_step import VOCAB, time_steps  # noqa: E402
-from megatron.config import ModelConfig  # noqa: E402
-from megatron.model import GPTModel  # noqa: E402
+from bench.gpt_step import VOCAB, time_steps
+from megatron.config import ModelConfig
+from megatron.model import GPTModel
 
 
 def build(seq: int, hidden_dropout: float, attention_dropout: float) -> GPTModel:

@@ -1,7 +1,7 @@
 """Forward + backward of one dMoE layer in bf16 on one GPU, per backend, next to a dense MLP of
 the same FLOPs (hidden -> top_k * ffn -> hidden through cuBLAS), timed in the same run.
 
-    python bench/moe_layer.py [--backends grouped sparse] [--check] [--cuda-graphs] [--profile]
+    python -m bench.moe_layer [--backends grouped sparse] [--check] [--cuda-graphs] [--profile]
 
 TFLOP/s counts 3 x 2 x tokens x top_k x 2 x hidden x ffn (the expert matmuls, forward and
 backward). `--check` first compares each backend with the loop-over-experts reference at a real
@@ -16,21 +16,17 @@ from __future__ import annotations
 
 import argparse
 import gc
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from megatron.config import ModelConfig  # noqa: E402
-from megatron.kernels.dispatch import kernel_mode  # noqa: E402
-from moe.config import MoEConfig  # noqa: E402
-from moe.kernels.grouped_gemm import choose_backend  # noqa: E402
-from moe.layers import build_moe_layer  # noqa: E402
+from megatron.config import ModelConfig
+from megatron.kernels.dispatch import kernel_mode
+from moe.config import MoEConfig
+from moe.kernels.grouped_gemm import choose_backend
+from moe.layers import build_moe_layer
 
 # (hidden, ffn per expert, experts, top_k, tokens): the issue's configurations.
 CONFIGS = [

@@ -6,7 +6,7 @@ table gives the mean of the windows logged after --steady-from iterations (routi
 the first hundred or so), tokens/s per GPU, the ratio to the row named by --baseline, and under
 expert parallelism the load imbalance the log line carries.
 
-    python bench/parallel_layouts.py --train-iters 160 --log-interval 20 --steady-from 100 \\
+    python -m bench.parallel_layouts --train-iters 160 --log-interval 20 --steady-from 100 \\
         --log-dir /tmp/layouts \\
         "dense DP4=gpt2_125m_8gpu:4" \\
         "dMoE DP4 + dist-opt=dmoe_125m_8gpu:4:--use-distributed-optimizer" \\

@@ -3,7 +3,7 @@ memory, optionally against upstream Megatron-LM's own script (`--upstream-megatr
 checkout of this project (`--baseline`) on the same input and worker count; or, with
 `--long-document-mb N`, one N MB JSON line through this project's tool alone.
 
-    python bench/preprocess.py --input data/sample/openwebtext-1000.jsonl --workers 2 \\
+    python -m bench.preprocess --input data/sample/openwebtext-1000.jsonl --workers 2 \\
         --upstream-megatron /path/to/megatron-lm-checkout
 
 Each tool runs `--repeats` times as a subprocess (the whole command is timed, interpreter start,
@@ -299,12 +299,11 @@ def long_document(args: argparse.Namespace, input_path: str) -> int:
     with open(line_path, "w", encoding="utf-8") as handle:
         handle.write(json.dumps({"text": text}) + "\n")
     prefix = os.path.join(args.output_dir, "long")
-    tool = Tool("ours", os.path.join(REPO_ROOT, "tools", "preprocess_data.py"))
+    tool = Tool("ours", os.path.join(REPO_ROOT, "tools", "preprocess_data.py"), REPO_ROOT)
     run = timed_run(
         tool.command(args, line_path, prefix), tool.environment(), prefix + ".log", prefix
     )
     written = np.fromfile(f"{prefix}_text_document.bin", dtype=np.uint16)
-    sys.path.insert(0, REPO_ROOT)
     from megatron.tokenizer import GPT2BPETokenizer
 
     tokenizer = GPT2BPETokenizer(args.vocab_file, args.merge_file)
@@ -386,10 +385,12 @@ def main(argv: List[str] | None = None) -> int:
             f"input {input_path}: {input_bytes:,} bytes; outputs in {args.output_dir}",
             file=sys.stderr,
         )
-        tools = [Tool("ours", os.path.join(REPO_ROOT, "tools", "preprocess_data.py"))]
+        # Each checkout's tool with that checkout's package first on PYTHONPATH (installed or not).
+        tools = [Tool("ours", os.path.join(REPO_ROOT, "tools", "preprocess_data.py"), REPO_ROOT)]
         if args.baseline:
-            script = os.path.join(os.path.abspath(args.baseline), "tools", "preprocess_data.py")
-            tools.append(Tool(f"ours at {args.baseline}", script))
+            baseline = os.path.abspath(args.baseline)
+            script = os.path.join(baseline, "tools", "preprocess_data.py")
+            tools.append(Tool(f"ours at {args.baseline}", script, baseline))
         if args.upstream_megatron:
             upstream_dir = os.path.abspath(args.upstream_megatron)
             script = os.path.join(upstream_dir, "tools", "preprocess_data.py")

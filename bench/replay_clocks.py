@@ -1,7 +1,7 @@
 """One step of a layer replayed as a CUDA graph, timed cold and hot: the GPU's SM clock and power
 next to each timing, and the time of each kernel in the two modes.
 
-    python bench/replay_clocks.py [CONFIG_INDEX]   (default 2, the third of bench/moe_layer.CONFIGS)
+    python -m bench.replay_clocks [CONFIG_INDEX]   (default 2, the third of bench/moe_layer.CONFIGS)
 
 For the dense layer of the same FLOPs and the compiled dMoE layer it prints, in this order:
 replays timed one at a time (the first one cold), 10 and 40 replays back to back, replays one
@@ -13,13 +13,10 @@ GPU's power limit (docs/benchmark-log.md).
 
 import sys
 from collections import defaultdict
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.moe_layer import (  # noqa: E402
+from bench.moe_layer import (
     CONFIGS,
     DenseSameFlops,
     build_layer,

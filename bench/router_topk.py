@@ -2,7 +2,7 @@
 fp32 softmax scores [tokens, experts], each checked against the other (the same scores chosen,
 in the same order; where two scores tie the two may name different experts).
 
-    python bench/router_topk.py
+    python -m bench.router_topk
 
 Each time is the median of CUDA-graph replays of 20 calls (bench.grouped_gemm_tma.median_ms):
 the GPU's time per call.
@@ -10,15 +10,10 @@ the GPU's time per call.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.grouped_gemm_tma import median_ms  # noqa: E402
-from moe.kernels.router_topk import topk_indices  # noqa: E402
+from bench.grouped_gemm_tma import median_ms
+from moe.kernels.router_topk import topk_indices
 
 # (tokens, experts, k): the benchmark configurations' routers (16,384 tokens, 64 experts, top-8;
 # 8,192 tokens, 8 experts, top-2) and a training micro-batch of 64 x 1,024 tokens.

@@ -3,7 +3,7 @@ shapes: moe.kernels.scaled_activation's Triton op against the same function comp
 (what the compiled layer ran before the op) and ATen's plain GELU (no scaling: the dense layer's,
 over the same bytes), in one run.
 
-    python bench/scaled_activation.py [--sweep]
+    python -m bench.scaled_activation [--sweep]
 
 Rows and width per configuration of bench/moe_layer.py: tokens * top_k rows of ffn channels.
 Bytes per step: the forward reads h and writes the output, the backward reads the gradient and
@@ -16,17 +16,13 @@ from __future__ import annotations
 
 import argparse
 import functools
-import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.grouped_products import median_ms  # noqa: E402
-from bench.moe_layer import CONFIGS, capture_graph  # noqa: E402
-from moe.kernels import scaled_activation as sa  # noqa: E402
+from bench.grouped_products import median_ms
+from bench.moe_layer import CONFIGS, capture_graph
+from moe.kernels import scaled_activation as sa
 
 SWEEP = [(4, 256), (8, 256), (2, 256), (4, 128), (2, 512), (1, 1024)]
 FORWARD_SWEEP = [(16, 256), (8, 256), (4, 512), (8, 512), (2, 1024), (4, 1024), (1, 2048)]

@@ -39,7 +39,7 @@ if TRITON_AVAILABLE:
 ACTIVATIONS = ("gelu", "silu")  # gelu: the tanh approximation, as Experts uses
 # Forward tile: 16 rows x 256 channels, as the row permutations use. Backward: 4 rows per
 # program, walked across the channels 256 at a time (the fastest of the tiles
-# `bench/scaled_activation.py --sweep` tried, at every configuration's shape;
+# `python -m bench.scaled_activation --sweep` tried, at every configuration's shape;
 # docs/benchmark-log.md).
 BLOCK_ROWS = 16
 BLOCK_W = 256

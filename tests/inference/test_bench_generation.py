@@ -33,7 +33,7 @@ def test_tiny_dmoe_example_is_written_and_timed(tmp_path, capsys):
         ("megatron.inference", "eager", "1"),
         ("megatron.inference", "eager", "3"),
     ]
-    assert "command: python bench/generation.py --example dmoe_125m --tiny" in out
+    assert "command: python -m bench.generation --example dmoe_125m --tiny" in out
 
 
 def test_tiny_gpt2_against_its_transformers_export(tmp_path, capsys):
