@@ -1,6 +1,7 @@
 """The package structure: `moe` uses `megatron`, never the reverse; `gpt_pretraining`, which
-composes the run from both, is used by neither; and every module imports on its own (no import
-cycle that only some import orders survive)."""
+composes the run from both, is used by neither; every module imports on its own (no import
+cycle that only some import orders survive); and the tools and benches are thin users of the
+installed package that never edit `sys.path`."""
 
 from __future__ import annotations
 
@@ -114,6 +115,40 @@ def test_no_source_file_is_over_500_lines():
         if (lines := len(path.read_text().splitlines())) > 500
     ]
     assert not long_files, "\n".join(long_files)
+
+
+# A tool is a module docstring (its usage text), an import of the package's entry and a call.
+MAX_TOOL_LINES = 60
+
+
+def test_tools_and_benches_do_not_edit_sys_path():
+    """The package is installed in place, so a tool imports it as any user would; the benches
+    run as `python -m bench.X` from the repository root, which puts the root on sys.path."""
+    offending = [
+        f"{path.relative_to(REPO_ROOT)}:{number}: {line.strip()}"
+        for folder in ("tools", "bench")
+        for path in sorted((REPO_ROOT / folder).rglob("*.py"))
+        for number, line in enumerate(path.read_text().splitlines(), start=1)
+        if "sys.path" in line
+    ]
+    assert not offending, "\n".join(offending)
+
+
+def test_every_tool_is_a_thin_command_line():
+    """The library of a tool lives in the package (megatron.data, megatron.memory_plan,
+    gpt_pretraining, ...); tools/ holds only the command lines over it."""
+    tools = sorted((REPO_ROOT / "tools").rglob("*.py"))
+    assert tools, "no tools found"
+    long_tools = [
+        f"{path.relative_to(REPO_ROOT)}: {lines} lines"
+        for path in tools
+        if path.name != "__init__.py"
+        and (lines := len(path.read_text().splitlines())) > MAX_TOOL_LINES
+    ]
+    assert not long_tools, (
+        f"a tool is at most {MAX_TOOL_LINES} lines; move the work into the package:\n"
+        + "\n".join(long_tools)
+    )
 
 
 HUGGING_FACE_PACKAGES = ("transformers", "safetensors", "lm_eval", "accelerate")
