@@ -44,10 +44,9 @@ class TileSizes:
 
 
 DEFAULT_TILE_SIZES = TileSizes()
-# The fastest shapes on an H100 at the first two configurations (`python -m
-# bench.grouped_products --sweep`; docs/benchmark-log.md). Their shared memory (144 and 96 KiB at
-# 2-byte elements) fits Hopper's 227 KiB; other GPUs (AMD's 64 KiB LDS among them) and fp32 keep
-# the default.
+# The fastest shapes on an H100 at the first two configurations (bench/grouped_products.py
+# --sweep; docs/benchmark-log.md). Their shared memory (144 and 96 KiB at 2-byte elements) fits
+# Hopper's 227 KiB; other GPUs (AMD's 64 KiB LDS among them) and fp32 keep the default.
 HOPPER_ROW_TILE_SIZES = TileSizes(block_m=128, block_n=256, block_k=64, num_warps=8)
 HOPPER_WEIGHT_GRAD_TILE_SIZES = TileSizes(block_m=128, block_n=128, block_k=64)
 
