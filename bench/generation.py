@@ -16,7 +16,8 @@ For each batch size: random prompts of --prompt-length tokens, then exactly --to
 per row, greedy (the engine ignores the end-of-document token; transformers gets
 do_sample=False, max_new_tokens = min_new_tokens = --tokens). One warm-up call, then the median
 of --repeats timed calls; new tokens/s counts the generated tokens of all rows. Both run in the
-same dtype (bf16 on a GPU, the models cast; fp32 on the CPU). "agree" is the mean number of
+same dtype (on a GPU the one the checkpoint trained in, bf16 for the examples, the models
+cast; fp32 on the CPU). "agree" is the mean number of
 leading new tokens per row that transformers' output shares with ours (the two agree on the
 model; bf16 rounding makes near-ties diverge sooner or later).
 
@@ -186,11 +187,15 @@ def main(argv: Optional[List[str]] = None) -> None:
     if args.example and read_tracker(args.load) is None:
         write_random_checkpoint(args.load, example_flags(args.example, args.tiny))
     device = resolve_device(args.device)
-    dtype = resolve_dtype(args.dtype, device)
     generator = load_text_generator(
-        args.load, device, dtype, cuda_graphs=args.cuda_graphs, max_batch_size=max(args.batch_sizes)
+        args.load,
+        device,
+        resolve_dtype(args.dtype),
+        cuda_graphs=args.cuda_graphs,
+        max_batch_size=max(args.batch_sizes),
     )
     engine: GenerationEngine = generator.engine
+    dtype = engine.dtype
     tokenizer = generator.tokenizer
     hf_model, hf_note = None, ""
     if args.hf_dir or args.export_hf:

@@ -42,11 +42,19 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """--dtype: "auto" is bf16 on a GPU and fp32 on the CPU."""
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return DTYPES[name]
+def resolve_dtype(name: str) -> Optional[torch.dtype]:
+    """--dtype: a dtype, or None for "auto" (`generation_dtype` decides from the checkpoint)."""
+    return None if name == "auto" else DTYPES[name]
+
+
+def generation_dtype(
+    config: Config, device: torch.device, dtype: Optional[torch.dtype]
+) -> torch.dtype:
+    """`dtype`, or when None the one the run computed in (its numerics' compute dtype: bf16
+    under --bf16, fp16 under --fp16, else fp32) on a GPU, and fp32 on the CPU."""
+    if dtype is not None:
+        return dtype
+    return config.numerics.compute_dtype if device.type == "cuda" else torch.float32
 
 
 def inference_config(config: Config, device: torch.device, dtype: torch.dtype) -> Config:
@@ -66,7 +74,7 @@ def inference_config(config: Config, device: torch.device, dtype: torch.dtype) -
 def load_text_generator(
     load: str,
     device: torch.device,
-    dtype: torch.dtype,
+    dtype: Optional[torch.dtype] = None,
     *,
     vocab_file: Optional[str] = None,
     merge_file: Optional[str] = None,
@@ -75,7 +83,8 @@ def load_text_generator(
     max_batch_size: int = 32,
     log: Callable[[str], None] = print,
 ) -> TextGenerator:
-    """The checkpoint under `load` (its tracker's iteration) as a TextGenerator on `device`."""
+    """The checkpoint under `load` (its tracker's iteration) as a TextGenerator on `device`, in
+    `dtype` (None: `generation_dtype`'s choice)."""
     if not os.path.isdir(load):
         raise UserError(f"--load {load} is not a directory; pass the --save directory of a run")
     checkpoint = read_checkpoint_model(load, print_fn=log, flag="--load")
@@ -85,6 +94,7 @@ def load_text_generator(
         merge_file=merge_file,
         tokenizer_model=tokenizer_model,
     )
+    dtype = generation_dtype(checkpoint.config, device, dtype)
     config = inference_config(checkpoint.config, device, dtype)
     model = dataclasses.replace(checkpoint, config=config).build_model(device, dtype)
     log(
@@ -110,7 +120,13 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--merge-file", help="replaces the checkpoint's GPT-2 merges.txt")
     parser.add_argument("--tokenizer-model", help="replaces the checkpoint's tokenizer model")
     parser.add_argument("--device", default="auto", help="auto (GPU if any), cpu, cuda, cuda:N")
-    parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", *DTYPES],
+        help="auto: the dtype the run trained in (--bf16, --fp16, else float32) on a GPU, "
+        "float32 on the CPU",
+    )
     parser.add_argument(
         "--no-cuda-graphs",
         dest="cuda_graphs",
@@ -126,7 +142,7 @@ def generator_from_model_args(args: argparse.Namespace, max_batch_size: int) -> 
     return load_text_generator(
         args.load,
         device,
-        resolve_dtype(args.dtype, device),
+        resolve_dtype(args.dtype),
         vocab_file=args.vocab_file,
         merge_file=args.merge_file,
         tokenizer_model=args.tokenizer_model,

@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 import torch
 
+from gpt_pretraining.generation import generation_dtype
 from megatron.config.numerics import Numerics
 from tests.config.command_lines import config
 
@@ -50,3 +51,20 @@ def test_a_changed_config_gets_its_own_numerics():
     )
     assert dataclasses.replace(cfg, optimizer=optimizer).numerics.main_grads_dtype == BF16
     assert cfg.numerics.main_grads_dtype is None
+
+
+@pytest.mark.parametrize(
+    "flags, device, expected",
+    [
+        (("--bf16",), "cuda", BF16),
+        (("--fp16",), "cuda", FP16),
+        ((), "cuda", FP32),
+        (("--bf16",), "cpu", FP32),
+    ],
+)
+def test_generation_runs_in_the_dtype_the_run_trained_in(flags, device, expected):
+    """Generation's --dtype auto reads the checkpoint's numerics on a GPU (fp32 on the CPU);
+    a --dtype given wins."""
+    trained = config(*flags)
+    assert generation_dtype(trained, torch.device(device), None) == expected
+    assert generation_dtype(trained, torch.device(device), FP16) == FP16
