@@ -39,6 +39,12 @@ class Numerics:
         return self.compute_dtype != torch.float32
 
     @property
+    def loss_scaling(self) -> bool:
+        """Whether the loss is scaled (fp16: its gradients underflow otherwise; bf16 keeps
+        fp32's exponent range and needs none)."""
+        return self.compute_dtype == torch.float16
+
+    @property
     def compute_bytes(self) -> int:
         """Bytes per element of the compute dtype."""
         return self.compute_dtype.itemsize

@@ -298,7 +298,7 @@ def build_inner_optimizer(
         raise ValueError(f"--optimizer {config.optimizer!r} is not supported; use adam or sgd")
 
     grad_scaler: Optional[GradScaler] = None
-    if training_config.fp16:
+    if numerics.loss_scaling:
         if config.loss_scale is not None:
             grad_scaler = ConstantGradScaler(config.loss_scale)
         else:

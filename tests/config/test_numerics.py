@@ -39,6 +39,7 @@ def test_precision_flags_decide_the_numerics(flags, expected):
     numerics = config(*flags).numerics
     assert numerics == expected
     assert numerics.autocast == (expected.compute_dtype != FP32)
+    assert numerics.loss_scaling == (expected.compute_dtype == FP16)
     assert numerics.compute_bytes == expected.compute_dtype.itemsize
 
 
