@@ -51,7 +51,7 @@ from megatron.parallel.tensor_parallelism import apply_tensor_parallel
 from megatron.pipeline.stages import stage_layer_numbers
 
 if TYPE_CHECKING:
-    from megatron.config import Config, ModelConfig
+    from megatron.config import Config, ModelConfig, ParallelConfig
 
 
 @dataclass
@@ -60,17 +60,20 @@ class ParallelModel:
 
     `unwrapped` owns the parameters (the optimizer steps them, checkpoints save them): the
     model, or under a pipeline this rank's stage chunks as an nn.ModuleList. `module` is what
-    forwards run: `unwrapped`, maybe in DDP, maybe compiled.
+    forwards run: `unwrapped`, maybe in DDP, maybe compiled. `layout`: the tensor-, pipeline-,
+    expert- and data-parallel sizes it was parallelized for; `gradient_sync`: who reduces its
+    gradients, decided from that layout.
     """
 
     unwrapped: nn.Module
     module: nn.Module
     gradient_sync: GradientSync
+    layout: ParallelConfig
 
     @property
     def pipeline(self) -> bool:
         """Whether `unwrapped` holds this rank's pipeline stage chunks."""
-        return self.gradient_sync.pipeline
+        return self.layout.pipeline_model_parallel_size > 1
 
 
 def parallelize(
@@ -92,7 +95,7 @@ def parallelize(
     module = data_parallel(unwrapped, context, gradient_sync)
     if config.training.torch_compile and context.device.type == "cuda" and not pipeline:
         module = compile_model(module, compile_veto(context.device), by_layer(config))
-    return ParallelModel(unwrapped, module, gradient_sync)
+    return ParallelModel(unwrapped, module, gradient_sync, config.parallel)
 
 
 def shard_model(model: GPTModel, model_config: ModelConfig) -> GPTModel:
