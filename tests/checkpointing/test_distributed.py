@@ -13,7 +13,7 @@ from tests.checkpointing.helpers import (
     draw_from_every_generator,
     seed_every_generator,
 )
-from tests.distributed.launch import run_distributed
+from tests.launch import run_distributed
 
 
 def _worker(rank: int, world_size: int, directory: str) -> None:

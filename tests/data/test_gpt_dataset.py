@@ -11,7 +11,7 @@ from megatron.data.gpt_dataset import GPTDataset, build_dataset, build_train_val
 from megatron.data.index_helpers import cpp_helpers_available
 from megatron.data.indexed_dataset import MMapIndexedDataset, MMapIndexedDatasetBuilder
 from tests.data import megatron_reference as reference
-from tests.distributed.launch import run_distributed
+from tests.launch import run_distributed
 
 SEQ_LENGTH = 16
 ARRAYS = ("doc_idx", "sample_idx", "shuffle_idx")

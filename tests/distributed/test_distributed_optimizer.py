@@ -16,7 +16,7 @@ from torch import nn
 from megatron.config import OptimizerConfig, TrainingConfig
 from megatron.optimizer import build_lr_scheduler, build_optimizer
 from megatron.optimizer.distributed_optimizer import build_distributed_optimizer
-from tests.distributed.launch import run_distributed
+from tests.launch import run_distributed
 
 GLOBAL_BATCH = 6  # rows per step, split evenly over 1, 2 or 3 data-parallel ranks
 STEPS = 5

@@ -26,9 +26,9 @@ import torch.distributed as dist
 import pretrain_gpt
 from megatron.optimizer.param_gather import ParamGather
 from megatron.training.trainer import Trainer
-from tests.distributed.launch import run_distributed
 from tests.distributed.test_expert_parallel_gpt import moe_gpt_args
 from tests.distributed.test_tensor_parallel_gpt import gpt_args
+from tests.launch import run_distributed
 from tests.tiny_gpt import saved_state, tensorboard_scalars
 
 ITERATIONS = 5

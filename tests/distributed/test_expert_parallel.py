@@ -41,7 +41,7 @@ from moe.kernels.grouped_gemm import TORCH
 from moe.layers import build_moe_layer
 from moe.mlp_spec import MoEMlpSpec
 from tests.config.command_lines import argv
-from tests.distributed.launch import run_distributed
+from tests.launch import run_distributed
 from tests.tiny_gpt import moe_layer_model_config, sharded_gpt_model
 
 HIDDEN, FFN, TOKENS, EXPERTS = 8, 32, 6, 4

@@ -9,7 +9,7 @@ import torch
 
 import moe.overlapped_exchange as overlapped
 from moe.expert_parallel import ExpertExchange
-from tests.distributed.launch import run_distributed
+from tests.launch import run_distributed
 
 HIDDEN, LOCAL_EXPERTS = 6, 3
 

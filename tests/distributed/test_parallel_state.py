@@ -6,7 +6,7 @@ import pytest
 import torch.distributed as dist
 
 from megatron.parallel import parallel_state as ps
-from tests.distributed.launch import run_distributed
+from tests.launch import run_distributed
 
 # Expected groups for a world of 4, written out from Megatron-Core's order "tp-cp-ep-dp-pp"
 # (tensor parallel fastest, pipeline slowest; expert parallel carved from data parallel).

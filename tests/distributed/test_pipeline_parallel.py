@@ -30,7 +30,7 @@ from megatron.pipeline.schedules import (
 )
 from megatron.pipeline.stages import stage_layer_numbers, stage_to_full_names
 from megatron.tensor_parallel import model_parallel_manual_seed
-from tests.distributed.launch import run_distributed
+from tests.launch import run_distributed
 from tests.tiny_gpt import sharded_gpt_model, tiny_model_config
 
 STEPS = 5

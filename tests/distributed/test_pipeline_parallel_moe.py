@@ -24,7 +24,7 @@ import torch
 
 import pretrain_gpt
 from megatron.pipeline.schedules import attach_loss
-from tests.distributed.launch import run_distributed
+from tests.launch import run_distributed
 from tests.tiny_gpt import MOE_ARGS, saved_state, tensorboard_scalars, tiny_gpt_args
 
 ITERATIONS = 5

@@ -4,7 +4,7 @@ so every rank moves its bias the same way (docs/moe.md)."""
 import torch
 
 from moe.router import update_expert_bias
-from tests.distributed.launch import run_distributed
+from tests.launch import run_distributed
 
 
 def _update_on_rank(rank: int, world_size: int) -> list:

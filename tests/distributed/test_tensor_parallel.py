@@ -23,7 +23,7 @@ from megatron.tensor_parallel import (
     shard_tensor_model_parallel_weight,
     vocab_parallel_cross_entropy,
 )
-from tests.distributed.launch import run_distributed
+from tests.launch import run_distributed
 
 BATCH, SEQ, HIDDEN, FFN, VOCAB = 2, 4, 8, 16, 16
 

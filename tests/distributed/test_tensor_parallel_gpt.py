@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import pretrain_gpt
-from tests.distributed.launch import pretrain_ranks
+from tests.launch import pretrain_ranks
 from tests.tiny_gpt import saved_state, tiny_gpt_args
 
 ITERATIONS = 5

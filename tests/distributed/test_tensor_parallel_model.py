@@ -33,7 +33,7 @@ from megatron.tensor_parallel import (
     model_parallel_manual_seed,
     model_parallel_rng_tracker,
 )
-from tests.distributed.launch import run_distributed
+from tests.launch import run_distributed
 from tests.tiny_gpt import sharded_gpt_model, tiny_model_config
 
 TOLERANCE = dict(atol=1e-5, rtol=1e-5)

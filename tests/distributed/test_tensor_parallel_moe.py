@@ -33,7 +33,7 @@ from moe.config import MoEConfig
 from moe.kernels import grouped_gemm
 from moe.layers import build_moe_layer
 from moe.mlp_spec import MoEMlpSpec
-from tests.distributed.launch import run_distributed
+from tests.launch import run_distributed
 from tests.tiny_gpt import MOE_ARGS, moe_layer_model_config, saved_state, tiny_gpt_args
 
 HIDDEN, FFN, SEQUENCE, EXPERTS = 16, 32, 8, 4

@@ -18,7 +18,7 @@ from megatron.optimizer import (
     build_lr_scheduler,
     build_optimizer,
 )
-from tests.distributed.launch import run_distributed
+from tests.launch import run_distributed
 
 
 def tiny_model(seed: int = 0) -> nn.Module:

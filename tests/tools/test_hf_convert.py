@@ -264,7 +264,7 @@ def test_a_tensor_parallel_dmoe_run_exports(data_prefix, tmp_path, auto_model):
     """A checkpoint saved by 2 tensor-parallel ranks (each holding half of every expert's
     channels) exports like any other: the export computes the logits of the model the
     checkpoint holds."""
-    from tests.distributed.launch import pretrain_ranks
+    from tests.launch import pretrain_ranks
     from tests.tiny_gpt import MOE_ARGS, tiny_gpt_args
 
     args = tiny_gpt_args(data_prefix, *MOE_ARGS, train_iters=3, tensor_parallel=2)
