@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import pretrain_gpt
-from tests.distributed.test_tensor_parallel_gpt import assert_same_run, gpt_args
 from tests.launch import pretrain_ranks
+from tests.parallel.test_tensor_parallel_gpt import assert_same_run, gpt_args
 from tests.tiny_gpt import saved_state
 
 # 4 layers, 4 micro-batches of 2 per step (global batch 8); evaluation (forwards only

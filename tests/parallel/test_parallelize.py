@@ -161,7 +161,7 @@ def test_layer_by_layer_compile_keeps_the_layers_forward_hooks_eager():
     torch._dynamo.reset()
 
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 PLAIN_MODEL_SOURCES = sorted((REPO_ROOT / "megatron" / "model").glob("*.py")) + [
     REPO_ROOT / "moe" / name for name in ("layers.py", "experts.py", "router.py")
 ]
