@@ -22,8 +22,8 @@ from megatron.tensor_parallel.layers import set_sequence_parallel_attribute
 from megatron.training.hooks import TrainingHooks
 from megatron.training.trainer import install_parameter_waits
 from moe.weight_copies import GradientAccumulator
-from tests.distributed.test_distributed_optimizer import optimizer_config, training_config
 from tests.launch import run_distributed
+from tests.optimizer.test_distributed_optimizer import optimizer_config, training_config
 from tests.tiny_gpt import tiny_model_config
 
 ROWS = 6  # per micro-batch of the whole batch, split over 1, 2 or 3 ranks
