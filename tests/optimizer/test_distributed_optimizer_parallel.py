@@ -26,8 +26,8 @@ import torch.distributed as dist
 import pretrain_gpt
 from megatron.optimizer.param_gather import ParamGather
 from megatron.training.trainer import Trainer
-from tests.distributed.test_expert_parallel_gpt import moe_gpt_args
 from tests.launch import run_distributed
+from tests.moe.test_expert_parallel_gpt import moe_gpt_args
 from tests.parallel.test_tensor_parallel_gpt import gpt_args
 from tests.tiny_gpt import saved_state, tensorboard_scalars
 

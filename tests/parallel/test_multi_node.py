@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 from tests import processes
-from tests.distributed.test_expert_parallel_gpt import moe_gpt_args
+from tests.moe.test_expert_parallel_gpt import moe_gpt_args
 from tests.processes import free_port
 from tests.sample_data import REPO
 from tests.tiny_gpt import tensorboard_scalars

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed.test_expert_parallel_gpt import moe_gpt_args, run
+from tests.moe.test_expert_parallel_gpt import moe_gpt_args, run
 
 
 @pytest.mark.parametrize(
