@@ -1,7 +1,7 @@
 """pretrain_gpt.py with one rank that stops answering: rank HANG_RANK sleeps (for an hour)
 at the start of iteration HANG_ITERATION, as a deadlocked or stuck rank would.
 
-    HANG_RANK=1 HANG_ITERATION=3 torchrun --nproc_per_node 2 tests/distributed/hang_in_step.py ...
+    HANG_RANK=1 HANG_ITERATION=3 torchrun --nproc_per_node 2 tests/training/hang_in_step.py ...
 """
 
 from __future__ import annotations

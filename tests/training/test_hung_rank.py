@@ -12,7 +12,7 @@ from tests import processes
 from tests.sample_data import REPO
 from tests.tiny_gpt import tiny_gpt_args
 
-HANG = str(REPO / "tests" / "distributed" / "hang_in_step.py")
+HANG = str(REPO / "tests" / "training" / "hang_in_step.py")
 TIMEOUT_MINUTES = 0.2  # 12 s: setup (index building) must not time out on 2 slow cores
 
 
