@@ -23,7 +23,7 @@ from megatron.model import GPTModel
 from tests import processes
 from tests.tiny_gpt import sharded_gpt_model
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 TINY = (
     "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
     "--max-position-embeddings 32 --micro-batch-size 2 --global-batch-size 4 --lr 1e-3 "

@@ -1,0 +1,1 @@
+"""Tests for megatron.memory_plan and tools/estimate_memory.py."""
