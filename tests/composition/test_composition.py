@@ -20,7 +20,7 @@ from moe.training_hooks import MoETrainingHooks
 from tests.sample_data import MERGES, VOCAB
 from tests.test_architecture import _imported_names
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 FLAGS = [
     "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
     "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "2",
