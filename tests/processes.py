@@ -12,7 +12,7 @@ kills and resource limits act on it as on a launched one. As torchrun does, the 
 fail stops the others.
 
 What torchrun itself does (the elastic agent, restarts, several nodes) is tested with torchrun:
-tests/distributed/test_multi_node.py and tests/test_pretrain_gpt.py.
+tests/parallel/test_multi_node.py and tests/gpt_pretraining/test_pretrain_gpt.py.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What autograd keeps for backward, per token of a micro-batch, layer by layer.
 
-Each term is a tensor the model's forward saves (tests/test_memory_plan.py checks the sums
-against `torch.autograd.graph.saved_tensors_hooks` on CPU under bf16 autocast). `c` is the
+Each term is a tensor the model's forward saves (tests/memory_plan/test_memory_plan.py checks the
+sums against `torch.autograd.graph.saved_tensors_hooks` on CPU under bf16 autocast). `c` is the
 compute dtype's size (2 under bf16/fp16 autocast, 4 in fp32); the residual stream stays fp32
 (the parameters are fp32 and autocast leaves additions alone), so the norms save 4-byte inputs.
 

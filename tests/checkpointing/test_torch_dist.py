@@ -1,6 +1,7 @@
 """--ckpt-format torch_dist in one process: exact resume, checksums, asynchronous saves,
 retention, and the chunk geometry every layout relies on. The layouts themselves (TP, PP, EP,
-DP, the distributed optimizer) save and resume through this format in tests/distributed/."""
+DP, the distributed optimizer) save and resume through this format in the multi-process tests
+of tests/parallel/, tests/pipeline/, tests/moe/ and tests/optimizer/."""
 
 from __future__ import annotations
 

@@ -250,7 +250,7 @@ def test_distributed_optimizer_matches_single_process_and_resumes_across_layouts
     norms = [GRAD_NORM_PATTERN.findall(log.read_text()) for log in (single_log, sharded_log)]
     assert len(norms[0]) == 8
     # The log prints 3 decimals, so equal norms may differ by one unit in the last digit; the
-    # unrounded norms agree within 1e-5 in tests/distributed/test_distributed_optimizer.py.
+    # unrounded norms agree within 1e-5 in tests/optimizer/test_distributed_optimizer.py.
     for (_, one), (_, two) in zip(*norms):
         assert abs(float(one) - float(two)) <= 1.001e-3, norms
     assert "distributed optimizer:" in sharded_log.read_text()

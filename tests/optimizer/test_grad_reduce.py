@@ -3,7 +3,7 @@ and on 2 and 3 gloo ranks that every bucket is reduce-scattered during the last 
 backward (none during the others), gradients a layer adds itself (the dMoE's expert-weight
 copies) included, with the distributed optimizer's result without overlap (bit for bit on 2
 ranks) and one process's; a step run again reduces only its last run. End to end (pretrain_gpt.py, sequence and expert parallelism) in
-tests/distributed/test_distributed_optimizer_parallel.py."""
+tests/optimizer/test_distributed_optimizer_parallel.py."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 gives the one-GPU run's losses, load-balancing losses and grad norms, and a torch_dist
 checkpoint saved at one layout resumes at another.
 
-GPU-marked (`pytest -m gpu tests/distributed/test_gpu_layouts.py` on a machine with 2 or 4
+GPU-marked (`pytest -m gpu tests/parallel/test_gpu_layouts.py` on a machine with 2 or 4
 GPUs); each test skips cleanly where the machine has fewer GPUs than its layout needs. The runs
 are fp32 with --deterministic-mode, so that one layout repeats itself bit for bit and layouts
 differ only by the order of their sums (within RELATIVE). Global batch 8 in micro-batches of 2,

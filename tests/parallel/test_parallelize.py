@@ -1,7 +1,8 @@
 """megatron.parallel.parallelize on one process: the model is plain PyTorch as built, whatever the
 parallel config says, and building it on the meta device then drawing its weights gives the
 weights of a model built with them. The parallel layouts themselves are compared with one
-process in tests/distributed/."""
+process in the multi-process tests beside this one and in tests/pipeline/, tests/moe/ and
+tests/optimizer/."""
 
 from __future__ import annotations
 
