@@ -1,7 +1,7 @@
 """The package structure: `moe` uses `megatron`, never the reverse; `gpt_pretraining`, which
 composes the run from both, is used by neither; every module imports on its own (no import
-cycle that only some import orders survive); and the tools and benches are thin users of the
-installed package that never edit `sys.path`."""
+cycle that only some import orders survive); the tools and benches are thin users of the
+installed package that never edit `sys.path`; and tests/ mirrors the package's rooms."""
 
 from __future__ import annotations
 
@@ -16,6 +16,19 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("megatron", "moe", "gpt_pretraining")
 # Each package and the packages of this project it must not import.
 LOWER_THAN = {"megatron": ("moe", "gpt_pretraining"), "moe": ("gpt_pretraining",)}
+# Directories of tests/ that are not a room of megatron/ (a subdirectory of it), and why.
+TEST_DIRECTORIES_BESIDE_THE_ROOMS = {
+    "moe": "the moe package's tests",
+    "gpt_pretraining": "the gpt_pretraining package's tests (the run pretrain_gpt.py calls)",
+    "tools": "the command lines of tools/ and the libraries behind them",
+    "bench": "the code bench/'s benchmarks share",
+    "fixtures": "data files the tests read; no test modules",
+}
+# Test modules at the top of tests/: they are about the whole project, not one room.
+PROJECT_TESTS = {
+    "test_architecture.py": "the packages' dependencies, file sizes and this layout",
+    "test_requirements_lock.py": "the lock file against pyproject.toml",
+}
 
 
 def _modules(package: str):
@@ -172,3 +185,28 @@ def test_the_trainer_does_not_import_hugging_face():
         if name.split(".")[0] in HUGGING_FACE_PACKAGES
     ]
     assert not offending, "\n".join(offending)
+
+
+def test_tests_mirror_the_rooms():
+    """A room's tests are under its name: every directory directly under tests/ is a room of
+    megatron/ or one of TEST_DIRECTORIES_BESIDE_THE_ROOMS, and the only test modules at the top
+    of tests/ are the PROJECT_TESTS (shared helpers such as launch.py may sit there too)."""
+    rooms = {
+        path.name
+        for path in (REPO_ROOT / "megatron").iterdir()
+        if path.is_dir() and any(path.glob("*.py"))
+    }
+    tests = REPO_ROOT / "tests"
+    strays = [
+        f"tests/{path.name}/: neither a room of megatron/ ({', '.join(sorted(rooms))}) nor in "
+        "TEST_DIRECTORIES_BESIDE_THE_ROOMS"
+        for path in sorted(tests.iterdir())
+        if path.is_dir()
+        and not path.name.startswith(("_", "."))
+        and path.name not in rooms | TEST_DIRECTORIES_BESIDE_THE_ROOMS.keys()
+    ] + [
+        f"tests/{path.name}: a test module outside the rooms; move it to the room it tests"
+        for path in sorted(tests.glob("test_*.py"))
+        if path.name not in PROJECT_TESTS
+    ]
+    assert not strays, "\n".join(strays)
