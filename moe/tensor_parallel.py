@@ -20,9 +20,9 @@ Gradients, rank r, the layer's output gradient dy being complete and replicated:
 With sequence parallelism the layer gets this rank's sequence shard [b, s / tp, h]. The router
 gates the shard and the logits [b, s / tp, E] are all-gathered with a backward that only splits
 (its rows' gradient is complete on every rank): cheaper than gathering the hidden states for it,
-and the router's jitter is drawn on the shard from the rank's stream (not the single-process
-noise, as for dropout; every rank still routes the same gathered logits, and what routing
-itself draws comes from the default generator, alike on every rank). Each rank's
+and the router's jitter is drawn on the shard (from the block's random source, the rank's stream
+when the model has dropout: not the single-process noise, as for dropout; every rank still
+routes the same gathered logits). Each rank's
 router weight gradient then covers its own tokens only: the weight is marked
 `sequence_parallel`, so `megatron.parallel.gradient_sync.GradientSync.after_backwards` sums it over the
 TP group once per step (as for the norms; the router is not all-reduced anywhere else, so nothing is counted
@@ -45,7 +45,6 @@ from megatron.tensor_parallel import (
     reduce_from_tensor_model_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
     set_sequence_parallel_attribute,
-    sharded_dropout_rng,
 )
 from moe.router import Router, Routing
 
@@ -66,10 +65,7 @@ class TensorParallelRegion(nn.Module):
         `tokens` [N, h], which are `shape` [b, s, h] ([b, s / tp, h] with sequence
         parallelism)."""
         if self.sequence_parallel:
-            # The jitter's noise falls on this rank's shard: drawn from the rank's stream.
-            jitter = router.training and router.config.jitter_eps is not None
-            with sharded_dropout_rng(jitter):
-                local_logits = router.logits(tokens).view(*shape[:-1], -1)
+            local_logits = router.logits(tokens).view(*shape[:-1], -1)
             logits = gather_from_sequence_parallel_region(
                 local_logits, tensor_parallel_output_grad=False
             )

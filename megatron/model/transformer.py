@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Sequence, Tuple
+import contextlib
+from typing import TYPE_CHECKING, ContextManager, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -16,6 +17,15 @@ if TYPE_CHECKING:
     from megatron.config import ModelConfig
 
 RotaryCosSin = Optional[Tuple[torch.Tensor, torch.Tensor]]
+
+
+class DefaultRandom(nn.Module):
+    """Where a block's layers draw their random numbers (dropout masks, noise): the default
+    generator. A parameterless part; sequence parallelism swaps it for the tensor-parallel
+    rank's stream (megatron.tensor_parallel.parts.PerRankRandomScope)."""
+
+    def scope(self) -> ContextManager:
+        return contextlib.nullcontext()
 
 
 class TransformerLayer(nn.Module):
@@ -57,9 +67,11 @@ class TransformerBlock(nn.Module):
       "block":   each of the first `recompute_num_layers` layers checkpointed, the rest not.
     Selective recompute lives in SelfAttention (only the core attention is re-run).
 
-    Randomness under tensor parallelism is the parts' business (megatron.tensor_parallel.parts):
-    what draws on a shard draws from the per-rank stream, and the checkpoint's recompute replays
-    those streams (megatron.tensor_parallel.checkpoint).
+    The layers draw their random numbers inside `random_source.scope()`: the default generator
+    as built, the same on every tensor-parallel rank for the replicated residual stream. Under
+    sequence parallelism every dropout in the block acts on this rank's sequence shard, and the
+    swapped-in part makes the whole block draw from the rank's stream (as Megatron does); the
+    checkpoint's recompute replays those streams (megatron.tensor_parallel.checkpoint).
     """
 
     def __init__(
@@ -74,6 +86,7 @@ class TransformerBlock(nn.Module):
             layer_numbers = range(config.num_layers)
         self.layers = nn.ModuleList(TransformerLayer(config, i, mlp_spec) for i in layer_numbers)
         self.final_layernorm = build_norm(config) if final_norm else None
+        self.random_source: nn.Module = DefaultRandom()
 
         self.recompute_full = False
         self.recompute_method: Optional[str] = None
@@ -116,7 +129,8 @@ class TransformerBlock(nn.Module):
     ) -> torch.Tensor:
         """[b, s, h] -> final-normalized [b, s, h] (sequence shards under sequence parallel;
         not normalized on a pipeline stage before the last)."""
-        hidden_states = self._run_all_layers(hidden_states, rotary_cos_sin)
+        with self.random_source.scope():
+            hidden_states = self._run_all_layers(hidden_states, rotary_cos_sin)
         if self.final_layernorm is None:
             return hidden_states
         return self.final_layernorm(hidden_states)

@@ -15,7 +15,7 @@ layer; row-parallel (input split, partial outputs summed or reduce-scattered) fo
 output projection and fc2; vocabulary-parallel for the word embedding and the output head.
 Under sequence parallelism the residual stream between them is this rank's sequence shard: the
 embedding's dropout keeps the shard, every norm sees one shard (its parameters are marked for
-the gradient all-reduce over the TP group), and every dropout in a layer draws from the rank's
+the gradient all-reduce over the TP group), and the layers draw their dropout from the rank's
 stream, as Megatron's do.
 """
 
@@ -27,15 +27,16 @@ from typing import TYPE_CHECKING, Callable, Dict, Mapping, Optional
 from torch import nn
 
 from megatron.model import GPTModel
-from megatron.model.attention import SelfAttention
+from megatron.model.attention import DotProductAttention, SelfAttention
 from megatron.model.embeddings import LanguageModelEmbedding
 from megatron.model.mlp import MLP, MlpSpec
 from megatron.model.norms import RMSNorm
-from megatron.model.transformer import TransformerLayer
+from megatron.model.transformer import TransformerBlock
 from megatron.parallel import parallel_state
 from megatron.tensor_parallel import (
     ColumnParallelLinear,
     PerRankRandom,
+    PerRankRandomScope,
     RowParallelLinear,
     SequenceShard,
     VocabParallelEmbedding,
@@ -81,10 +82,15 @@ def _embedding(embedding: LanguageModelEmbedding, layout: TensorParallelLayout) 
         embedding.embedding_dropout = nn.Sequential(SequenceShard(), _per_rank(dropout))
 
 
-def _transformer_layer(layer: TransformerLayer, layout: TensorParallelLayout) -> None:
-    """Under sequence parallelism the residual dropout acts on a sequence shard."""
-    if layout.sequence_parallel:
-        layer.hidden_dropout = _per_rank(layer.hidden_dropout)
+def _transformer_block(block: TransformerBlock, layout: TensorParallelLayout) -> None:
+    """Under sequence parallelism every dropout in the block acts on a sequence shard: the
+    layers draw from the rank's stream (when anything in them drops out)."""
+    draws = any(getattr(m, "p", 0.0) > 0.0 for m in block.modules() if isinstance(m, nn.Dropout))
+    draws = draws or any(
+        m.dropout > 0.0 for m in block.modules() if isinstance(m, DotProductAttention)
+    )
+    if layout.sequence_parallel and draws:
+        block.random_source = PerRankRandomScope()
 
 
 def _self_attention(attention: SelfAttention, layout: TensorParallelLayout) -> None:
@@ -101,7 +107,9 @@ def _self_attention(attention: SelfAttention, layout: TensorParallelLayout) -> N
     attention.linear_proj = RowParallelLinear.from_linear(attention.linear_proj, sequence_parallel)
     attention.num_heads //= layout.size
     attention.num_query_groups //= layout.size
-    if attention.core_attention.dropout > 0.0:
+    # Under sequence parallelism the block's scope covers it already (a nested fork would
+    # replay the stream it forked from).
+    if attention.core_attention.dropout > 0.0 and not sequence_parallel:
         attention.core_attention = PerRankRandom(attention.core_attention)
 
 
@@ -129,7 +137,7 @@ def _per_rank(dropout: nn.Module) -> nn.Module:
 STYLES: Dict[type, TensorParallelStyle] = {
     GPTModel: _gpt_model,
     LanguageModelEmbedding: _embedding,
-    TransformerLayer: _transformer_layer,
+    TransformerBlock: _transformer_block,
     SelfAttention: _self_attention,
     MLP: _mlp,
     nn.LayerNorm: _norm,

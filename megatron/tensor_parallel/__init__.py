@@ -22,7 +22,12 @@ from megatron.tensor_parallel.mappings import (
     scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
-from megatron.tensor_parallel.parts import PerRankRandom, SequenceShard, VocabParallelOutputHead
+from megatron.tensor_parallel.parts import (
+    PerRankRandom,
+    PerRankRandomScope,
+    SequenceShard,
+    VocabParallelOutputHead,
+)
 from megatron.tensor_parallel.random import (
     EXPERT_PARALLEL_RNG,
     MODEL_PARALLEL_RNG,
@@ -39,6 +44,7 @@ __all__ = [
     "MODEL_PARALLEL_RNG",
     "ColumnParallelLinear",
     "PerRankRandom",
+    "PerRankRandomScope",
     "RNGStatesTracker",
     "RowParallelLinear",
     "SequenceShard",

@@ -10,6 +10,7 @@ parameter, so a swap changes no checkpoint key.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -38,6 +39,16 @@ class PerRankRandom(nn.Module):
     def forward(self, *args, **kwargs):
         with sharded_dropout_rng(self.training):
             return self.module(*args, **kwargs)
+
+
+class PerRankRandomScope(nn.Module):
+    """The parallel form of a block's random source (megatron.model.transformer.DefaultRandom):
+    while training, everything the block's layers draw comes from this tensor-parallel rank's
+    stream. For a block whose residual stream is a sequence shard: one scope around all its
+    layers rather than one per dropout, so a compiled model breaks its graph once."""
+
+    def scope(self) -> contextlib.AbstractContextManager:
+        return sharded_dropout_rng(self.training)
 
 
 class SequenceShard(nn.Module):

@@ -216,9 +216,19 @@ def _check_which_stream_each_dropout_draws_from(model: GPTModel, sp: bool) -> No
     tokens, labels = tokens_and_labels(model.config)
     default_before = torch.get_rng_state()
     rank_stream_before = tracker.get_states()[MODEL_PARALLEL_RNG]
-    model(tokens, labels=labels)
+    forks = []
+    fork = tracker.fork
+    tracker.fork = lambda *args: forks.append(args) or fork(*args)
+    try:
+        model(tokens, labels=labels)
+    finally:
+        del tracker.fork
     assert not torch.equal(tracker.get_states()[MODEL_PARALLEL_RNG], rank_stream_before)
     assert torch.equal(torch.get_rng_state(), default_before) == sp
+    # Each fork swaps generator states, and a compiled model breaks its graph there: under
+    # sequence parallelism the embedding's dropout and the block fork once each, not every
+    # dropout; otherwise each layer's attention forks.
+    assert len(forks) == (2 if sp else model.config.num_layers)
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp_sp"])
