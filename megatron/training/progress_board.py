@@ -38,11 +38,19 @@ def is_collective_timeout(error: BaseException) -> bool:
     return "timed out" in text or "timeout" in text
 
 
+def _is_project_file(filename: str) -> bool:
+    """A file of this repository, not of a library installed inside it (a virtual environment
+    created in the checkout, such as `.venv/`, also lies under the repository root)."""
+    return filename.startswith(_PROJECT) and not any(
+        part in filename for part in ("site-packages", "dist-packages")
+    )
+
+
 def _collective_of(error: BaseException) -> str:
     """The torch.distributed call that raised `error` and the project code that called it, from
     the traceback; gradients reduced by DDP during backward have no Python frame of their own."""
     frames = traceback.extract_tb(error.__traceback__)
-    ours = [i for i, frame in enumerate(frames) if frame.filename.startswith(_PROJECT)]
+    ours = [i for i, frame in enumerate(frames) if _is_project_file(frame.filename)]
     if not ours:
         return "a collective"
     caller = frames[ours[-1]]

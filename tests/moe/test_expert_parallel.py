@@ -37,7 +37,7 @@ from megatron.parallel.parallelize import compile_model, place_experts
 from moe.arguments import add_moe_args
 from moe.config import MoEConfig, moe_config
 from moe.kernels.grouped_gemm import MOE as MOE_GEMM
-from moe.kernels.grouped_gemm import TORCH
+from moe.kernels.grouped_gemm import TORCH, torch_has_grouped_mm
 from moe.layers import build_moe_layer
 from moe.mlp_spec import MoEMlpSpec
 from tests.config.command_lines import argv
@@ -177,9 +177,19 @@ def test_two_ranks_match_one_process(impl, top_k):
     check_against_one_process(impl, top_k, world_size=2, ep=2)
 
 
+NEEDS_TORCH_GROUPED_MM = pytest.mark.skipif(
+    not torch_has_grouped_mm(),
+    reason="this torch has no torch._grouped_mm (2.8 and newer)",
+)
+
+
 @pytest.mark.parametrize(
     "impl, grouped_gemm",
-    [("grouped", MOE_GEMM), ("grouped", TORCH), ("sparse", MOE_GEMM)],
+    [
+        ("grouped", MOE_GEMM),
+        pytest.param("grouped", TORCH, marks=NEEDS_TORCH_GROUPED_MM),
+        ("sparse", MOE_GEMM),
+    ],
     ids=["grouped", "grouped_torch_grouped_mm", "sparse"],
 )
 def test_fixed_size_blocks_match_one_process(impl, grouped_gemm):
@@ -487,6 +497,7 @@ def _compiled_blocks_step(rank: int, world_size: int, grouped_gemm: str) -> list
         parallel_state.destroy_model_parallel()
 
 
+@NEEDS_TORCH_GROUPED_MM
 def test_fixed_size_blocks_compile_as_one_graph():
     """With torch._grouped_mm (the grouped GEMM a run on Hopper compiles), the expert-parallel
     layer in fixed-size blocks traces whole: no graph break, no host sync; the same numbers,
