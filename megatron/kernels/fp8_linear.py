@@ -1,0 +1,161 @@
+"""FP8 linear products: y = x w^T with its three matmuls on FP8 operands, and their reference.
+
+A training step multiplies three times per linear layer: forward y = x w^T, the input gradient
+dx = dy w, the weight gradient dw = dy^T x. Each product here quantizes its two operands to an
+FP8 dtype with scales, multiplies them with `torch._scaled_mm` (FP8 tensor cores on Hopper and
+MI300, fp32 accumulation) and writes the result in the activations' dtype. The master weight,
+its gradient and the activations keep their own dtypes: FP8 exists only inside the products.
+
+Recipes (Megatron-Core's `--fp8-recipe` names):
+- "tensorwise": one scale per operand, amax over the whole tensor;
+- "rowwise": one scale per row of the left operand and per column of the right one, along the
+  reduction dimension's orthogonal axis, so an outlier spoils only its own row.
+Formats (`--fp8-format`): "e4m3" quantizes every operand to e4m3; "hybrid" keeps e4m3 for the
+forward's operands and uses e5m2, with its wider range, for the output gradient.
+
+Scales are computed from the current amax (dynamic scaling): scale = max_finite / amax, so the
+largest magnitude maps onto the dtype's largest finite value; the product is divided back by
+both scales. `fp8_linear_reference` quantizes and dequantizes the same way and multiplies in
+fp32: the op must match it up to the order of fp32 sums.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+
+FP8_FORMATS = ("e4m3", "hybrid")
+FP8_RECIPES = ("tensorwise", "rowwise")
+
+# Below this amax a tensor is treated as zero (its scale stays finite).
+_AMAX_FLOOR = 1e-12
+
+
+@dataclass(frozen=True)
+class Fp8Recipe:
+    """How the three products quantize: `scaling` one of FP8_RECIPES, `format` one of
+    FP8_FORMATS; `fnuz`: the dtypes without negative zero and infinities that MI300X's FP8
+    units use (ROCm), chosen by `Fp8Recipe.for_device`."""
+
+    scaling: str = "tensorwise"
+    format: str = "e4m3"
+    fnuz: bool = False
+
+    def __post_init__(self) -> None:
+        if self.scaling not in FP8_RECIPES:
+            raise ValueError(f"FP8 recipe {self.scaling!r}: use one of {FP8_RECIPES}")
+        if self.format not in FP8_FORMATS:
+            raise ValueError(f"FP8 format {self.format!r}: use one of {FP8_FORMATS}")
+
+    @property
+    def forward_dtype(self) -> torch.dtype:
+        """The dtype of the inputs and weights."""
+        return torch.float8_e4m3fnuz if self.fnuz else torch.float8_e4m3fn
+
+    @property
+    def gradient_dtype(self) -> torch.dtype:
+        """The dtype of the output gradient."""
+        if self.format == "e4m3":
+            return self.forward_dtype
+        return torch.float8_e5m2fnuz if self.fnuz else torch.float8_e5m2
+
+
+def quantize(
+    tensor: torch.Tensor, dtype: torch.dtype, rowwise_dim: Optional[int]
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(tensor in `dtype`, the fp32 inverse scale to multiply a product by). One scale for the
+    whole 2-D tensor, or with `rowwise_dim` one per slice along the other dimension: amax over
+    `rowwise_dim`, kept as a size-1 dimension so that it broadcasts."""
+    magnitude = tensor.detach().abs().float()
+    if rowwise_dim is None:
+        amax = magnitude.amax()
+    else:
+        amax = magnitude.amax(dim=rowwise_dim, keepdim=True)
+    scale = torch.finfo(dtype).max / amax.clamp(min=_AMAX_FLOOR)
+    quantized = (tensor.float() * scale).clamp(-torch.finfo(dtype).max, torch.finfo(dtype).max)
+    return quantized.to(dtype), scale.reciprocal()
+
+
+def _scaled_product(
+    left: torch.Tensor,
+    right: torch.Tensor,
+    left_dtype: torch.dtype,
+    right_dtype: torch.dtype,
+    rowwise: bool,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """left [M, K] @ right [K, N] with both quantized (per row of `left` and per column of
+    `right` when `rowwise`), accumulated in fp32 by torch._scaled_mm."""
+    left_q, left_inverse = quantize(left, left_dtype, 1 if rowwise else None)
+    # _scaled_mm wants its right operand column-major: the transpose of a row-major [N, K].
+    right_q, right_inverse = quantize(right.t().contiguous(), right_dtype, 1 if rowwise else None)
+    right_inverse = right_inverse.t().contiguous() if rowwise else right_inverse
+    # CUDA's rowwise-scaled product writes bf16 only.
+    product_dtype = torch.bfloat16 if rowwise and left.is_cuda else out_dtype
+    product = torch._scaled_mm(
+        left_q,
+        right_q.t(),
+        scale_a=left_inverse,
+        scale_b=right_inverse,
+        out_dtype=product_dtype,
+    )
+    return product.to(out_dtype)
+
+
+class _Fp8Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, recipe: Fp8Recipe) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.recipe = recipe
+        rowwise = recipe.scaling == "rowwise"
+        rows = x.reshape(-1, x.shape[-1])
+        forward = recipe.forward_dtype
+        y = _scaled_product(rows, weight.t(), forward, forward, rowwise, x.dtype)
+        return y.view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        recipe: Fp8Recipe = ctx.recipe
+        rowwise = recipe.scaling == "rowwise"
+        rows = x.reshape(-1, x.shape[-1])
+        grad_rows = grad_output.reshape(-1, grad_output.shape[-1])
+        forward, gradient = recipe.forward_dtype, recipe.gradient_dtype
+        grad_x = _scaled_product(grad_rows, weight, gradient, forward, rowwise, x.dtype)
+        grad_weight = _scaled_product(grad_rows.t(), rows, gradient, forward, rowwise, weight.dtype)
+        return grad_x.view_as(x), grad_weight, None
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, recipe: Fp8Recipe) -> torch.Tensor:
+    """x [..., in] @ weight [out, in]^T with FP8 operands in all three products (the module
+    docstring); the output and gradients in x's and weight's dtypes."""
+    return _Fp8Linear.apply(x, weight, recipe)
+
+
+def _dequantized(tensor: torch.Tensor, dtype: torch.dtype, rowwise_dim: Optional[int]):
+    quantized, inverse = quantize(tensor, dtype, rowwise_dim)
+    return quantized.float() * inverse
+
+
+def fp8_linear_reference(
+    x: torch.Tensor, weight: torch.Tensor, grad_output: torch.Tensor, recipe: Fp8Recipe
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, dx, dw) of `fp8_linear` for the output gradient `grad_output`, from operands
+    quantized and dequantized alike and multiplied in fp32."""
+    rowwise = recipe.scaling == "rowwise"
+    forward, gradient = recipe.forward_dtype, recipe.gradient_dtype
+    rows = x.reshape(-1, x.shape[-1])
+    grad_rows = grad_output.reshape(-1, grad_output.shape[-1])
+
+    def product(left, right, left_dtype, right_dtype):
+        # Rowwise: per row of the left operand, per column of the right one.
+        left_dq = _dequantized(left, left_dtype, 1 if rowwise else None)
+        right_dq = _dequantized(right, right_dtype, 0 if rowwise else None)
+        return left_dq @ right_dq
+
+    y = product(rows, weight.t(), forward, forward).to(x.dtype)
+    grad_x = product(grad_rows, weight, gradient, forward).to(x.dtype)
+    grad_weight = product(grad_rows.t(), rows, gradient, forward).to(weight.dtype)
+    return y.view(*x.shape[:-1], weight.shape[0]), grad_x.view_as(x), grad_weight
