@@ -89,6 +89,9 @@ def _scaled_product(
     """left [M, K] @ right [K, N] with both quantized (per row of `left` and per column of
     `right` when `rowwise`), accumulated in fp32 by torch._scaled_mm."""
     left_q, left_inverse = quantize(left, left_dtype, 1 if rowwise else None)
+    # _scaled_mm wants its left operand row-major (the weight gradient's is a transpose): the
+    # copy is of the 1-byte quantized tensor.
+    left_q = left_q.contiguous()
     # _scaled_mm wants its right operand column-major: the transpose of a row-major [N, K].
     right_q, right_inverse = quantize(right.t().contiguous(), right_dtype, 1 if rowwise else None)
     right_inverse = right_inverse.t().contiguous() if rowwise else right_inverse

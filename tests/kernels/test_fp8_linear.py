@@ -93,3 +93,17 @@ def test_formats_choose_their_dtypes_in_one_place():
     )
     with pytest.raises(ValueError, match="blockwise"):
         Fp8Recipe("blockwise")
+
+
+@pytest.mark.parametrize("scaling", FP8_RECIPES)
+def test_the_op_compiles_as_one_graph_and_agrees(scaling):
+    """torch.compile traces the op whole (the amax, scale and cast fuse around each product)
+    and meets _scaled_mm's operand layouts: the weight gradient's left operand is a transpose."""
+    recipe = Fp8Recipe(scaling)
+    results = []
+    for run in (fp8_linear, torch.compile(fp8_linear, fullgraph=True)):
+        x, weight, grad_output = _operands(3)
+        run(x, weight, recipe).backward(grad_output)
+        results.append((x.grad, weight.grad))
+    for got, expected in zip(results[1], results[0]):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
