@@ -131,6 +131,19 @@ def add_mixed_precision_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--fp16", action="store_true", help="Train in float16 with loss scaling.")
     group.add_argument("--bf16", action="store_true", help="Train in bfloat16.")
     group.add_argument(
+        "--fp8-format",
+        choices=["e4m3", "hybrid"],
+        default=None,
+        help="Multiply the attention and MLP projections in FP8 (with --bf16; never the "
+        "embedding, output layer, norms or loss): e4m3 everywhere, or hybrid (e5m2 gradients).",
+    )
+    group.add_argument(
+        "--fp8-recipe",
+        choices=["tensorwise", "rowwise"],
+        default="tensorwise",
+        help="FP8 scaling: one dynamic scale per tensor, or per row (more accurate, slower).",
+    )
+    group.add_argument(
         "--loss-scale",
         type=float,
         default=None,

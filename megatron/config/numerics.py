@@ -25,7 +25,9 @@ class Numerics:
     or None where the parameters' own fp32 `.grad` is used. weight_copies_dtype: the dtype of
     the per-step copies of weights whose layers accumulate their gradients themselves
     (--gradient-accumulation-fusion with bf16/fp16), or None where autocast casts the weights
-    in every micro-batch. offload_fraction: the share of the optimizer state on the host."""
+    in every micro-batch. offload_fraction: the share of the optimizer state on the host.
+    fp8_format, fp8_recipe: the FP8 products of the attention and MLP projections
+    (megatron.kernels.fp8_linear), or None without them."""
 
     compute_dtype: torch.dtype
     main_grads_dtype: Optional[torch.dtype]
@@ -33,6 +35,8 @@ class Numerics:
     exp_avg_sq_dtype: torch.dtype
     weight_copies_dtype: Optional[torch.dtype]
     offload_fraction: float
+    fp8_format: Optional[str] = None
+    fp8_recipe: Optional[str] = None
 
     @property
     def autocast(self) -> bool:
@@ -70,4 +74,6 @@ class Numerics:
             offload_fraction=(
                 optimizer.optimizer_offload_fraction if optimizer.optimizer_cpu_offload else 0.0
             ),
+            fp8_format=training.fp8_format,
+            fp8_recipe=training.fp8_recipe if training.fp8_format is not None else None,
         )

@@ -95,6 +95,9 @@ class TrainingConfig:
     train_samples: int | None = None
     fp16: bool = False
     bf16: bool = False
+    # FP8 products in the attention and MLP projections (megatron.kernels.fp8_linear).
+    fp8_format: str | None = None
+    fp8_recipe: str = "tensorwise"
     use_flash_attn: bool = False
     torch_compile: bool = True  # on GPUs only; --no-torch-compile turns it off
     # torch's deterministic algorithms (and cuBLAS/NCCL settings) for bit-exact GPU reruns and

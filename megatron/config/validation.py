@@ -147,6 +147,11 @@ def _resolve_batch_size(args: argparse.Namespace, notes: List[str]) -> None:
 def _resolve_precision(args: argparse.Namespace, notes: List[str]) -> None:
     if args.fp16 and args.bf16:
         raise ConfigError("--fp16 and --bf16 were both given; choose one")
+    if getattr(args, "fp8_format", None) is not None and not args.bf16:
+        raise ConfigError(
+            f"--fp8-format {args.fp8_format} multiplies the projections in FP8 inside bf16 "
+            "training: add --bf16"
+        )
     if args.DDP_impl == "torch" and args.accumulate_allreduce_grads_in_fp32:
         raise ConfigError(
             "--accumulate-allreduce-grads-in-fp32 needs --DDP-impl local (torch DDP reduces "

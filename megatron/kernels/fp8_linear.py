@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
+from torch import nn
 
 FP8_FORMATS = ("e4m3", "hybrid")
 FP8_RECIPES = ("tensorwise", "rowwise")
@@ -109,13 +110,15 @@ def _scaled_product(
 
 class _Fp8Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, recipe: Fp8Recipe) -> torch.Tensor:
+    def forward(
+        ctx, x: torch.Tensor, weight: torch.Tensor, recipe: Fp8Recipe, out_dtype: torch.dtype
+    ) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
         ctx.recipe = recipe
         rowwise = recipe.scaling == "rowwise"
         rows = x.reshape(-1, x.shape[-1])
         forward = recipe.forward_dtype
-        y = _scaled_product(rows, weight.t(), forward, forward, rowwise, x.dtype)
+        y = _scaled_product(rows, weight.t(), forward, forward, rowwise, out_dtype)
         return y.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
@@ -128,13 +131,96 @@ class _Fp8Linear(torch.autograd.Function):
         forward, gradient = recipe.forward_dtype, recipe.gradient_dtype
         grad_x = _scaled_product(grad_rows, weight, gradient, forward, rowwise, x.dtype)
         grad_weight = _scaled_product(grad_rows.t(), rows, gradient, forward, rowwise, weight.dtype)
-        return grad_x.view_as(x), grad_weight, None
+        return grad_x.view_as(x), grad_weight, None, None
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, recipe: Fp8Recipe) -> torch.Tensor:
-    """x [..., in] @ weight [out, in]^T with FP8 operands in all three products (the module
-    docstring); the output and gradients in x's and weight's dtypes."""
-    return _Fp8Linear.apply(x, weight, recipe)
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    recipe: Fp8Recipe,
+    bias: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """x [..., in] @ weight [out, in]^T (+ bias) with FP8 operands in all three products (the
+    module docstring). The output in autocast's dtype where autocast is on (as F.linear's),
+    else in x's; the gradients in x's and weight's dtypes."""
+    device_type = x.device.type
+    out_dtype = x.dtype
+    if torch.is_autocast_enabled(device_type):
+        out_dtype = torch.get_autocast_dtype(device_type)
+        # As autocast casts F.linear's input: the product saves x in the compute dtype for
+        # the weight gradient, not an fp32 copy (a norm's output under autocast is fp32).
+        x = x.to(out_dtype)
+    y = _Fp8Linear.apply(x, weight, recipe, out_dtype)
+    return y if bias is None else y + bias.to(out_dtype)
+
+
+class Fp8Linear(nn.Linear):
+    """torch's linear layer whose product is `fp8_linear`: the same parameters (and checkpoint
+    keys), so a model moves between FP8 and bf16 runs either way."""
+
+    recipe: Fp8Recipe
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, recipe: Fp8Recipe) -> Fp8Linear:
+        """`linear`'s parameters (shared, not copied) in an Fp8Linear."""
+        with torch.device("meta"):
+            layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None)
+        layer.weight = linear.weight
+        layer.bias = linear.bias
+        layer.recipe = recipe
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fp8_linear(x, self.weight, self.recipe, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, fp8={self.recipe.scaling}/{self.recipe.format}"
+
+
+class Fp8Product(nn.Module):
+    """A parallel linear layer's local product (megatron.tensor_parallel.layers' `product`
+    part, F.linear as built) in FP8. No parameters."""
+
+    def __init__(self, recipe: Fp8Recipe) -> None:
+        super().__init__()
+        self.recipe = recipe
+
+    def forward(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        return fp8_linear(x, weight, self.recipe, bias)
+
+
+def fp8_unsupported(device: torch.device) -> Optional[str]:
+    """Why `device` cannot run the FP8 products, or None where it can: NVIDIA GPUs of compute
+    capability 8.9 and newer (Ada, Hopper, Blackwell) and AMD MI300 (gfx942) and newer."""
+    if device.type != "cuda":
+        return (
+            f"FP8 products need a GPU with FP8 tensor cores (NVIDIA compute capability 8.9 or "
+            f"newer, AMD MI300); this run is on the {device.type.upper()}"
+        )
+    if torch.version.hip is not None:
+        architecture = torch.cuda.get_device_properties(device).gcnArchName.split(":")[0]
+        if architecture in ("gfx942", "gfx950") or architecture.startswith("gfx12"):
+            return None
+        return f"this AMD GPU ({architecture}) has no FP8 units; MI300 (gfx942) or newer has"
+    capability = torch.cuda.get_device_capability(device)
+    if capability < (8, 9):
+        name = torch.cuda.get_device_name(device)
+        return (
+            f"{name} (compute capability {capability[0]}.{capability[1]}) has no FP8 tensor "
+            "cores; they need 8.9 or newer (Ada, Hopper)"
+        )
+    return None
+
+
+def recipe_for(device: torch.device, scaling: str, fmt: str) -> Fp8Recipe:
+    """The recipe on `device`: MI300X (gfx942) computes in the fnuz variants, every other FP8
+    GPU in the OCP ones. The one place the FP8 dtypes depend on the hardware."""
+    fnuz = False
+    if device.type == "cuda" and torch.version.hip is not None:
+        fnuz = torch.cuda.get_device_properties(device).gcnArchName.startswith("gfx942")
+    return Fp8Recipe(scaling, fmt, fnuz)
 
 
 def _dequantized(tensor: torch.Tensor, dtype: torch.dtype, rowwise_dim: Optional[int]):

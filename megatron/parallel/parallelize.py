@@ -13,6 +13,7 @@ and hands it to `parallelize`, which returns what the trainer runs. Steps:
 3. Weights (`materialize_weights`): a model built on the meta device gets storage and draws
    its weights; every parallel layer draws its full weight and keeps its shard, so any layout
    starts from the single-process weights.
+   Then, with --fp8-format, the projections' products in FP8 (megatron.parallel.fp8_projections).
 4. Pipeline split (`split_pipeline`): this rank's stage chunks, taking their modules from the
    whole model.
 5. Activation recomputation (`apply_activation_recomputation`): full (whole layers, by
@@ -40,11 +41,13 @@ import torch
 from torch import nn
 
 from megatron.initialize import DistributedContext, print_rank_0
+from megatron.kernels.fp8_linear import recipe_for
 from megatron.model import GPTModel
 from megatron.model.attention import DotProductAttention
 from megatron.model.transformer import TransformerBlock, TransformerLayer
 from megatron.parallel import parallel_state
 from megatron.parallel.expert_parameters import expert_parameters
+from megatron.parallel.fp8_projections import apply_fp8, check_fp8_device
 from megatron.parallel.gradient_sync import GradientSync, wrap_data_parallel
 from megatron.parallel.parameter_swaps import materialize
 from megatron.parallel.tensor_parallelism import apply_tensor_parallel
@@ -87,6 +90,11 @@ def parallelize(
     shard_model(model, config.model)
     for line in parameter_count_lines(model):
         print_rank_0(line)
+    numerics = config.numerics
+    if numerics.fp8_format is not None:
+        check_fp8_device(numerics.fp8_format, context.device)
+        recipe = recipe_for(context.device, numerics.fp8_recipe, numerics.fp8_format)
+        apply_fp8(model, recipe)
     gradient_sync = GradientSync.of(config)
     pipeline = gradient_sync.pipeline
     unwrapped: nn.Module = split_pipeline(model) if pipeline else model

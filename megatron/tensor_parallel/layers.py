@@ -194,6 +194,16 @@ def _take_shards(
     return parallel
 
 
+class LinearProduct(nn.Module):
+    """A parallel linear layer's local product, F.linear: a parameterless part that FP8 swaps for
+    its own (megatron.kernels.fp8_linear.Fp8Product)."""
+
+    def forward(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        return F.linear(x, weight, bias)
+
+
 class ColumnParallelLinear(nn.Module):
     """``y = x A^T + b`` with A split by output features (rows of A) over TP ranks.
 
@@ -228,6 +238,7 @@ class ColumnParallelLinear(nn.Module):
         self.gather_output = gather_output
         self.sequence_parallel = sequence_parallel
         self.stride = stride
+        self.product: nn.Module = LinearProduct()
         self.weight = nn.Parameter(
             torch.empty(
                 self.output_size_per_partition, input_size, dtype=params_dtype, device=device
@@ -279,7 +290,7 @@ class ColumnParallelLinear(nn.Module):
             input_ = gather_from_sequence_parallel_region(input_, SEQUENCE_DIM)
         else:
             input_ = copy_to_tensor_model_parallel_region(input_)
-        output = F.linear(input_, self.weight, self.bias)
+        output = self.product(input_, self.weight, self.bias)
         if self.gather_output:
             output = gather_from_tensor_model_parallel_region(output)
         return output
@@ -324,6 +335,7 @@ class RowParallelLinear(nn.Module):
         self.input_size_per_partition = _divide(input_size, world_size, "input size")
         self.input_is_parallel = input_is_parallel
         self.sequence_parallel = sequence_parallel
+        self.product: nn.Module = LinearProduct()
         self.weight = nn.Parameter(
             torch.empty(
                 output_size, self.input_size_per_partition, dtype=params_dtype, device=device
@@ -365,7 +377,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             input_ = scatter_to_tensor_model_parallel_region(input_)
-        partial = F.linear(input_, self.weight)
+        partial = self.product(input_, self.weight)
         if self.sequence_parallel:
             output = reduce_scatter_to_sequence_parallel_region(partial, SEQUENCE_DIM)
         else:

@@ -33,6 +33,12 @@ PRECISION_AWARE = ("--use-precision-aware-optimizer",)
             ("--bf16", "--optimizer-cpu-offload", "--optimizer-offload-fraction", "0.5"),
             Numerics(BF16, None, FP32, FP32, BF16, 0.5),
         ),
+        (
+            ("--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "rowwise"),
+            Numerics(BF16, None, FP32, FP32, BF16, 0.0, "hybrid", "rowwise"),
+        ),
+        # The recipe means nothing without a format.
+        (("--bf16", "--fp8-recipe", "rowwise"), Numerics(BF16, None, FP32, FP32, BF16, 0.0)),
     ],
 )  # fmt: skip
 def test_precision_flags_decide_the_numerics(flags, expected):

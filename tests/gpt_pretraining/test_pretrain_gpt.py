@@ -106,6 +106,7 @@ def test_fp16_overflow_is_skipped_and_counted(data_prefix, tmp_path):
         (["--num-attention-heads", "5"], "--num-attention-heads"),
         (["--global-batch-size", "6"], "--global-batch-size"),
         (["--bf16", "--fp16"], "--fp16"),
+        (["--fp8-format", "e4m3"], "add --bf16"),
         (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
     ],
 )
@@ -115,6 +116,21 @@ def test_bad_flags_are_rejected_before_work(data_prefix, capsys, extra, message)
     assert exit_info.value.code == 2
     error = capsys.readouterr().err
     assert error.startswith("error: ") and message in error
+
+
+def test_fp8_on_a_device_without_fp8_stops_at_start_up(data_prefix, capsys):
+    """--fp8-format on the CPU: one line saying why, exit 1, before any iteration."""
+    with pytest.raises(SystemExit) as exit_info:
+        pretrain_gpt.main(tiny_gpt_args(data_prefix, "--bf16", "--fp8-format", "e4m3"))
+    assert exit_info.value.code == 1
+    captured = capsys.readouterr()
+    errors = [line for line in captured.err.splitlines() if line.startswith("error: ")]
+    assert errors == [
+        "error: --fp8-format e4m3: FP8 products need a GPU with FP8 tensor cores (NVIDIA "
+        "compute capability 8.9 or newer, AMD MI300); this run is on the CPU; train without "
+        "--fp8-format"
+    ]
+    assert " iteration " not in captured.out
 
 
 class SimulatedKill(BaseException):

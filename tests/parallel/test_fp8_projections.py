@@ -1,0 +1,86 @@
+"""--fp8-format's step (megatron.parallel.fp8_projections): which products turn FP8, that the
+parameters and checkpoint keys stay, and that the model still computes its loss, on one process
+and under tensor parallelism (CPU, torch._scaled_mm's CPU kernels)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from megatron.kernels.fp8_linear import Fp8Linear, Fp8Product, Fp8Recipe
+from megatron.parallel import parallel_state as ps
+from megatron.parallel.fp8_projections import PROJECTION_NAMES, apply_fp8
+from megatron.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from tests.kernels.test_fp8_linear import pytestmark as needs_cpu_scaled_mm
+from tests.launch import run_distributed
+from tests.tiny_gpt import sharded_gpt_model, tiny_model_config
+
+pytestmark = needs_cpu_scaled_mm
+RECIPE = Fp8Recipe("rowwise", "hybrid")
+
+
+def _loss(model: nn.Module, seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 64, (4, 9), generator=generator)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        losses = model(tokens[:, :-1], labels=tokens[:, 1:])
+    return losses.float().mean()
+
+
+def _model(**overrides) -> nn.Module:
+    torch.manual_seed(0)
+    return sharded_gpt_model(tiny_model_config(hidden_size=64, ffn_hidden_size=128, **overrides))
+
+
+def test_the_projections_turn_fp8_and_nothing_else():
+    model = _model()
+    before = dict(model.state_dict(keep_vars=True))
+    apply_fp8(model, RECIPE)
+    fp8 = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, Fp8Linear)}
+    assert fp8 == set(PROJECTION_NAMES)
+    assert sum(isinstance(m, Fp8Linear) for m in model.modules()) == 4 * 2  # 4 per layer
+    assert type(model.embedding.word_embeddings) is nn.Embedding
+    # The same parameter objects under the same keys: checkpoints move either way.
+    after = dict(model.state_dict(keep_vars=True))
+    assert after.keys() == before.keys()
+    assert all(after[key] is before[key] for key in before)
+
+
+def test_the_fp8_model_computes_nearly_the_bf16_loss_and_learns():
+    reference = _loss(_model())
+    model = apply_fp8(_model(), RECIPE)
+    loss = _loss(model)
+    assert not torch.equal(loss, reference)  # quantized
+    assert abs(loss.item() - reference.item()) / reference.item() < 0.02
+    loss.backward()
+    grads = [param.grad for param in model.parameters()]
+    assert all(grad is not None and bool(torch.isfinite(grad).all()) for grad in grads)
+    # The weight gradient is fp32, as the master weight.
+    assert model.decoder.layers[0].mlp.linear_fc1.weight.grad.dtype == torch.float32
+
+
+def _tensor_parallel_loss(rank: int, world_size: int, sequence_parallel: bool) -> float:
+    ps.initialize_model_parallel(tensor_model_parallel_size=world_size)
+    model = _model(tensor_model_parallel_size=world_size, sequence_parallel=sequence_parallel)
+    apply_fp8(model, RECIPE)
+    products = [
+        m.product
+        for m in model.modules()
+        if isinstance(m, (ColumnParallelLinear, RowParallelLinear))
+    ]
+    assert len(products) == 4 * 2  # tied embeddings: no output layer of its own
+    assert all(isinstance(product, Fp8Product) for product in products)
+    loss = _loss(model).item()
+    ps.destroy_model_parallel()
+    return loss
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2_sp"])
+def test_fp8_composes_with_tensor_parallelism(sequence_parallel):
+    """Each rank quantizes its own shards (rowwise: the same scales as one process wherever a
+    row is whole on a rank), so the loss is one process's FP8 loss up to that."""
+    one_process = _loss(apply_fp8(_model(), RECIPE)).item()
+    losses = run_distributed(_tensor_parallel_loss, 2, sequence_parallel)
+    assert losses[0] == losses[1]
+    assert abs(losses[0] - one_process) / one_process < 0.01, (losses, one_process)
