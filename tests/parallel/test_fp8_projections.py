@@ -11,6 +11,7 @@ from torch import nn
 from megatron.kernels.fp8_linear import Fp8Linear, Fp8Product, Fp8Recipe
 from megatron.parallel import parallel_state as ps
 from megatron.parallel.fp8_projections import PROJECTION_NAMES, apply_fp8
+from megatron.parallel.parallelize import apply_activation_recomputation
 from megatron.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from tests.kernels.test_fp8_linear import pytestmark as needs_cpu_scaled_mm
 from tests.launch import run_distributed
@@ -84,3 +85,19 @@ def test_fp8_composes_with_tensor_parallelism(sequence_parallel):
     losses = run_distributed(_tensor_parallel_loss, 2, sequence_parallel)
     assert losses[0] == losses[1]
     assert abs(losses[0] - one_process) / one_process < 0.01, (losses, one_process)
+
+
+@pytest.mark.parametrize("granularity", ["full", "selective"])
+def test_fp8_composes_with_activation_recomputation(granularity):
+    """The recomputed forward quantizes the same tensors the same way: the gradients are the
+    ones without recomputation, exactly."""
+    grads = []
+    for recompute in ({}, {"recompute_granularity": granularity}):
+        if granularity == "full" and recompute:
+            recompute.update(recompute_method="uniform", recompute_num_layers=1)
+        model = apply_fp8(_model(**recompute), RECIPE)
+        apply_activation_recomputation(model, model.config).train()
+        _loss(model).backward()
+        grads.append({name: param.grad for name, param in model.named_parameters()})
+    for name, grad in grads[0].items():
+        assert torch.equal(grads[1][name], grad), name
