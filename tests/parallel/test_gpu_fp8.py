@@ -1,0 +1,90 @@
+"""pretrain_gpt.py with --fp8-format on GPUs with FP8 tensor cores (NVIDIA compute capability
+8.9+, AMD MI300): the FP8 run follows the bf16 run's losses, tensor parallelism gives one GPU's
+FP8 losses, and checkpoints move between FP8 and bf16 runs either way.
+
+GPU-marked (`pytest -m gpu tests/parallel/test_gpu_fp8.py`); the tests skip cleanly on a machine
+without FP8 units or with fewer GPUs than they need. A tiny GPT (hidden 64: every projection's
+dimensions are multiples of 16, as torch._scaled_mm requires), bf16, 20 iterations.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron.kernels.fp8_linear import fp8_unsupported
+from tests.tiny_gpt import tensorboard_scalars, tiny_gpt_args
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+ITERATIONS = 20
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or fp8_unsupported(torch.device("cuda")) is not None,
+        reason="needs a GPU with FP8 tensor cores",
+    ),
+]
+
+
+def run(nproc: int, data_prefix: str, root: Path, *extra: str) -> dict:
+    """The run's {iteration: lm loss}, on `nproc` GPUs under torchrun (NCCL)."""
+    args = tiny_gpt_args(
+        data_prefix, "--bf16", "--make-vocab-size-divisible-by", "64", *extra,
+        train_iters=ITERATIONS, eval_iters=0,
+    )  # fmt: skip
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        "--nproc_per_node", str(nproc), str(REPO_ROOT / "pretrain_gpt.py"),
+        *args, "--tensorboard-dir", str(root / "tb"),
+    ]  # fmt: skip
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
+    done = subprocess.run(
+        command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=900
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return tensorboard_scalars(root / "tb", ["lm loss"])["lm loss"]
+
+
+def assert_close(expected: dict, actual: dict, relative: float) -> None:
+    assert actual.keys() == expected.keys()
+    for step, loss in expected.items():
+        assert actual[step] == pytest.approx(loss, rel=relative), (step, expected, actual)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_fp8_follows_the_bf16_losses(recipe, data_prefix, tmp_path):
+    bf16 = run(1, data_prefix, tmp_path / "bf16")
+    fp8 = run(1, data_prefix, tmp_path / "fp8", "--fp8-format", "hybrid", "--fp8-recipe", recipe)
+    assert fp8 != bf16  # the products were quantized
+    assert_close(bf16, fp8, relative=0.02)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2_sp"])
+def test_fp8_under_tensor_parallelism_follows_one_gpu(sequence_parallel, data_prefix, tmp_path):
+    fp8 = ("--fp8-format", "hybrid", "--fp8-recipe", "rowwise")
+    one_gpu = run(1, data_prefix, tmp_path / "one", *fp8)
+    layout = ["--tensor-model-parallel-size", "2"]
+    if sequence_parallel:
+        layout.append("--sequence-parallel")
+    assert_close(one_gpu, run(2, data_prefix, tmp_path / "tp2", *fp8, *layout), relative=0.01)
+
+
+@pytest.mark.parametrize("first, then", [("fp8", "bf16"), ("bf16", "fp8")])
+def test_a_checkpoint_moves_between_fp8_and_bf16(first, then, data_prefix, tmp_path):
+    """Saved at iteration 10 by one kind of run, resumed to 20 by the other: the same parameter
+    names and dtypes, so the load takes them all, and the losses go on from there."""
+    flags = {"fp8": ("--fp8-format", "e4m3"), "bf16": ()}
+    save = ("--save", str(tmp_path / "ckpt"), "--save-interval", "10")
+    straight = run(1, data_prefix, tmp_path / "straight", *flags[then])
+    run(1, data_prefix, tmp_path / "first", *flags[first], *save, "--exit-interval", "10")
+    resumed = run(1, data_prefix, tmp_path / "then", *flags[then], *save, "--load", save[1])
+    assert min(resumed) == 11
+    later = {step: loss for step, loss in straight.items() if step > 10}
+    assert_close(later, resumed, relative=0.05)
