@@ -11,10 +11,15 @@ from torch import nn
 from megatron.kernels.fp8_linear import Fp8Linear, Fp8Product, Fp8Recipe
 from megatron.parallel import parallel_state as ps
 from megatron.parallel.fp8_projections import PROJECTION_NAMES, apply_fp8
-from megatron.parallel.parallelize import apply_activation_recomputation
+from megatron.parallel.gradient_sync import reduce_tied_embedding_gradients
+from megatron.parallel.parallelize import apply_activation_recomputation, split_pipeline
+from megatron.pipeline.p2p import ActivationSpec
+from megatron.pipeline.schedules import forward_backward_pipelining_without_interleaving
+from megatron.pipeline.stages import stage_to_full_names
 from megatron.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from tests.kernels.test_fp8_linear import pytestmark as needs_cpu_scaled_mm
 from tests.launch import run_distributed
+from tests.pipeline.test_pipeline_parallel import micro_batches
 from tests.tiny_gpt import sharded_gpt_model, tiny_model_config
 
 pytestmark = needs_cpu_scaled_mm
@@ -112,3 +117,50 @@ def test_the_fp8_model_compiles_as_one_graph():
     loss = _loss(compiled)
     loss.backward()
     torch.testing.assert_close(loss, eager, rtol=1e-3, atol=0)
+
+
+def _pipeline_fp8(rank: int, world_size: int) -> dict:
+    """One step of a 2-stage 1F1B pipeline over a model whose projections were made FP8 before
+    the split (as parallelize orders the steps), against the same model on one process."""
+    config = tiny_model_config(num_layers=4, hidden_size=64, ffn_hidden_size=128)
+    batches = micro_batches(config, 0, 4)
+
+    def forward_step(model, batch):
+        output = model(batch["tokens"], labels=batch["labels"])
+        if not model.post_process:
+            return output, {}
+        loss = output.mean()
+        return loss, {"lm loss": loss.detach()}
+
+    torch.manual_seed(0)
+    whole = apply_fp8(sharded_gpt_model(config), RECIPE)
+    expected_loss = 0.0
+    for batch in batches:
+        loss, _ = forward_step(whole, batch)
+        (loss / len(batches)).backward()
+        expected_loss += loss.item() / len(batches)
+    expected_grads = {name: param.grad for name, param in whole.named_parameters()}
+
+    ps.initialize_model_parallel(pipeline_model_parallel_size=world_size)
+    torch.manual_seed(0)
+    chunk = split_pipeline(apply_fp8(sharded_gpt_model(config), RECIPE))[0]
+    assert any(isinstance(module, Fp8Linear) for module in chunk.modules())
+    spec = ActivationSpec((batches[0]["tokens"].shape[0], config.seq_length, config.hidden_size))
+    reported = forward_backward_pipelining_without_interleaving(
+        forward_step, iter(batches), chunk, len(batches), spec
+    )
+    reduce_tied_embedding_gradients([chunk])
+    grads = stage_to_full_names({n: p.grad for n, p in chunk.named_parameters()}, chunk)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected_grads[name], rtol=1e-5, atol=1e-6)
+    ps.destroy_model_parallel()
+    loss = reported["lm loss"].item() / len(batches) if reported else None
+    return {"loss": loss, "expected": expected_loss}
+
+
+def test_fp8_composes_with_pipeline_parallelism():
+    """Each stage quantizes the same tensors as one process: the losses and every gradient are
+    one process's FP8 ones."""
+    results = run_distributed(_pipeline_fp8, 2)
+    assert results[0]["loss"] is None
+    assert results[1]["loss"] == pytest.approx(results[1]["expected"], rel=1e-6)
