@@ -17,6 +17,8 @@ from megatron.pipeline.p2p import ActivationSpec
 from megatron.pipeline.schedules import forward_backward_pipelining_without_interleaving
 from megatron.pipeline.stages import stage_to_full_names
 from megatron.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from moe.config import MoEConfig
+from moe.mlp_spec import MoEMlpSpec
 from tests.kernels.test_fp8_linear import pytestmark as needs_cpu_scaled_mm
 from tests.launch import run_distributed
 from tests.pipeline.test_pipeline_parallel import micro_batches
@@ -164,3 +166,18 @@ def test_fp8_composes_with_pipeline_parallelism():
     results = run_distributed(_pipeline_fp8, 2)
     assert results[0]["loss"] is None
     assert results[1]["loss"] == pytest.approx(results[1]["expected"], rel=1e-6)
+
+
+def test_in_a_dmoe_model_the_shared_expert_turns_fp8_and_the_router_does_not():
+    """The MoE layer's shared expert is a dense MLP (its projections turn FP8); the router's
+    gate and the experts' weights stay as they are (the grouped expert products are not FP8
+    yet)."""
+    config = tiny_model_config(hidden_size=64, ffn_hidden_size=128)
+    moe = MoEConfig(num_experts=4, top_k=2, shared_expert=True)
+    torch.manual_seed(0)
+    model = apply_fp8(sharded_gpt_model(config, MoEMlpSpec(moe)), RECIPE)
+    mlp = model.decoder.layers[0].mlp
+    assert isinstance(mlp.shared_expert.linear_fc1, Fp8Linear)
+    assert isinstance(mlp.shared_expert.linear_fc2, Fp8Linear)
+    assert type(mlp.router.layer) is nn.Linear
+    assert isinstance(model.decoder.layers[0].self_attention.linear_qkv, Fp8Linear)
