@@ -10,13 +10,10 @@ from moe.config import MoEConfig
 from moe.kernels import grouped_gemm
 from moe.kernels.grouped_gemm import MOE, TORCH
 from moe.layers import build_moe_layer
+from tests.markers import needs_torch_grouped_mm
 
 # The one-graph compiled dMoE is built on torch._grouped_mm, which torch has from 2.8 on; older
 # torch compiles the layer around its Triton ops (the last test below covers that path).
-needs_torch_grouped_mm = pytest.mark.skipif(
-    not grouped_gemm.torch_has_grouped_mm(),
-    reason=f"torch {torch.__version__} has no torch._grouped_mm (2.8 and newer)",
-)
 
 
 def _layer(top_k: int, mlp_type: str = "mlp", backend: str = TORCH):
