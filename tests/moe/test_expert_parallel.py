@@ -15,14 +15,10 @@ import torch
 import torch.distributed as dist
 
 from megatron.config import (
-    Config,
-    ConfigError,
     ModelConfig,
     OptimizerConfig,
     TrainingConfig,
-    parse_arguments,
 )
-from megatron.config.validation import resolve_arguments_with_notes
 from megatron.model import GPTModel
 from megatron.optimizer import build_optimizer
 from megatron.parallel import parallel_state
@@ -34,14 +30,13 @@ from megatron.parallel.expert_parameters import (
 )
 from megatron.parallel.gradient_sync import data_parallel_ignored_names, wrap_data_parallel
 from megatron.parallel.parallelize import compile_model, place_experts
-from moe.arguments import add_moe_args
-from moe.config import MoEConfig, moe_config
+from moe.config import MoEConfig
 from moe.kernels.grouped_gemm import MOE as MOE_GEMM
-from moe.kernels.grouped_gemm import TORCH, torch_has_grouped_mm
+from moe.kernels.grouped_gemm import TORCH
 from moe.layers import build_moe_layer
 from moe.mlp_spec import MoEMlpSpec
-from tests.config.command_lines import argv
 from tests.launch import run_distributed
+from tests.markers import needs_torch_grouped_mm
 from tests.tiny_gpt import moe_layer_model_config, sharded_gpt_model
 
 HIDDEN, FFN, TOKENS, EXPERTS = 8, 32, 6, 4
@@ -177,17 +172,11 @@ def test_two_ranks_match_one_process(impl, top_k):
     check_against_one_process(impl, top_k, world_size=2, ep=2)
 
 
-NEEDS_TORCH_GROUPED_MM = pytest.mark.skipif(
-    not torch_has_grouped_mm(),
-    reason="this torch has no torch._grouped_mm (2.8 and newer)",
-)
-
-
 @pytest.mark.parametrize(
     "impl, grouped_gemm",
     [
         ("grouped", MOE_GEMM),
-        pytest.param("grouped", TORCH, marks=NEEDS_TORCH_GROUPED_MM),
+        pytest.param("grouped", TORCH, marks=needs_torch_grouped_mm),
         ("sparse", MOE_GEMM),
     ],
     ids=["grouped", "grouped_torch_grouped_mm", "sparse"],
@@ -395,75 +384,6 @@ def test_data_parallel_wrapper_leaves_experts_alone():
         assert torch.all(result["experts_grad"] == float(rank + 1))
 
 
-def test_experts_not_divisible_by_expert_parallel_size():
-    config = MoEConfig(num_experts=6)
-    with pytest.raises(ConfigError, match=r"--moe-num-experts 6 .* expert parallel size 4"):
-        config.check_expert_parallelism(4)
-    layer = build_moe_layer(model_config(), config)
-    with pytest.raises(ConfigError, match=r"--moe-num-experts 6 .* expert parallel size 4"):
-        layer.place_experts(4, 0)
-
-
-@pytest.mark.parametrize(
-    "overrides, message",
-    [
-        (dict(mlp_impl="reference"), "--moe-impl reference"),
-    ],
-)
-def test_unsupported_expert_parallel_layers_say_so(overrides, message):
-    layer = build_moe_layer(model_config(), MoEConfig(num_experts=4, **overrides))
-    with pytest.raises(ConfigError, match=message):
-        layer.place_experts(2, 0)
-
-
-def run_config(*flags: str, world_size: int) -> Config:
-    """pretrain_gpt.py's config of a small dMoE with 6 experts and `flags` on `world_size`."""
-    namespace = parse_arguments(argv("--moe-num-experts", "6", *flags), [add_moe_args])
-    resolved, notes = resolve_arguments_with_notes(namespace, world_size)
-    return Config.from_resolved(resolved, notes, 64, extensions=[moe_config])
-
-
-@pytest.mark.parametrize(
-    "flags, world_size, message",
-    [
-        (["--expert-model-parallel-size", "4"], 4, "--moe-num-experts 6 is not divisible"),
-        (["--moe-expert-model-parallelism"], 4, "--moe-num-experts 6 is not divisible"),
-        (["--expert-model-parallel-size", "3"], 2, "does not divide the data-parallel size 2"),
-        (["--expert-model-parallel-size", "0"], 2, "must be >= 1"),
-        (
-            ["--moe-expert-model-parallelism", "--expert-model-parallel-size", "2"],
-            2,
-            "pass one of them",
-        ),
-    ],
-)
-def test_expert_parallel_flags(flags, world_size, message):
-    with pytest.raises(ConfigError, match=message):
-        run_config(*flags, world_size=world_size)
-
-
-def test_expert_parallelism_is_a_layout_degree():
-    """One owner: ParallelConfig; MegaBlocks' switch is its alias for the data-parallel size."""
-    assert run_config(world_size=2).parallel.expert_model_parallel_size == 1
-    explicit = run_config("--expert-model-parallel-size", "2", world_size=4)
-    assert explicit.parallel.expert_model_parallel_size == 2
-    assert explicit.parallel.data_parallel_size == 4
-    switch = run_config("--moe-expert-model-parallelism", world_size=3)
-    assert switch.parallel.expert_model_parallel_size == 3
-    assert not hasattr(switch.extension(MoEConfig), "expert_model_parallel_size")
-    tensor = run_config(
-        "--moe-expert-model-parallelism", "--tensor-model-parallel-size", "2", world_size=4
-    )
-    assert tensor.parallel.expert_model_parallel_size == 2  # the data-parallel size
-
-
-def test_expert_parallel_flags_without_experts():
-    namespace = parse_arguments(argv("--expert-model-parallel-size", "2"), [add_moe_args])
-    resolved, notes = resolve_arguments_with_notes(namespace, 2)
-    with pytest.raises(ConfigError, match="the model has none"):
-        Config.from_resolved(resolved, notes, 64, extensions=[moe_config])
-
-
 def _compiled_blocks_step(rank: int, world_size: int, grouped_gemm: str) -> list:
     """The fixed-size-block layer eagerly and compiled as one graph (fullgraph: no break, so no
     host sync), forward and backward, at a first block size and at a grown one (as after an
@@ -497,7 +417,7 @@ def _compiled_blocks_step(rank: int, world_size: int, grouped_gemm: str) -> list
         parallel_state.destroy_model_parallel()
 
 
-@NEEDS_TORCH_GROUPED_MM
+@needs_torch_grouped_mm
 def test_fixed_size_blocks_compile_as_one_graph():
     """With torch._grouped_mm (the grouped GEMM a run on Hopper compiles), the expert-parallel
     layer in fixed-size blocks traces whole: no graph break, no host sync; the same numbers,
