@@ -1,7 +1,8 @@
 """Launchers for multi-process tests on CPU (gloo).
 
 ``run_distributed`` runs a test function in N forked gloo processes and hands back what each
-rank returned; ``pretrain_ranks`` runs pretrain_gpt.py on N ranks as torchrun would.
+rank returned; ``pretrain_ranks`` runs pretrain_gpt.py on N ranks as torchrun would;
+``pretrain_on_gpus`` runs it under torchrun itself on N GPUs (NCCL), for the gpu-marked tests.
 
 Usage of ``run_distributed``::
 
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -118,3 +120,21 @@ def pretrain_ranks(
     )
     assert finished.returncode == 0, (finished.stdout + finished.stderr)[-4000:]
     return {"stdout": finished.stdout, **tensorboard_scalars(tensorboard_dir, scalars)}
+
+
+def pretrain_on_gpus(nproc: int, args: list, tensorboard_dir: Path, scalars: Iterable[str]) -> dict:
+    """Run pretrain_gpt.py under torchrun on `nproc` GPUs (NCCL, NVLink multicast off, as the
+    lent machines require); its stdout and the per-iteration values of the TensorBoard
+    `scalars` rank 0 logged ({name: {iteration: value}})."""
+    repo_root = Path(__file__).resolve().parents[1]
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        "--nproc_per_node", str(nproc), str(repo_root / "pretrain_gpt.py"),
+        *args, "--tensorboard-dir", str(tensorboard_dir),
+    ]  # fmt: skip
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
+    done = subprocess.run(
+        command, cwd=repo_root, env=env, capture_output=True, text=True, timeout=900
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return {"stdout": done.stdout, **tensorboard_scalars(tensorboard_dir, scalars)}

@@ -9,18 +9,15 @@ dimensions are multiples of 16, as torch._scaled_mm requires), bf16, 20 iteratio
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from megatron.kernels.fp8_linear import fp8_unsupported
-from tests.tiny_gpt import tensorboard_scalars, tiny_gpt_args
+from tests.launch import pretrain_on_gpus
+from tests.tiny_gpt import tiny_gpt_args
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 ITERATIONS = 20
 
 pytestmark = [
@@ -38,17 +35,7 @@ def run(nproc: int, data_prefix: str, root: Path, *extra: str) -> dict:
         data_prefix, "--bf16", "--make-vocab-size-divisible-by", "64", *extra,
         train_iters=ITERATIONS, eval_iters=0,
     )  # fmt: skip
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        "--nproc_per_node", str(nproc), str(REPO_ROOT / "pretrain_gpt.py"),
-        *args, "--tensorboard-dir", str(root / "tb"),
-    ]  # fmt: skip
-    env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
-    done = subprocess.run(
-        command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=900
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return tensorboard_scalars(root / "tb", ["lm loss"])["lm loss"]
+    return pretrain_on_gpus(nproc, args, root / "tb", ["lm loss"])["lm loss"]
 
 
 def assert_close(expected: dict, actual: dict, relative: float) -> None:

@@ -12,17 +12,14 @@ size, so the load-balancing loss is the same number too.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.tiny_gpt import MOE_ARGS, tensorboard_scalars, tiny_gpt_args
+from tests.launch import pretrain_on_gpus
+from tests.tiny_gpt import MOE_ARGS, tiny_gpt_args
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 ITERATIONS = 6
 SCALARS = ("lm loss", "load balancing loss", "grad-norm")
 RELATIVE = 1e-4
@@ -52,18 +49,7 @@ def dmoe_args(data_prefix: str, *extra: str) -> list:
 
 def torchrun(nproc: int, args: list, tensorboard: Path) -> dict:
     """pretrain_gpt.py on `nproc` GPUs under torchrun (NCCL); stdout and the scalars."""
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        "--nproc_per_node", str(nproc), str(REPO_ROOT / "pretrain_gpt.py"),
-        *args, "--tensorboard-dir", str(tensorboard),
-    ]  # fmt: skip
-    # NVLink multicast stays off, as the lent machines require.
-    env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
-    done = subprocess.run(
-        command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=900
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return {"stdout": done.stdout, **tensorboard_scalars(tensorboard, SCALARS)}
+    return pretrain_on_gpus(nproc, args, tensorboard, SCALARS)
 
 
 def assert_same(expected: dict, actual: dict, iterations) -> None:
