@@ -24,9 +24,15 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from megatron.kernels.fp8_linear import Fp8Recipe
 from megatron.parallel.expert_parameters import mark_expert_parallel
 from megatron.parallel.parameter_swaps import replace_parameter
 from megatron.tensor_parallel import set_tensor_model_parallel_attributes
+from moe.kernels.fp8_grouped_gemm import (
+    QuantizedExpertWeight,
+    fp8_grouped_mm,
+    quantize_expert_weight,
+)
 from moe.kernels.grouped_gemm import MOE, grouped_product
 from moe.kernels.scaled_activation import scaled_activation
 from moe.weight_copies import CachedCast, GradientAccumulator
@@ -54,7 +60,8 @@ class Experts(nn.Module):
     checkpoints and the grad norm treat them as shards.
 
     `grouped_gemm` names the grouped product of `forward_grouped`
-    (moe.kernels.grouped_gemm.BACKENDS).
+    (moe.kernels.grouped_gemm.BACKENDS); with `fp8` (an Fp8Recipe, set by moe.fp8_experts)
+    its products are FP8 ones (moe.kernels.fp8_grouped_gemm).
     """
 
     def __init__(
@@ -84,6 +91,7 @@ class Experts(nn.Module):
         self.activation = gelu_tanh if activation == "gelu" else F.silu
         self.memory_optimized = memory_optimized
         self.grouped_gemm = grouped_gemm
+        self.fp8: Optional[Fp8Recipe] = None
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_hidden_size))
         if mlp_type == "glu":
             self.v1 = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_hidden_size))
@@ -95,6 +103,8 @@ class Experts(nn.Module):
         self._cast_weights: Optional[Tuple[torch.Tensor, ...]] = None
         # Set by `refresh_compute_weights`: copies in the compute dtype, kept between refreshes.
         self._compute_weights: Optional[Tuple[Optional[torch.Tensor], ...]] = None
+        # With `fp8`, those copies quantized for the FP8 products, refreshed with them.
+        self._fp8_weights: Optional[Tuple[Optional[QuantizedExpertWeight], ...]] = None
         self._accumulates_in_place = False
         self._accumulators: Tuple[GradientAccumulator, ...] = ()
 
@@ -192,6 +202,7 @@ class Experts(nn.Module):
         if self.w1.dtype == dtype:  # the weights themselves are in the compute dtype
             self._compute_weights = None
             self._accumulators = ()
+            self._fp8_weights = None
             return
         copies = self._compute_weights
         reusable = (
@@ -207,6 +218,7 @@ class Experts(nn.Module):
                 if copy is not None:
                     copy.copy_(weight)  # in place: a compiled graph holds these very tensors
                     copy.grad = None
+            self._refresh_fp8_weights()
             return
         self._accumulates_in_place = accumulate_in_place
         copies, accumulators = [], []
@@ -220,6 +232,27 @@ class Experts(nn.Module):
             copies.append(copy)
         self._compute_weights = tuple(copies)
         self._accumulators = tuple(accumulators)
+        self._fp8_weights = None
+        self._refresh_fp8_weights()
+
+    @torch.no_grad()
+    def _refresh_fp8_weights(self) -> None:
+        """With `fp8`, quantize the compute copies for the FP8 products once per refresh (once
+        per optimizer step), not in every micro-batch's forward and backward; in place after
+        the first time, as the copies themselves."""
+        if self.fp8 is None or self._compute_weights is None:
+            self._fp8_weights = None
+            return
+        fresh = [
+            None if copy is None else quantize_expert_weight(copy, self.fp8)
+            for copy in self._compute_weights
+        ]
+        if self._fp8_weights is None:
+            self._fp8_weights = tuple(fresh)
+            return
+        for held, new in zip(self._fp8_weights, fresh):
+            for held_tensor, new_tensor in zip(held or (), new or ()):
+                held_tensor.copy_(new_tensor)
 
     def flush_gradients(self) -> None:
         """Add any held micro-batch gradients into the fp32 weights (`GradientAccumulator`)."""
@@ -266,11 +299,16 @@ class Experts(nn.Module):
         return self.w1, self.v1, self.w2
 
     def _mlp(
-        self, x: torch.Tensor, project: Projection, row_scale: Optional[torch.Tensor] = None
+        self,
+        x: torch.Tensor,
+        project: Projection,
+        row_scale: Optional[torch.Tensor] = None,
+        weights: Optional[Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]] = None,
     ) -> torch.Tensor:
         """The expert MLP on x with `project(input, weight)` as the matmul of each projection;
-        `row_scale` [rows] multiplies each row's activations before the second projection."""
-        w1, v1, w2 = self.projection_weights(x.dtype)
+        `row_scale` [rows] multiplies each row's activations before the second projection.
+        `weights`: (w1, v1, w2) as `projection_weights(x.dtype)` gave them, or None to ask."""
+        w1, v1, w2 = weights or self.projection_weights(x.dtype)
         hidden = project(x, w1)
         gate_input = project(x, v1) if v1 is not None else None
 
@@ -328,10 +366,19 @@ class Experts(nn.Module):
         (moe.kernels.grouped_gemm.grouped_product, chosen once into `grouped_gemm`).
         """
 
+        weights = self.projection_weights(x.dtype)
+        quantized = self._fp8_weights or (None, None, None)
+
         def project(inputs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+            if self.fp8 is not None and inputs.shape[0] > 0:
+                held = next(q for w, q in zip(weights, quantized) if w is weight)
+                # Quantized from the compute-dtype weight, as the bf16 product multiplies it:
+                # every path to here (casts, refreshed copies, fp32 master) scales the same.
+                weight = weight.to(inputs.dtype)
+                return fp8_grouped_mm(inputs, weight, offsets, self.fp8, held)
             return grouped_product(inputs, weight, tokens_per_expert, offsets, self.grouped_gemm)
 
-        return self._mlp(x, project, row_scale)
+        return self._mlp(x, project, row_scale, weights)
 
 
 def _ffn_dim(weight: torch.Tensor, experts: Experts) -> int:

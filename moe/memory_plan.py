@@ -24,7 +24,9 @@ of every expert weight (2 bytes each) and, where the copies add their gradients 
 `.grad` or bf16 main gradients alike), one micro-batch's gradient of them held for the next
 (2 bytes each);
 otherwise autocast casts the expert weights in every forward, and each in-flight micro-batch
-keeps those casts for its backward.
+keeps those casts for its backward. With --fp8-format the dMoE's grouped GEMMs keep those copies
+quantized too (moe.kernels.fp8_grouped_gemm.QuantizedExpertWeight: the forward's and the input
+gradient's layouts, 1 byte each) and refresh them with the copies; the scales are negligible.
 """
 
 from __future__ import annotations
@@ -119,8 +121,10 @@ def moe_memory(config: Config, moe: MoEConfig, layer_numbers: Sequence[int]) -> 
     # moe.training_hooks._expert_grads_in_place: not when torch DDP reduces the experts.
     in_ddp = gradient_reduction(config) == DDP
     in_place = not (in_ddp and expert_parallel_size == 1)
+    # FP8 grouped GEMMs keep the copies quantized, in two layouts of a byte each.
+    fp8_copies = numerics.fp8_format is not None and moe.dropless and moe.mlp_impl == "grouped"
     return MlpMemory(
-        weight_copies=2 * weights,
+        weight_copies=(4 if fp8_copies else 2) * weights,
         held_gradients=2 * weights if in_place else 0,
         self_accumulated_weights=weights if in_place else 0,
     )

@@ -15,7 +15,8 @@ from megatron.config import Config, ConfigError, ModelConfig
 from megatron.model.mlp import MlpMemory, MlpSpec, dense_mlp_flops_per_token
 from moe.config import MoEConfig
 from moe.experts import Experts
-from moe.layers import MoELayer, build_moe_layer
+from moe.fp8_experts import capacity_moe_fp8, dropless_fp8
+from moe.layers import DroplessMoE, MoE, MoELayer, build_moe_layer
 from moe.memory_plan import moe_activation_bytes_per_token, moe_memory
 from moe.tensor_parallel import experts_style, moe_layer_style
 
@@ -38,6 +39,10 @@ class MoEMlpSpec(MlpSpec):
         """The MoE layer's tokens enter and leave its experts over the tensor-parallel group,
         and the experts keep their share of every expert's ffn channels (moe.tensor_parallel)."""
         return {MoELayer: moe_layer_style, Experts: experts_style}
+
+    def fp8_styles(self) -> Mapping[type, Callable]:
+        """The dMoE's grouped expert GEMMs take FP8 where they can (moe.fp8_experts)."""
+        return {DroplessMoE: dropless_fp8, MoE: capacity_moe_fp8}
 
     def forward_flops_per_token(self, config: ModelConfig, layer_number: int) -> int:
         """The top-k expert MLPs (gated when mlp_type is glu), the router and the optional

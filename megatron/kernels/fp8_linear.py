@@ -74,6 +74,14 @@ def quantize(
         amax = magnitude.amax()
     else:
         amax = magnitude.amax(dim=rowwise_dim, keepdim=True)
+    return scaled_cast(tensor, dtype, amax)
+
+
+def scaled_cast(
+    tensor: torch.Tensor, dtype: torch.dtype, amax: torch.Tensor
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """`quantize` for a given amax that broadcasts against `tensor`: (tensor * scale in `dtype`,
+    1 / scale), scale = max_finite / amax."""
     scale = torch.finfo(dtype).max / amax.clamp(min=_AMAX_FLOOR)
     quantized = (tensor.float() * scale).clamp(-torch.finfo(dtype).max, torch.finfo(dtype).max)
     return quantized.to(dtype), scale.reciprocal()

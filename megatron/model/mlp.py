@@ -54,7 +54,8 @@ class MlpSpec:
     buffers it initializes by `init_own_weights(std, output_std)` (Megatron's init; the model
     calls it on any submodule defining it); its tensor-parallel form comes from the styles this
     spec names (`tensor_parallel_styles`), applied by the same step as the model's own
-    (megatron.parallel.tensor_parallelism); its expert-parallel share it keeps by
+    (megatron.parallel.tensor_parallelism), and likewise its FP8 form (`fp8_styles`); its
+    expert-parallel share it keeps by
     `place_experts(size, rank)` (megatron.parallel.parallelize).
     """
 
@@ -66,6 +67,12 @@ class MlpSpec:
         """{module type: style} for the modules this spec builds that tensor parallelism must
         treat beyond their torch layers (megatron.parallel.tensor_parallelism.TensorParallelStyle);
         the dense MLP is one of the framework's own styles."""
+        return {}
+
+    def fp8_styles(self) -> Mapping[type, Callable]:
+        """{module type: style(module, recipe) -> None, or why the module stays as it is} for
+        the modules this spec builds whose products take FP8 beyond their torch and parallel
+        linear layers (megatron.parallel.fp8_projections); the dense MLP has none."""
         return {}
 
     def forward_flops_per_token(self, config: ModelConfig, layer_number: int) -> int:

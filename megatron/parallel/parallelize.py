@@ -13,7 +13,8 @@ and hands it to `parallelize`, which returns what the trainer runs. Steps:
 3. Weights (`materialize_weights`): a model built on the meta device gets storage and draws
    its weights; every parallel layer draws its full weight and keeps its shard, so any layout
    starts from the single-process weights.
-   Then, with --fp8-format, the projections' products in FP8 (megatron.parallel.fp8_projections).
+   Then, with --fp8-format, the projections' products in FP8, and the MLP spec's FP8 styles
+   (the dMoE's grouped expert GEMMs; megatron.parallel.fp8_projections).
 4. Pipeline split (`split_pipeline`): this rank's stage chunks, taking their modules from the
    whole model.
 5. Activation recomputation (`apply_activation_recomputation`): full (whole layers, by
@@ -42,7 +43,7 @@ from torch import nn
 
 from megatron.initialize import DistributedContext, print_rank_0
 from megatron.kernels.fp8_linear import recipe_for
-from megatron.model import GPTModel
+from megatron.model import GPTModel, MlpSpec
 from megatron.model.attention import DotProductAttention
 from megatron.model.transformer import TransformerBlock, TransformerLayer
 from megatron.parallel import parallel_state
@@ -94,7 +95,8 @@ def parallelize(
     if numerics.fp8_format is not None:
         check_fp8_device(numerics.fp8_format, context.device)
         recipe = recipe_for(context.device, numerics.fp8_recipe, numerics.fp8_format)
-        apply_fp8(model, recipe)
+        mlp_spec = getattr(model, "mlp_spec", None) or MlpSpec()
+        apply_fp8(model, recipe, mlp_spec.fp8_styles())
     gradient_sync = GradientSync.of(config)
     pipeline = gradient_sync.pipeline
     unwrapped: nn.Module = split_pipeline(model) if pipeline else model

@@ -164,6 +164,23 @@ def test_expert_copies_and_the_held_gradient():
     assert unfused_estimate.weight_casts - estimate.weight_casts == 2 * experts
 
 
+def test_fp8_experts_keep_their_copies_quantized_in_two_layouts():
+    """2 bytes per expert weight beyond the bf16 copies (measured on the Mixtral-shaped dMoE:
+    docs/benchmark-log.md, "FP8"); the dense FP8 projections quantize in each product and keep
+    nothing."""
+    config = config_of(*DMOE, "--fp8-format", "hybrid")
+    bf16 = config_of(*DMOE)
+    experts = sum(p.numel() for n, p in real_model(config).named_parameters() if ".experts." in n)
+    estimate = estimate_memory(config, GPT_RUN.mlp_spec(config))
+    assert estimate.expert_weight_copies == 4 * experts
+    assert estimate.total - estimate_memory(bf16, GPT_RUN.mlp_spec(bf16)).total > 2 * experts
+    dense = config_of("--fp8-format", "hybrid")
+    dense_bf16 = config_of()
+    assert estimate_memory(dense, GPT_RUN.mlp_spec(dense)) == estimate_memory(
+        dense_bf16, GPT_RUN.mlp_spec(dense_bf16)
+    )
+
+
 def test_recomputed_chunks_return_their_expert_gradients_one_chunk_at_a_time():
     # Without recomputation a compiled backward returns every expert gradient at once; full
     # recomputation runs each checkpointed chunk's backward alone (measured: BENCHMARKS.md,

@@ -170,8 +170,8 @@ def test_fp8_composes_with_pipeline_parallelism():
 
 def test_in_a_dmoe_model_the_shared_expert_turns_fp8_and_the_router_does_not():
     """The MoE layer's shared expert is a dense MLP (its projections turn FP8); the router's
-    gate and the experts' weights stay as they are (the grouped expert products are not FP8
-    yet)."""
+    gate stays as it is (the experts' own FP8 comes from the MLP spec's styles:
+    tests/moe/test_fp8_experts.py)."""
     config = tiny_model_config(hidden_size=64, ffn_hidden_size=128)
     moe = MoEConfig(num_experts=4, top_k=2, shared_expert=True)
     torch.manual_seed(0)

@@ -1,0 +1,143 @@
+"""Which MoE layers' expert products turn FP8 (moe.fp8_experts, through the MLP spec's FP8
+styles), and a dMoE model with FP8 experts: near the bf16 loss, learning, the same under expert
+parallelism. On the CPU the FP8 grouped products dequantize and multiply in fp32
+(moe.kernels.fp8_grouped_gemm); the run-level GPU test is tests/parallel/test_gpu_fp8.py."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+from megatron.kernels.fp8_linear import Fp8Recipe
+from megatron.parallel import parallel_state
+from megatron.parallel.fp8_projections import apply_fp8
+from moe.config import MoEConfig
+from moe.experts import refresh_compute_weights
+from moe.kernels.grouped_gemm import MOE, TORCH
+from moe.mlp_spec import MoEMlpSpec
+from tests.launch import run_distributed
+from tests.markers import needs_torch_grouped_mm
+from tests.tiny_gpt import sharded_gpt_model, tiny_model_config
+
+pytestmark = needs_torch_grouped_mm
+RECIPE = Fp8Recipe("rowwise", "hybrid")
+# The grouped GEMM a Hopper run chooses (moe.kernels.grouped_gemm.choose_backend): the one
+# whose products have an FP8 form. On the CPU torch._grouped_mm runs it too.
+DMOE = MoEConfig(num_experts=4, top_k=2, grouped_gemm=TORCH)
+
+
+def _model(moe: MoEConfig = DMOE, fp8: bool = True) -> nn.Module:
+    torch.manual_seed(0)
+    spec = MoEMlpSpec(moe)
+    model = sharded_gpt_model(tiny_model_config(hidden_size=64, ffn_hidden_size=128), spec)
+    return apply_fp8(model, RECIPE, spec.fp8_styles()) if fp8 else model
+
+
+def _loss(model: nn.Module, seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 64, (4, 9), generator=generator)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        losses = model(tokens[:, :-1], labels=tokens[:, 1:])
+    return losses.float().mean()
+
+
+def _experts(model: nn.Module):
+    return [layer.mlp.experts for layer in model.decoder.layers]
+
+
+def test_the_dmoe_experts_turn_fp8_on_the_grouped_gemm_that_has_an_fp8_form(capsys):
+    model = _model()
+    assert all(experts.fp8 == RECIPE for experts in _experts(model))
+    assert "stays in bf16" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "moe, reason",
+    [
+        (dataclasses.replace(DMOE, grouped_gemm=MOE), "this run's is moe.kernels.grouped_gemm"),
+        (dataclasses.replace(DMOE, mlp_impl="sparse"), "--moe-impl sparse has no FP8 products"),
+        (dataclasses.replace(DMOE, dropless=False), "the MoE with capacity's batched expert"),
+    ],
+    ids=["triton-grouped-gemm", "block-sparse", "capacity"],
+)
+def test_other_expert_products_stay_bf16_and_the_run_says_why_once(moe, reason, capsys):
+    model = _model(moe)
+    assert all(experts.fp8 is None for experts in _experts(model))
+    lines = [line for line in capsys.readouterr().out.splitlines() if "stays in bf16" in line]
+    assert len(lines) == 1 and reason in lines[0], lines  # two layers, one line
+
+
+def test_a_dmoe_with_fp8_experts_computes_nearly_the_bf16_loss_and_learns():
+    reference = _loss(_model(fp8=False))
+    model = _model()
+    loss = _loss(model)
+    assert not torch.equal(loss, reference)  # quantized
+    assert abs(loss.item() - reference.item()) / reference.item() < 0.02
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    losses = []
+    for _ in range(5):
+        optimizer.zero_grad()
+        loss = _loss(model)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    experts = _experts(model)[0]
+    assert experts.w1.grad.dtype == torch.float32 and bool(torch.isfinite(experts.w1.grad).all())
+    assert losses[-1] < losses[0] - 0.1, losses
+
+
+def _expert_parallel_loss(rank: int, world_size: int) -> dict:
+    """The FP8 dMoE's loss and expert gradients with its experts split over `world_size` ranks,
+    the same tokens on every rank, exchanged in one fixed-size block (the experts run once)."""
+    parallel_state.initialize_model_parallel(expert_model_parallel_size=world_size)
+    try:
+        model = _model(dataclasses.replace(DMOE, expert_parallel_buffer_factor=2.0))
+        loss = _loss(model)
+        loss.backward()
+        return {"loss": loss.item(), "w1_grad": _experts(model)[0].w1.grad.clone()}
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def test_fp8_experts_under_expert_parallelism_give_one_process_losses():
+    """Rowwise scales are per row and per (expert, column): splitting the experts over ranks
+    quantizes every operand as one process does, so the loss is one process's and each rank's
+    expert gradients are one process's for the rows of both ranks (twice the same tokens)."""
+    [single] = run_distributed(_expert_parallel_loss, 1)
+    results = run_distributed(_expert_parallel_loss, 2)
+    local = DMOE.num_experts // 2
+    for rank, result in enumerate(results):
+        assert result["loss"] == pytest.approx(single["loss"], rel=1e-6)
+        expected = 2 * single["w1_grad"][rank * local : (rank + 1) * local]
+        torch.testing.assert_close(result["w1_grad"], expected, rtol=1e-5, atol=1e-8)
+
+
+def _step_with_copies(refresh: bool) -> tuple:
+    """Two SGD steps of the FP8 dMoE, its bf16 expert copies refreshed before each (the
+    trainer's once-per-step refresh, which also quantizes them) or not at all (the products
+    quantize the weights in every call); the losses and the last expert gradient."""
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    losses = []
+    for _ in range(2):
+        if refresh:
+            refresh_compute_weights(model, torch.bfloat16, accumulate_in_place=False)
+            assert all(experts._fp8_weights is not None for experts in _experts(model))
+        optimizer.zero_grad()
+        loss = _loss(model)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, _experts(model)[1].w2.grad
+
+
+def test_weights_quantized_once_per_step_give_the_products_quantized_in_every_call():
+    """The copies' FP8 forms, kept from one refresh to the next (refreshed in place after the
+    first step's update), are what each product would quantize itself."""
+    held_losses, held_grad = _step_with_copies(refresh=True)
+    losses, grad = _step_with_copies(refresh=False)
+    assert held_losses == losses
+    torch.testing.assert_close(held_grad, grad, rtol=0, atol=0)
