@@ -10,6 +10,8 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
+from megatron.checkpointing.progress import progress_bar
+
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # transformers' default shard size
@@ -48,17 +50,22 @@ def write_safetensors(
         else [f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors" for i in range(len(plan))]
     )
     weight_map, total = {}, 0
+    expected = sum(t.numel() * (dtype or t.dtype).itemsize for t in tensors.values())
+    bar = progress_bar(f"writing {directory}", expected, "B")
     for file_name, shard in zip(names, plan):
         # Copies: safetensors refuses tensors sharing storage (views of one fused tensor).
         content = {
             name: tensors[name].detach().to(dtype=dtype or tensors[name].dtype).contiguous().clone()
             for name in shard
         }
-        total += sum(t.numel() * t.element_size() for t in content.values())
+        shard_bytes = sum(t.numel() * t.element_size() for t in content.values())
+        total += shard_bytes
         save_file(content, os.path.join(directory, file_name), metadata={"format": "pt"})
+        bar.update(shard_bytes)
         weight_map.update({name: file_name for name in shard})
         if len(plan) > 1:
             print_fn(f"  wrote {file_name} ({len(shard)} tensors)")
+    bar.close()
     if len(plan) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         with open(os.path.join(directory, INDEX_FILE), "w", encoding="utf-8") as handle:
@@ -84,8 +91,11 @@ def read_safetensors(directory: str) -> Dict[str, torch.Tensor]:
             "weights (re-save a .bin model with save_pretrained(safe_serialization=True))"
         )
     tensors: Dict[str, torch.Tensor] = {}
-    for name in files:
-        tensors.update(load_file(os.path.join(directory, name)))
+    paths = [os.path.join(directory, name) for name in files]
+    with progress_bar(f"reading {directory}", sum(map(os.path.getsize, paths)), "B") as bar:
+        for path in paths:
+            tensors.update(load_file(path))
+            bar.update(os.path.getsize(path))
     return tensors
 
 

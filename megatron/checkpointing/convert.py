@@ -15,6 +15,7 @@ from typing import Any, Dict, List, Sequence
 import torch
 
 from megatron.checkpointing.chunks import ChunkedTensor
+from megatron.checkpointing.progress import batches_by_bytes, progress_bar
 from megatron.checkpointing.sharded_state import (
     MODEL_PREFIX,
     SCALAR_PREFIX,
@@ -32,6 +33,9 @@ from megatron.model import param_groups_for_weight_decay
 
 # common.pt's keys that a torch-format checkpoint does not have.
 _SHARDED_ONLY_KEYS = ("ckpt_format", "optimizer_common")
+# What one read of a whole-tensor conversion asks torch.distributed.checkpoint for at a time: large
+# enough that its planning per call is negligible, small enough that a bar moves.
+READ_BATCH_BYTES = 1 << 30
 
 
 def read_sharded_as_torch_state(
@@ -93,14 +97,18 @@ def _read_whole_tensors(directory: str, wanted) -> Dict[str, torch.Tensor]:
         for name, metadata in stored.items()
         if wanted(name)
     }
-    read_sharded_tensors(
-        directory,
-        {
-            name: ChunkedTensor(tensor.shape, [((0,) * tensor.dim(), tensor)])
-            for name, tensor in tensors.items()
-        },
-        None,
-    )
+    sizes = [(name, tensor.numel() * tensor.element_size()) for name, tensor in tensors.items()]
+    # Read in batches of about READ_BATCH_BYTES, so that a terminal shows how far it got.
+    with progress_bar(f"reading {directory}", sum(size for _, size in sizes), "B") as bar:
+        for names, batch_bytes in batches_by_bytes(sizes, READ_BATCH_BYTES):
+            chunks = {
+                name: ChunkedTensor(
+                    tensors[name].shape, [((0,) * tensors[name].dim(), tensors[name])]
+                )
+                for name in names
+            }
+            read_sharded_tensors(directory, chunks, None)
+            bar.update(batch_bytes)
     return tensors
 
 

@@ -12,6 +12,7 @@ import torch
 
 import pretrain_gpt
 from gpt_pretraining.checkpoint_format import main as convert
+from megatron.checkpointing import convert as checkpoint_convert
 from tests.tiny_gpt import MOE_ARGS, saved_state, tiny_gpt_args
 
 BIAS = ("--moe-router-bias-update-rate", "0.01")  # a persistent buffer that changes
@@ -49,8 +50,10 @@ def torch_run(data_prefix, tmp_path_factory):
     return directory, args, result
 
 
-def test_round_trip_is_bit_exact(torch_run, capsys):
+def test_round_trip_is_bit_exact(torch_run, capsys, monkeypatch):
     directory, _, _ = torch_run
+    # The whole-tensor read in many batches (each a progress step), as for a large model.
+    monkeypatch.setattr(checkpoint_convert, "READ_BATCH_BYTES", 4096)
     original = saved_state(directory / "torch")
     assert convert(["--load", str(directory / "torch"), "--save", str(directory / "dist"),
                     "--ckpt-format", "torch_dist"]) == 0  # fmt: skip
