@@ -2,17 +2,17 @@
 # Set up a fresh machine and run the main job on the bundled sample corpus:
 # preprocess 1,000 OpenWebText documents, train a small dMoE GPT (every MLP a dropless MoE of 8
 # experts, top-2, with MegaBlocks' flags) for 100 iterations, stop and save, resume from that
-# checkpoint for 100 more, print validation and test perplexity, and let the trained model
-# continue a short prompt.
+# checkpoint for 100 more, print validation and test perplexity, let the trained model
+# continue a short prompt (greedy and sampled), and plot its loss curves.
 # Runs on the CPU in a few minutes, or on a GPU when torch sees one.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-source scripts/setup_env.sh
+source scripts/setup_env.sh plot  # matplotlib, for tools/plot_runs.py
 out=runs/quickstart
 rm -rf "$out"
 mkdir -p "$out/data"
 
-echo "== 1/4 preprocessing the bundled corpus"
+echo "== 1/5 preprocessing the bundled corpus"
 python tools/preprocess_data.py \
     --input data/sample/openwebtext-1000.jsonl.xz \
     --output-prefix "$out/data/owt" \
@@ -40,11 +40,15 @@ train() {
         grep -v -E '^  [a-zA-Z0-9_]+ \.+ ' # the long arguments block stays in the checkpoint's args
 }
 
-echo "== 2/4 training iterations 1-100, then stopping with a checkpoint (--exit-interval 100)"
+echo "== 2/5 training iterations 1-100, then stopping with a checkpoint (--exit-interval 100)"
 train --exit-interval 100
-echo "== 3/4 resuming from $(cat "$out/checkpoints/latest_checkpointed_iteration.txt") and training to 200"
+echo "== 3/5 resuming from $(cat "$out/checkpoints/latest_checkpointed_iteration.txt") and training to 200"
 train
-echo "== 4/4 the trained model continues a prompt (tools/generate.py, greedy, 32 tokens)"
+echo "== 4/5 the trained model continues a prompt (tools/generate.py, 32 tokens): greedy, then sampled"
 python tools/generate.py --load "$out/checkpoints" --prompt "The history of the city" \
     --tokens-to-generate 32 --greedy
-echo "== done: checkpoints in $out/checkpoints, TensorBoard logs in $out/tensorboard"
+python tools/generate.py --load "$out/checkpoints" --prompt "The history of the city" \
+    --tokens-to-generate 32 --temperature 0.8 --top-p 0.9 --seed 1
+echo "== 5/5 its training and validation loss (tools/plot_runs.py)"
+python tools/plot_runs.py "$out" --output "$out/loss.png"
+echo "== done: checkpoints in $out/checkpoints, TensorBoard logs in $out/tensorboard, the plot in $out/loss.png"

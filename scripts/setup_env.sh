@@ -1,7 +1,7 @@
 # Sourced by scripts/test.sh and scripts/quickstart.sh: installs the package in place, every
 # package at the version requirements/test-lock.txt pins (what CI and a fresh machine resolve
 # alike; pyproject.toml keeps the compatible ranges for users who install it themselves).
-# $1 names an optional extra ("test").
+# $1 names an optional extra ("test", or "plot" for the quickstart).
 #
 # An installed torch (a CUDA, ROCm or CPU build) is kept, and with it the Triton and CUDA
 # libraries it brings: the lock then pins everything else. Without one, the lock's torch is
