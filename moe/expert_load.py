@@ -31,6 +31,10 @@ from megatron.model.transformer import TransformerLayer
 from megatron.parallel import parallel_state
 from moe.layers import MoELayer
 
+# The TensorBoard scalar of one expert's tokens over its layer's mean, per logging window: the
+# histogram loses which expert got which count, and a plot of experts x iterations needs it.
+EXPERT_LOAD_TAG = "moe/tokens-per-expert over-mean layer {layer} expert {expert}"
+
 
 def take_window_counts(model: nn.Module) -> Dict[int, torch.Tensor]:
     """{layer number (0-based, as in `decoder.layers.<n>`): tokens per expert since the last
@@ -76,6 +80,15 @@ def load_spread(counts: torch.Tensor) -> Tuple[float, float]:
     if mean == 0:
         return float("nan"), float("nan")
     return (counts.max() / mean).item(), (counts.min() / mean).item()
+
+
+def tokens_over_mean(counts: torch.Tensor) -> List[float]:
+    """Each expert's tokens over the mean of `counts` [num_experts]: 1.0 each at perfect
+    balance; NaN each without tokens."""
+    mean = counts.double().mean()
+    if mean == 0:
+        return [float("nan")] * counts.numel()
+    return (counts.double() / mean).tolist()
 
 
 def format_expert_load_line(load: Dict[int, torch.Tensor]) -> str:

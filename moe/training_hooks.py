@@ -5,7 +5,8 @@
   its forward, --overlap-param-gather, before each layer's first forward), their held
   gradients flushed after the backwards.
 - The per-layer expert load (moe.expert_load) at each --log-interval: a line with
-  --moe-per-layer-logging, TensorBoard histograms and spreads with --tensorboard-dir.
+  --moe-per-layer-logging, TensorBoard histograms, spreads and each expert's share with
+  --tensorboard-dir.
 - Under expert parallelism, the load imbalance over the expert-parallel ranks: its worst layer
   at the end of each iteration line, every layer in TensorBoard.
 - The compile choice: only the dropless grouped MoE on torch._grouped_mm (the grouped GEMM a
@@ -26,10 +27,12 @@ from megatron.training.hooks import TrainingHooks
 from moe.block_factor import SHRINK_WINDOW, BlockFactor
 from moe.config import MoEConfig
 from moe.expert_load import (
+    EXPERT_LOAD_TAG,
     format_expert_load_line,
     gather_expert_load,
     gather_expert_parallel_imbalance,
     load_spread,
+    tokens_over_mean,
 )
 from moe.experts import expert_modules, flush_expert_gradients, refresh_compute_weights
 from moe.kernels.grouped_gemm import TORCH
@@ -194,10 +197,15 @@ class MoETrainingHooks(TrainingHooks):
         if tensorboard is not None:
             for number, counts in load.items():
                 highest, lowest = load_spread(counts)
+                per_expert = {
+                    EXPERT_LOAD_TAG.format(layer=number, expert=expert): share
+                    for expert, share in enumerate(tokens_over_mean(counts))
+                }
                 tensorboard.log_scalars(
                     {
                         f"moe/tokens-per-expert max-over-mean layer {number}": highest,
                         f"moe/tokens-per-expert min-over-mean layer {number}": lowest,
+                        **per_expert,
                     },
                     iteration,
                 )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import math
 from dataclasses import dataclass, field
 from typing import Dict, Optional, Tuple
@@ -100,6 +101,18 @@ def format_validation_block(prefix: str, losses: Dict[str, float]) -> str:
     return f"{rule}\n{text}\n{rule}"
 
 
+# Megatron's TensorBoard names that gpt_pretraining.run_events reads back.
+TOKENS_PER_SECOND_PER_GPU = "throughput/tokens-per-second-per-gpu"
+VALIDATION_SUFFIX = " validation"
+SAMPLES_SUFFIX = " vs samples"  # the same scalar against consumed samples instead of iterations
+
+
+def argument_text_tag(name: str) -> str:
+    """The tag under which `log_arguments` writes the argument `name` (torch's add_text
+    appends `/text_summary`)."""
+    return f"{name}/text_summary"
+
+
 class TensorBoardLogger:
     """Megatron's scalar names, against iterations and (`... vs samples`) consumed samples."""
 
@@ -113,7 +126,7 @@ class TensorBoardLogger:
             "learning-rate": stats.learning_rate,
             "batch-size": stats.global_batch_size,
             "loss-scale": stats.loss_scale,
-            "throughput/tokens-per-second-per-gpu": stats.tokens_per_second_per_gpu,
+            TOKENS_PER_SECOND_PER_GPU: stats.tokens_per_second_per_gpu,
             "throughput/tflops-per-gpu": stats.tflops_per_gpu,
             **stats.losses,
             **stats.extra,
@@ -122,18 +135,25 @@ class TensorBoardLogger:
             scalars["grad-norm"] = stats.grad_norm
         for name, value in scalars.items():
             self._writer.add_scalar(name, value, stats.iteration)
-            self._writer.add_scalar(f"{name} vs samples", value, stats.consumed_samples)
+            self._writer.add_scalar(f"{name}{SAMPLES_SUFFIX}", value, stats.consumed_samples)
 
     def log_validation(
         self, losses: Dict[str, float], iteration: int, consumed_samples: int
     ) -> None:
         for name, value in losses.items():
             for suffix, scalar in (
-                ("validation", value),
-                ("validation ppl", math.exp(min(20.0, value))),
+                (VALIDATION_SUFFIX, value),
+                (f"{VALIDATION_SUFFIX} ppl", math.exp(min(20.0, value))),
             ):
-                self._writer.add_scalar(f"{name} {suffix}", scalar, iteration)
-                self._writer.add_scalar(f"{name} {suffix} vs samples", scalar, consumed_samples)
+                self._writer.add_scalar(f"{name}{suffix}", scalar, iteration)
+                self._writer.add_scalar(f"{name}{suffix}{SAMPLES_SUFFIX}", scalar, consumed_samples)
+
+    def log_arguments(self, arguments: argparse.Namespace, iteration: int) -> None:
+        """Every argument of the run as a text summary, as Megatron's
+        write_args_to_tensorboard does: what the event files alone need to be read back (the
+        sequence length turns consumed samples into tokens)."""
+        for name, value in sorted(vars(arguments).items()):
+            self._writer.add_text(name, str(value), iteration)
 
     def log_histogram(self, name: str, values: torch.Tensor, iteration: int) -> None:
         self._writer.add_histogram(name, values, iteration)

@@ -278,6 +278,8 @@ def pretrain(
     """
     trainer = Trainer(config, context, model, forward_step, hooks, flops_per_iteration)
     trainer.load(model_arguments)
+    if trainer.tensorboard is not None:
+        trainer.tensorboard.log_arguments(config.saved_arguments(), trainer.iteration)
     result = TrainingResult()
     train_iterator = build_data_iterator(
         datasets["train"], trainer.consumed_train_samples, config, context
