@@ -1,4 +1,4 @@
-"""Megatron's log lines (users parse them) and TensorBoard scalars."""
+"""Megatron's log lines (users parse them), the dashboard scalars and TensorBoard's writer."""
 
 from __future__ import annotations
 
@@ -100,6 +100,31 @@ def format_validation_block(prefix: str, losses: Dict[str, float]) -> str:
     return f"{rule}\n{text}\n{rule}"
 
 
+def training_scalars(stats: IterationStats) -> Dict[str, float]:
+    """Megatron's dashboard scalars of one log window, by name: what TensorBoard and W&B get."""
+    scalars = {
+        "learning-rate": stats.learning_rate,
+        "batch-size": stats.global_batch_size,
+        "loss-scale": stats.loss_scale,
+        "throughput/tokens-per-second-per-gpu": stats.tokens_per_second_per_gpu,
+        "throughput/tflops-per-gpu": stats.tflops_per_gpu,
+        **stats.losses,
+        **stats.extra,
+    }
+    if stats.grad_norm is not None:
+        scalars["grad-norm"] = stats.grad_norm
+    return scalars
+
+
+def validation_scalars(losses: Dict[str, float]) -> Dict[str, float]:
+    """Megatron's dashboard scalars of one evaluation: `<name> validation` and its perplexity."""
+    scalars = {}
+    for name, value in losses.items():
+        scalars[f"{name} validation"] = value
+        scalars[f"{name} validation ppl"] = math.exp(min(20.0, value))
+    return scalars
+
+
 class TensorBoardLogger:
     """Megatron's scalar names, against iterations and (`... vs samples`) consumed samples."""
 
@@ -109,31 +134,19 @@ class TensorBoardLogger:
         self._writer = SummaryWriter(log_dir=log_dir, max_queue=queue_size)
 
     def log_training(self, stats: IterationStats) -> None:
-        scalars = {
-            "learning-rate": stats.learning_rate,
-            "batch-size": stats.global_batch_size,
-            "loss-scale": stats.loss_scale,
-            "throughput/tokens-per-second-per-gpu": stats.tokens_per_second_per_gpu,
-            "throughput/tflops-per-gpu": stats.tflops_per_gpu,
-            **stats.losses,
-            **stats.extra,
-        }
-        if stats.grad_norm is not None:
-            scalars["grad-norm"] = stats.grad_norm
-        for name, value in scalars.items():
-            self._writer.add_scalar(name, value, stats.iteration)
-            self._writer.add_scalar(f"{name} vs samples", value, stats.consumed_samples)
+        self._write_with_samples(training_scalars(stats), stats.iteration, stats.consumed_samples)
 
     def log_validation(
         self, losses: Dict[str, float], iteration: int, consumed_samples: int
     ) -> None:
-        for name, value in losses.items():
-            for suffix, scalar in (
-                ("validation", value),
-                ("validation ppl", math.exp(min(20.0, value))),
-            ):
-                self._writer.add_scalar(f"{name} {suffix}", scalar, iteration)
-                self._writer.add_scalar(f"{name} {suffix} vs samples", scalar, consumed_samples)
+        self._write_with_samples(validation_scalars(losses), iteration, consumed_samples)
+
+    def _write_with_samples(
+        self, scalars: Dict[str, float], iteration: int, consumed_samples: int
+    ) -> None:
+        for name, value in scalars.items():
+            self._writer.add_scalar(name, value, iteration)
+            self._writer.add_scalar(f"{name} vs samples", value, consumed_samples)
 
     def log_histogram(self, name: str, values: torch.Tensor, iteration: int) -> None:
         self._writer.add_histogram(name, values, iteration)
