@@ -142,8 +142,8 @@ def add_moe_args(parser: argparse.ArgumentParser) -> None:
         "--moe-per-layer-logging",
         action="store_true",
         help="After each iteration line, log each MoE layer's expert load (max and min tokens "
-        "per expert over the mean, over the --log-interval window). TensorBoard gets it "
-        "whenever --tensorboard-dir is set.",
+        "per expert over the mean, over the --log-interval window). TensorBoard and W&B get "
+        "it whenever --tensorboard-dir or --wandb-project is set.",
     )
     group.add_argument(
         "--moe-memory-optimized-mlp",

@@ -23,7 +23,7 @@ MOE_EXTENSION = RunExtension(
         moe,
         config.numerics.weight_copies_dtype,
         config.model.num_layers,
-        tensorboard=bool(config.logging.tensorboard_dir),
+        writes_metrics=config.logging.writes_metrics,
     ),
     # Averaged over the whole model's MoE layers, whichever of them this rank holds.
     auxiliary_losses=lambda moe, config, model: MoEAuxiliaryLosses(

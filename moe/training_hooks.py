@@ -5,10 +5,10 @@
   its forward, --overlap-param-gather, before each layer's first forward), their held
   gradients flushed after the backwards.
 - The per-layer expert load (moe.expert_load) at each --log-interval: a line with
-  --moe-per-layer-logging, TensorBoard histograms, spreads and each expert's share with
-  --tensorboard-dir.
+  --moe-per-layer-logging, histograms, spreads and each expert's share with
+  --tensorboard-dir or --wandb-project.
 - Under expert parallelism, the load imbalance over the expert-parallel ranks: its worst layer
-  at the end of each iteration line, every layer in TensorBoard.
+  at the end of each iteration line, every layer in TensorBoard and W&B.
 - The compile choice: only the dropless grouped MoE on torch._grouped_mm (the grouped GEMM a
   run chooses where it is fast, moe.kernels.grouped_gemm.choose_backend) compiles as one graph;
   other MoE layers launch Triton kernels from Python and run faster eagerly.
@@ -69,11 +69,11 @@ class MoETrainingHooks(TrainingHooks):
         moe: MoEConfig,
         copies_dtype: Optional[torch.dtype],
         num_layers: int,
-        tensorboard: bool,
+        writes_metrics: bool,
     ) -> None:
         self.moe = moe
         self.moe_layer_numbers = [n for n in range(num_layers) if moe.is_moe_layer(n)]
-        self.log_expert_load = moe.per_layer_logging or tensorboard
+        self.log_expert_load = moe.per_layer_logging or writes_metrics
         self.compute_dtype = copies_dtype
         self.grads_in_place = True
         self.expert_parallel = False  # the layout's, from `setup`
@@ -184,24 +184,26 @@ class MoETrainingHooks(TrainingHooks):
         model: nn.Module,
         iteration: int,
         print_fn: Callable[[str], None],
-        tensorboard: Optional[Any],
+        metric_writers: Optional[Any],
     ) -> Dict[str, Any]:
-        if tensorboard is not None:
+        if metric_writers is not None:
             for number, imbalance in self.imbalance_per_layer.items():
-                tensorboard.log_scalars({f"{IMBALANCE_FIELD} layer {number}": imbalance}, iteration)
+                metric_writers.log_scalars(
+                    {f"{IMBALANCE_FIELD} layer {number}": imbalance}, iteration
+                )
         if not self.log_expert_load:
             return {}
         load = gather_expert_load(model, self.moe_layer_numbers, self.moe.num_experts, self.device)
         if self.moe.per_layer_logging:
             print_fn(format_expert_load_line(load))
-        if tensorboard is not None:
+        if metric_writers is not None:
             for number, counts in load.items():
                 highest, lowest = load_spread(counts)
                 per_expert = {
                     EXPERT_LOAD_TAG.format(layer=number, expert=expert): share
                     for expert, share in enumerate(tokens_over_mean(counts))
                 }
-                tensorboard.log_scalars(
+                metric_writers.log_scalars(
                     {
                         f"moe/tokens-per-expert max-over-mean layer {number}": highest,
                         f"moe/tokens-per-expert min-over-mean layer {number}": lowest,
@@ -209,7 +211,7 @@ class MoETrainingHooks(TrainingHooks):
                     },
                     iteration,
                 )
-                tensorboard.log_histogram(
+                metric_writers.log_histogram(
                     f"moe/tokens-per-expert layer {number}", counts, iteration
                 )
         return {"expert load": {number: counts.tolist() for number, counts in load.items()}}

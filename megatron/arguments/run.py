@@ -394,6 +394,21 @@ def add_logging_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="Write memory statistics to TensorBoard.",
     )
+    # Megatron-LM's Weights & Biases flags, with its empty-string defaults.
+    group.add_argument(
+        "--wandb-project",
+        type=str,
+        default="",
+        help="Log TensorBoard's scalars to this Weights & Biases project too (off when empty).",
+    )
+    group.add_argument("--wandb-exp-name", type=str, default="", help="The W&B run's name.")
+    group.add_argument(
+        "--wandb-save-dir",
+        type=str,
+        default="",
+        help="Where W&B keeps its local files (default: <--save>/wandb, else ./wandb).",
+    )
+    group.add_argument("--wandb-entity", type=str, default="", help="The W&B team or user.")
     group.add_argument(
         "--profile",
         action="store_true",

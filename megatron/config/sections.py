@@ -202,7 +202,7 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class LoggingConfig:
-    """Log-line cadence, TensorBoard output and optional diagnostics."""
+    """Log-line cadence, TensorBoard and Weights & Biases output, and optional diagnostics."""
 
     log_interval: int = 100
     tensorboard_dir: str | None = None
@@ -211,6 +211,11 @@ class LoggingConfig:
     log_timers_to_tensorboard: bool = False
     log_validation_ppl_to_tensorboard: bool = False
     log_memory_to_tensorboard: bool = False
+    # Megatron-LM's W&B flags; empty means unset, as there.
+    wandb_project: str = ""
+    wandb_exp_name: str = ""
+    wandb_save_dir: str = ""
+    wandb_entity: str = ""
     log_params_norm: bool = False
     log_num_zeros_in_grad: bool = False
     timing_log_level: int = 0
@@ -219,6 +224,12 @@ class LoggingConfig:
     profile_step_start: int = 10
     profile_step_end: int = 12
     profile_ranks: Tuple[int, ...] = (0,)
+
+    @property
+    def writes_metrics(self) -> bool:
+        """Whether rank 0 writes scalars for a dashboard (TensorBoard, W&B or both): what a
+        model extension's logging collectives are gathered for, decided alike on every rank."""
+        return bool(self.tensorboard_dir or self.wandb_project)
 
 
 # Builds an extension's config (e.g. moe.config.moe_config) from the resolved flags and the

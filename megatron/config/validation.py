@@ -7,6 +7,7 @@ flags and values involved and says what to change.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 from typing import List, Optional, Sequence, Tuple
 
@@ -78,6 +79,7 @@ def resolve_arguments_with_notes(
     _check_data(args, notes)
     _check_checkpointing(args, notes)
     _check_profiling(args)
+    _check_wandb(args)
     return args, notes
 
 
@@ -397,4 +399,15 @@ def _check_profiling(args: argparse.Namespace) -> None:
     if args.use_pytorch_profiler and args.tensorboard_dir is None:
         raise ConfigError(
             "--use-pytorch-profiler writes its trace to --tensorboard-dir; set --tensorboard-dir DIR"
+        )
+
+
+def _check_wandb(args: argparse.Namespace) -> None:
+    # Here, before any work, rather than when rank 0 opens the run after the model is built;
+    # find_spec looks for the package without importing it on every rank.
+    if args.wandb_project and importlib.util.find_spec("wandb") is None:
+        raise ConfigError(
+            f"--wandb-project {args.wandb_project} logs to Weights & Biases, whose wandb package "
+            "is not installed; install it (pip install -e '.[wandb]' in this repository, or "
+            "pip install wandb) or drop --wandb-project"
         )

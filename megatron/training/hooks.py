@@ -67,8 +67,8 @@ class TrainingHooks:
 
     def iteration_fields(self, model: nn.Module) -> Dict[str, float]:
         """At each --log-interval, before the iteration line (a collective: every rank calls
-        it): named numbers of the window for the end of that line and TensorBoard, the same on
-        every rank."""
+        it): named numbers of the window for the end of that line and the dashboards, the same
+        on every rank."""
         return {}
 
     def log(
@@ -76,10 +76,11 @@ class TrainingHooks:
         model: nn.Module,
         iteration: int,
         print_fn: Callable[[str], None],
-        tensorboard: Optional[Any],
+        metric_writers: Optional[Any],
     ) -> Dict[str, Any]:
         """After the iteration line of each --log-interval (a collective: every rank calls it).
-        Prints with `print_fn`, writes to `tensorboard` (a megatron.training.logging.TensorBoardLogger,
-        on the rank that writes, else None) and returns named records, which the trainer keeps
-        in `TrainingResult.records` (one entry per window)."""
+        Prints with `print_fn`, writes to `metric_writers` (a
+        megatron.training.metric_writers.MetricWriters: TensorBoard, W&B; on the rank that
+        writes, else None) and returns named records, which the trainer keeps in
+        `TrainingResult.records` (one entry per window)."""
         return {}

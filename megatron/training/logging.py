@@ -1,4 +1,4 @@
-"""Megatron's log lines (users parse them) and TensorBoard scalars."""
+"""Megatron's log lines (users parse them), the dashboard scalars and TensorBoard's writer."""
 
 from __future__ import annotations
 
@@ -113,6 +113,31 @@ def argument_text_tag(name: str) -> str:
     return f"{name}/text_summary"
 
 
+def training_scalars(stats: IterationStats) -> Dict[str, float]:
+    """Megatron's dashboard scalars of one log window, by name: what TensorBoard and W&B get."""
+    scalars = {
+        "learning-rate": stats.learning_rate,
+        "batch-size": stats.global_batch_size,
+        "loss-scale": stats.loss_scale,
+        TOKENS_PER_SECOND_PER_GPU: stats.tokens_per_second_per_gpu,
+        "throughput/tflops-per-gpu": stats.tflops_per_gpu,
+        **stats.losses,
+        **stats.extra,
+    }
+    if stats.grad_norm is not None:
+        scalars["grad-norm"] = stats.grad_norm
+    return scalars
+
+
+def validation_scalars(losses: Dict[str, float]) -> Dict[str, float]:
+    """Megatron's dashboard scalars of one evaluation: `<name> validation` and its perplexity."""
+    scalars = {}
+    for name, value in losses.items():
+        scalars[f"{name}{VALIDATION_SUFFIX}"] = value
+        scalars[f"{name}{VALIDATION_SUFFIX} ppl"] = math.exp(min(20.0, value))
+    return scalars
+
+
 class TensorBoardLogger:
     """Megatron's scalar names, against iterations and (`... vs samples`) consumed samples."""
 
@@ -122,31 +147,19 @@ class TensorBoardLogger:
         self._writer = SummaryWriter(log_dir=log_dir, max_queue=queue_size)
 
     def log_training(self, stats: IterationStats) -> None:
-        scalars = {
-            "learning-rate": stats.learning_rate,
-            "batch-size": stats.global_batch_size,
-            "loss-scale": stats.loss_scale,
-            TOKENS_PER_SECOND_PER_GPU: stats.tokens_per_second_per_gpu,
-            "throughput/tflops-per-gpu": stats.tflops_per_gpu,
-            **stats.losses,
-            **stats.extra,
-        }
-        if stats.grad_norm is not None:
-            scalars["grad-norm"] = stats.grad_norm
-        for name, value in scalars.items():
-            self._writer.add_scalar(name, value, stats.iteration)
-            self._writer.add_scalar(f"{name}{SAMPLES_SUFFIX}", value, stats.consumed_samples)
+        self._write_with_samples(training_scalars(stats), stats.iteration, stats.consumed_samples)
 
     def log_validation(
         self, losses: Dict[str, float], iteration: int, consumed_samples: int
     ) -> None:
-        for name, value in losses.items():
-            for suffix, scalar in (
-                (VALIDATION_SUFFIX, value),
-                (f"{VALIDATION_SUFFIX} ppl", math.exp(min(20.0, value))),
-            ):
-                self._writer.add_scalar(f"{name}{suffix}", scalar, iteration)
-                self._writer.add_scalar(f"{name}{suffix}{SAMPLES_SUFFIX}", scalar, consumed_samples)
+        self._write_with_samples(validation_scalars(losses), iteration, consumed_samples)
+
+    def _write_with_samples(
+        self, scalars: Dict[str, float], iteration: int, consumed_samples: int
+    ) -> None:
+        for name, value in scalars.items():
+            self._writer.add_scalar(name, value, iteration)
+            self._writer.add_scalar(f"{name}{SAMPLES_SUFFIX}", value, consumed_samples)
 
     def log_arguments(self, arguments: argparse.Namespace, iteration: int) -> None:
         """Every argument of the run as a text summary, as Megatron's

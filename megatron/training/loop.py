@@ -98,8 +98,8 @@ def _validate(
         )
     print_rank_0(format_validation_block(prefix, losses))
     result.validation.append((prefix, losses))
-    if trainer.tensorboard is not None:
-        trainer.tensorboard.log_validation(
+    if trainer.metric_writers is not None:
+        trainer.metric_writers.log_validation(
             losses, trainer.iteration, trainer.consumed_train_samples
         )
 
@@ -206,10 +206,10 @@ def _train_loop(
                     )
                 )
                 report_memory = False
-            if trainer.tensorboard is not None:
-                trainer.tensorboard.log_training(stats)
+            if trainer.metric_writers is not None:
+                trainer.metric_writers.log_training(stats)
             records = trainer.hooks.log(
-                trainer.unwrapped_model, trainer.iteration, print_rank_0, trainer.tensorboard
+                trainer.unwrapped_model, trainer.iteration, print_rank_0, trainer.metric_writers
             )
             for name, record in records.items():
                 result.records.setdefault(name, []).append(record)
@@ -278,8 +278,8 @@ def pretrain(
     """
     trainer = Trainer(config, context, model, forward_step, hooks, flops_per_iteration)
     trainer.load(model_arguments)
-    if trainer.tensorboard is not None:
-        trainer.tensorboard.log_arguments(config.saved_arguments(), trainer.iteration)
+    if trainer.metric_writers is not None:
+        trainer.metric_writers.log_arguments(config.saved_arguments(), trainer.iteration)
     result = TrainingResult()
     train_iterator = build_data_iterator(
         datasets["train"], trainer.consumed_train_samples, config, context
@@ -321,8 +321,8 @@ def pretrain(
 
 
 def _close(trainer: Trainer) -> None:
-    if trainer.tensorboard is not None:
-        trainer.tensorboard.close()
+    if trainer.metric_writers is not None:
+        trainer.metric_writers.close()
     trainer.finish_saves()
 
 

@@ -35,11 +35,8 @@ from megatron.parallel.gradient_sync import micro_batch_context
 from megatron.parallel.parallelize import ParallelModel
 from megatron.pipeline.training_step import activation_spec, pipeline_step
 from megatron.training.hooks import TrainingHooks
-from megatron.training.logging import (
-    TensorBoardLogger,
-    format_times_across_ranks,
-    min_max_across_ranks,
-)
+from megatron.training.logging import format_times_across_ranks, min_max_across_ranks
+from megatron.training.metric_writers import open_metric_writers
 
 ForwardStep = Callable[
     [torch.nn.Module, Dict[str, torch.Tensor]], Tuple[torch.Tensor, Dict[str, torch.Tensor]]
@@ -119,11 +116,7 @@ class Trainer:
             description = self.optimizer.optimizer.describe(config.numerics.main_grads_dtype)
             print_rank_0(f"> {description}")
         self.scheduler = build_lr_scheduler(self.optimizer, config.optimizer, config.training)
-        self.tensorboard = (
-            TensorBoardLogger(config.logging.tensorboard_dir, config.logging.tensorboard_queue_size)
-            if config.logging.tensorboard_dir and context.is_first
-            else None
-        )
+        self.metric_writers = open_metric_writers(config, context.is_first)
         self.gradient_sync = model.gradient_sync
         self.hooks.setup(self.unwrapped_model, model.gradient_sync, context.device)
         # With the parameter all-gather in flight after each step, every module waits for its

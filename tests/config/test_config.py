@@ -300,8 +300,10 @@ def test_arguments_block_of_resolved_arguments():
     assert "  global_batch_size ............................... 512" in body
     assert "  lr_decay_iters .................................. 2000" in body
     assert "  world_size ...................................... 8" in body
+    # Empty values (Megatron's unset --wandb-* strings) print as nothing after the dots.
+    assert "  wandb_project " + "." * 35 + " " in body
     for line in body:
-        name, dots, _ = line.strip().split(" ", 2)
+        name, dots, *_ = line.strip().split(" ", 2)
         assert dots == "." * (48 - len(name))
 
 

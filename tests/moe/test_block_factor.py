@@ -46,7 +46,7 @@ def _hooks_and_model(start: float):
     model = torch.nn.ModuleList(
         [build_moe_layer(moe_layer_model_config(32, 64, 16), moe) for _ in range(2)]
     )
-    return MoETrainingHooks(moe, None, num_layers=2, tensorboard=False), model
+    return MoETrainingHooks(moe, None, num_layers=2, writes_metrics=False), model
 
 
 def _step(hooks, model, needs):

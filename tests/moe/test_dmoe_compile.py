@@ -151,7 +151,7 @@ def test_on_the_projects_grouped_gemm_the_compiled_layer_breaks_and_is_not_compi
 
     for backend, veto in ((MOE, True), (TORCH, False)):
         moe = MoEConfig(num_experts=4, top_k=2, mlp_impl="grouped", grouped_gemm=backend)
-        hooks = MoETrainingHooks(moe, torch.bfloat16, num_layers=2, tensorboard=False)
+        hooks = MoETrainingHooks(moe, torch.bfloat16, num_layers=2, writes_metrics=False)
         said = hooks.compile_veto(torch.device("cuda"))
         assert (said is not None and "without torch.compile" in said) == veto
 

@@ -20,7 +20,7 @@ def test_each_layer_refreshes_its_copies_once_its_weights_are_there():
     model = torch.nn.ModuleList(
         [build_moe_layer(moe_layer_model_config(32, 64, 16), moe) for _ in range(2)]
     )
-    hooks = MoETrainingHooks(moe, torch.bfloat16, num_layers=2, tensorboard=False)
+    hooks = MoETrainingHooks(moe, torch.bfloat16, num_layers=2, writes_metrics=False)
     hooks.setup(model, GradientSync(NO_REDUCTION), torch.device("cpu"))
     hooks.weights_arrive_by_layer()
 
