@@ -26,6 +26,7 @@ from megatron.checkpointing.layout import (
     read_tracker,
 )
 from megatron.checkpointing.load import read_torch_checkpoint
+from megatron.checkpointing.progress import progress_bar, tensor_bytes
 from megatron.checkpointing.save import write_torch_checkpoint
 from megatron.checkpointing.sharded_load import verify_sharded_checkpoint
 from megatron.checkpointing.sharded_save import write_sharded_checkpoint
@@ -70,9 +71,11 @@ def convert(load: str, save: str, ckpt_format: str) -> str:
     model_keys, parameter_groups = model_order(args)
     if source == "torch_dist":
         state = read_sharded_as_torch_state(directory, model_keys, parameter_groups)
-        return write_torch_checkpoint(save, iteration, state)
+        with progress_bar(f"writing {save}", tensor_bytes(state), "B") as bar:
+            return write_torch_checkpoint(save, iteration, state, progress=bar)
     tensors, common = torch_state_as_sharded(state, parameter_groups)
-    error = write_sharded_checkpoint(save, iteration, tensors, common, None)
+    with progress_bar(f"writing {save}", tensor_bytes(state), "B") as bar:
+        error = write_sharded_checkpoint(save, iteration, tensors, common, None, progress=bar)
     if error is not None:
         raise CheckpointError(error)
     return os.path.join(save, iteration_directory_name(iteration))

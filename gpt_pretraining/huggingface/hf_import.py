@@ -22,6 +22,7 @@ from gpt_pretraining import GPT_RUN
 from gpt_pretraining.huggingface import hf_gpt2, hf_llama
 from gpt_pretraining.huggingface.hf_files import read_safetensors
 from megatron.checkpointing.layout import RELEASE, read_tracker
+from megatron.checkpointing.progress import progress_bar, tensor_bytes
 from megatron.checkpointing.save import CHECKPOINT_VERSION, write_torch_checkpoint
 from megatron.composition.run import tokenizer_and_padded_vocab
 from megatron.config import Config, ConfigError
@@ -149,7 +150,9 @@ def import_hf(hf_dir: str, save_dir: str, print_fn: Callable[[str], None] = prin
     run_config = GPT_RUN.config(args, notes, padded)
     _check_fits(state, run_config)
     args.padded_vocab_size = padded
-    write_torch_checkpoint(save_dir, RELEASE, _release_state(args, state))
+    release = _release_state(args, state)
+    with progress_bar(f"writing {save_dir}", tensor_bytes(release), "B") as bar:
+        write_torch_checkpoint(save_dir, RELEASE, release, progress=bar)
     print_fn(
         f"imported {hf_dir} ({config.model_type}, {sum(t.numel() for t in state.values()) / 1e6:.2f}"
         f" M parameters with the padded vocabulary of {padded}) into {save_dir}/release"

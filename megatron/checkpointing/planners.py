@@ -12,7 +12,7 @@ read items for whatever stored chunks overlap each chunk to load, copied straigh
 from __future__ import annotations
 
 import ctypes
-from typing import Dict, List
+from typing import Any, Dict, List, Optional
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
@@ -37,10 +37,13 @@ from megatron.checkpointing.chunks import ChunkedTensor
 class ChunkSavePlanner(DefaultSavePlanner):
     """Writes `tensors` ({global name: ChunkedTensor}); DCP's state dict argument is unused."""
 
-    def __init__(self, tensors: Dict[str, ChunkedTensor]) -> None:
+    def __init__(self, tensors: Dict[str, ChunkedTensor], progress: Optional[Any] = None) -> None:
         super().__init__(flatten_state_dict=False)
         self.tensors = tensors
         self._by_index: Dict[MetadataIndex, torch.Tensor] = {}
+        # A progress bar (megatron.checkpointing.progress) counting the bytes handed to DCP's
+        # writer, tensor by tensor; the offline tools pass one.
+        self.progress = progress
 
     def create_local_plan(self) -> SavePlan:
         items: List[WriteItem] = []
@@ -65,7 +68,10 @@ class ChunkSavePlanner(DefaultSavePlanner):
         return self.plan
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
-        return _own_storage_view(self._by_index[write_item.index])
+        tensor = self._by_index[write_item.index]
+        if self.progress is not None:
+            self.progress.update(tensor.numel() * tensor.element_size())
+        return _own_storage_view(tensor)
 
 
 def _own_storage_view(tensor: torch.Tensor) -> torch.Tensor:

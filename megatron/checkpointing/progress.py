@@ -8,8 +8,9 @@ job scheduler) gets nothing, so the tools' own lines stay as they were.
 from __future__ import annotations
 
 import sys
-from typing import IO, Iterator, List, Optional, Sequence, Tuple, TypeVar
+from typing import IO, Any, Iterator, List, Optional, Sequence, Tuple, TypeVar
 
+import torch
 from tqdm import tqdm
 
 Item = TypeVar("Item")
@@ -47,3 +48,15 @@ def batches_by_bytes(
         size += item_bytes
     if batch:
         yield batch, size
+
+
+def tensor_bytes(state: Any) -> int:
+    """The bytes of every tensor in `state` (nested dicts, lists and tuples): about what a save
+    of it writes, a bar's total."""
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    if isinstance(state, dict):
+        return sum(tensor_bytes(value) for value in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(tensor_bytes(value) for value in state)
+    return 0

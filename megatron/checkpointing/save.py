@@ -11,7 +11,7 @@ import argparse
 import os
 import shutil
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, BinaryIO, Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -294,16 +294,18 @@ def write_torch_checkpoint(
     state: Dict[str, Any],
     checksums: bool = True,
     keep_latest: Optional[int] = None,
+    progress: Optional[Any] = None,
 ) -> str:
     """Write a torch-format `state` (one model_optim_rng.pt) into a temporary directory, rename
-    it to iter_XXXXXXX, then move the tracker; returns the file's path.
+    it to iter_XXXXXXX, then move the tracker; returns the file's path. `progress`: a bar
+    counting the bytes torch.save writes (the offline tools' megatron.checkpointing.progress).
 
     A crash before the tracker is replaced leaves it naming the previous complete checkpoint;
     a failure removes the temporary directory and puts back a directory it was replacing.
     """
     temporary_root = prepare_temporary_directory(root, iteration)
     try:
-        _write_directory(temporary_root, state, checksums)
+        _write_directory(temporary_root, state, checksums, progress)
     except BaseException:
         shutil.rmtree(temporary_root, ignore_errors=True)
         raise
@@ -311,13 +313,34 @@ def write_torch_checkpoint(
     return checkpoint_file(root, iteration)
 
 
-def _write_directory(directory: str, state: Dict[str, Any], checksums: bool) -> None:
+class _CountedFile:
+    """A binary file whose writes also advance `progress` by their bytes."""
+
+    def __init__(self, file: BinaryIO, progress: Any) -> None:
+        self._file, self._progress = file, progress
+
+    def write(self, data) -> int:
+        written = self._file.write(data)
+        self._progress.update(memoryview(data).nbytes)
+        return written
+
+    def flush(self) -> None:
+        self._file.flush()
+
+    def fileno(self) -> int:
+        return self._file.fileno()
+
+
+def _write_directory(
+    directory: str, state: Dict[str, Any], checksums: bool, progress: Optional[Any] = None
+) -> None:
     """The checkpoint file and its checksums in `directory`, synced to disk."""
     path = shard_file(directory)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     record: Optional[FileChecksum] = None
     try:
-        with open(path, "wb") as file:
+        with open(path, "wb") as raw_file:
+            file = raw_file if progress is None else _CountedFile(raw_file, progress)
             if checksums:
                 with ThreadPoolExecutor(hashing_threads()) as pool:
                     writer = ChecksumWriter(file, pool)

@@ -75,10 +75,12 @@ def write_sharded_checkpoint(
     group: Optional[dist.ProcessGroup],
     checksums: bool = True,
     keep_latest: Optional[int] = None,
+    progress: Optional[Any] = None,
 ) -> Optional[str]:
     """Write iteration `iteration` under `root` (steps in the module docstring); `common` is
     needed on global rank 0 only. Returns None, or on every rank the one-line message of a
-    failure (the previous checkpoint stays the latest)."""
+    failure (the previous checkpoint stays the latest). `progress`: a bar counting the bytes
+    written (the offline tools' megatron.checkpointing.progress)."""
     rank, _ = rank_and_size(group)
     temporary, error = None, None
     if rank == 0:
@@ -92,7 +94,7 @@ def write_sharded_checkpoint(
     records: Dict[str, FileChecksum] = {}
     try:
         records = write_sharded_files(
-            temporary, tensors, common if rank == 0 else None, group, checksums
+            temporary, tensors, common if rank == 0 else None, group, checksums, progress
         )
     except (Exception, KeyboardInterrupt, CheckpointException) as exc:  # every rank reports
         error = save_failure_message(root, iteration, first_failure(exc))

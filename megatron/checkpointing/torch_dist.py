@@ -60,17 +60,19 @@ def write_sharded_files(
     common: Optional[Dict[str, Any]],
     group: Optional[dist.ProcessGroup],
     checksums: bool = True,
+    progress: Optional[Any] = None,
 ) -> Dict[str, FileChecksum]:
     """Write this rank's chunks (and on rank 0 `common` and the markers) into `directory`;
     collective over `group`. Returns the checksums of the files this rank wrote, by name
-    relative to `directory` (empty with `checksums=False`)."""
+    relative to `directory` (empty with `checksums=False`). `progress`: a bar counting the
+    chunks' bytes as they are written (megatron.checkpointing.progress)."""
     rank, size = rank_and_size(group)
     # DCP first: it reports a failure on any rank to every rank, so all leave it together.
     with _single_process_quietly():
         dcp.save(
             {},
             storage_writer=FileSystemWriter(directory, thread_count=WRITER_THREADS),
-            planner=ChunkSavePlanner(tensors),
+            planner=ChunkSavePlanner(tensors, progress),
             process_group=group,
         )
     # DCP names rank r's files __r_<n>.distcp; any it names otherwise rank 0 hashes. Every

@@ -79,3 +79,37 @@ def test_safetensors_writes_and_reads_report_their_bytes(tmp_path, capsys):
     write_safetensors(str(tmp_path), tensors, print_fn=lambda _: None)
     read_safetensors(str(tmp_path))
     assert capsys.readouterr().err == ""
+
+
+class _Counter:
+    """What the writers need of a bar: `update(bytes)`."""
+
+    def __init__(self) -> None:
+        self.total = 0
+
+    def update(self, count: int) -> None:
+        self.total += count
+
+
+def _state():
+    return {"model": {f"w{i}": torch.randn(256, 64) for i in range(3)}, "iteration": 7}
+
+
+def test_a_torch_format_save_counts_the_bytes_it_writes(tmp_path):
+    from megatron.checkpointing.progress import tensor_bytes
+    from megatron.checkpointing.save import write_torch_checkpoint
+
+    counter = _Counter()
+    path = write_torch_checkpoint(str(tmp_path), 7, _state(), progress=counter)
+    assert counter.total == os.path.getsize(path)  # every byte torch.save wrote
+    assert tensor_bytes(_state()) <= counter.total < 1.1 * tensor_bytes(_state())
+
+
+def test_a_sharded_save_counts_its_tensors_bytes(tmp_path):
+    from megatron.checkpointing.chunks import ChunkedTensor
+    from megatron.checkpointing.sharded_save import write_sharded_checkpoint
+
+    tensors = {name: ChunkedTensor(t.shape, [((0, 0), t)]) for name, t in _state()["model"].items()}
+    counter = _Counter()
+    assert write_sharded_checkpoint(str(tmp_path), 7, tensors, {}, None, progress=counter) is None
+    assert counter.total == 3 * 256 * 64 * 4
