@@ -1,7 +1,8 @@
 """Forward + backward of one dMoE layer in bf16 on one GPU, per backend, next to a dense MLP of
 the same FLOPs (hidden -> top_k * ffn -> hidden through cuBLAS), timed in the same run.
 
-    python -m bench.moe_layer [--backends grouped sparse] [--check] [--cuda-graphs] [--profile]
+    python -m bench.moe_layer [--backends grouped sparse grouped+compile+fp8] [--check]
+        [--cuda-graphs] [--profile]
 
 TFLOP/s counts 3 x 2 x tokens x top_k x 2 x hidden x ffn (the expert matmuls, forward and
 backward). `--check` first compares each backend with the loop-over-experts reference at a real
@@ -24,7 +25,9 @@ from torch import nn
 
 from megatron.config import ModelConfig
 from megatron.kernels.dispatch import kernel_mode
+from megatron.kernels.fp8_linear import Fp8Recipe
 from moe.config import MoEConfig
+from moe.fp8_experts import dropless_fp8
 from moe.kernels.grouped_gemm import choose_backend
 from moe.layers import build_moe_layer
 
@@ -41,12 +44,19 @@ DENSE = "dense same-FLOPs"
 COMPILED_SUFFIX = "+compile"
 # torch.compile with CUDA graphs (mode="reduce-overhead"): shows what host launch time costs.
 GRAPHED_SUFFIX = "+compile-cudagraphs"
+# The experts' grouped GEMMs in FP8 (torch._scaled_grouped_mm), by recipe.
+FP8_SUFFIXES = {"+fp8": "rowwise", "+fp8-tensorwise": "tensorwise"}
 
 
 def build_layer(hidden, ffn, experts, top_k, backend, dtype=torch.bfloat16):
     """The layer for `backend`, on the grouped GEMM a run would choose for this GPU and dtype;
     "grouped+compile" is the grouped layer under torch.compile, as training runs it (one graph
-    on torch._grouped_mm)."""
+    on torch._grouped_mm); a "+fp8" or "+fp8-tensorwise" ending gives its expert products FP8
+    (moe.fp8_experts, rowwise by default), the weights quantized once as a training step does."""
+    fp8 = None
+    for suffix, scaling in FP8_SUFFIXES.items():
+        if backend.endswith(suffix):
+            fp8, backend = Fp8Recipe(scaling), backend.removesuffix(suffix)
     graphed = backend.endswith(GRAPHED_SUFFIX)
     backend = backend.removesuffix(GRAPHED_SUFFIX)
     compiled = backend.endswith(COMPILED_SUFFIX)
@@ -62,6 +72,11 @@ def build_layer(hidden, ffn, experts, top_k, backend, dtype=torch.bfloat16):
     moe = MoEConfig(num_experts=experts, top_k=top_k, mlp_impl=backend, grouped_gemm=grouped_gemm)
     torch.manual_seed(0)
     layer = build_moe_layer(model, moe).cuda().to(dtype)
+    if fp8 is not None:
+        reason = dropless_fp8(layer, fp8)
+        if reason is not None:
+            raise ValueError(f"no FP8 experts here: {reason}")
+        layer.experts.refresh_compute_weights(dtype, accumulate_in_place=False)
     # One shape per layer, as in training; dynamic=False keeps the later configs from being
     # compiled for symbolic shapes after the first.
     if graphed:
@@ -208,12 +223,16 @@ def check(backend):
     hidden, ffn, experts, top_k, tokens = 1024, 2048, 16, 2, 4096
     errors = []
     results = {}
-    # The compiled layer runs torch._grouped_mm, bf16 only: checked against the eager grouped
-    # layer in bf16; the others against the loop reference in fp32.
-    eager = backend.removesuffix(GRAPHED_SUFFIX).removesuffix(COMPILED_SUFFIX)
-    compiled = eager != backend
-    baseline = eager if compiled else "reference"
-    dtype = torch.bfloat16 if compiled else torch.float32
+    # The compiled layer runs torch._grouped_mm, bf16 only, and the FP8 one quantizes: both are
+    # checked against the eager grouped layer in bf16; the others against the loop reference in
+    # fp32.
+    plain = backend
+    for suffix in FP8_SUFFIXES:
+        plain = plain.removesuffix(suffix)
+    eager = plain.removesuffix(GRAPHED_SUFFIX).removesuffix(COMPILED_SUFFIX)
+    in_bf16 = eager != backend
+    baseline = eager if in_bf16 else "reference"
+    dtype = torch.bfloat16 if in_bf16 else torch.float32
     for name in (baseline, backend):
         layer = build_layer(hidden, ffn, experts, top_k, name, dtype=dtype)
         torch.manual_seed(1)
@@ -235,8 +254,10 @@ def check(backend):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--backends", nargs="+", default=["grouped", "grouped+compile", "sparse"],
+        "--backends", nargs="+",
+        default=["grouped", "grouped+compile", "grouped+compile+fp8", "sparse"],
         help="grouped, sparse, reference, or any of them with +compile or +compile-cudagraphs; "
+        "grouped ones also with +fp8 (rowwise) or +fp8-tensorwise at the end; "
         f"--profile also takes '{DENSE}'",
     )  # fmt: skip
     parser.add_argument("--check", action="store_true")

@@ -202,7 +202,7 @@ class Experts(nn.Module):
         if self.w1.dtype == dtype:  # the weights themselves are in the compute dtype
             self._compute_weights = None
             self._accumulators = ()
-            self._fp8_weights = None
+            self._refresh_fp8_weights()
             return
         copies = self._compute_weights
         reusable = (
@@ -237,15 +237,17 @@ class Experts(nn.Module):
 
     @torch.no_grad()
     def _refresh_fp8_weights(self) -> None:
-        """With `fp8`, quantize the compute copies for the FP8 products once per refresh (once
-        per optimizer step), not in every micro-batch's forward and backward; in place after
-        the first time, as the copies themselves."""
-        if self.fp8 is None or self._compute_weights is None:
+        """With `fp8`, quantize the weights the forwards use (the compute copies, or the
+        weights themselves when they are in the compute dtype) for the FP8 products once per
+        refresh (once per optimizer step), not in every micro-batch's forward and backward; in
+        place after the first time, as the copies themselves."""
+        if self.fp8 is None:
             self._fp8_weights = None
             return
+        used = self._compute_weights or (self.w1, self.v1, self.w2)
         fresh = [
-            None if copy is None else quantize_expert_weight(copy, self.fp8)
-            for copy in self._compute_weights
+            None if weight is None else quantize_expert_weight(weight, self.fp8)
+            for weight in used
         ]
         if self._fp8_weights is None:
             self._fp8_weights = tuple(fresh)
