@@ -246,8 +246,7 @@ class Experts(nn.Module):
             return
         used = self._compute_weights or (self.w1, self.v1, self.w2)
         fresh = [
-            None if weight is None else quantize_expert_weight(weight, self.fp8)
-            for weight in used
+            None if weight is None else quantize_expert_weight(weight, self.fp8) for weight in used
         ]
         if self._fp8_weights is None:
             self._fp8_weights = tuple(fresh)

@@ -141,3 +141,18 @@ def test_weights_quantized_once_per_step_give_the_products_quantized_in_every_ca
     losses, grad = _step_with_copies(refresh=False)
     assert held_losses == losses
     torch.testing.assert_close(held_grad, grad, rtol=0, atol=0)
+
+
+def test_the_memory_optimized_mlp_recomputes_the_same_fp8_products():
+    """--moe-memory-optimized-mlp recomputes the activation and the second product in the
+    backward: with the weights kept quantized (a refresh), the recomputed FP8 product finds its
+    weight's FP8 form again and gives the same loss and gradients."""
+    results = []
+    for memory_optimized in (False, True):
+        model = _model(dataclasses.replace(DMOE, memory_optimized_mlp=memory_optimized))
+        refresh_compute_weights(model, torch.bfloat16, accumulate_in_place=False)
+        loss = _loss(model)
+        loss.backward()
+        results.append((loss.item(), _experts(model)[0].w2.grad))
+    assert results[0][0] == results[1][0]
+    torch.testing.assert_close(results[1][1], results[0][1], rtol=0, atol=0)
