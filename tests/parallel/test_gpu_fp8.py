@@ -1,6 +1,7 @@
 """pretrain_gpt.py with --fp8-format on GPUs with FP8 tensor cores (NVIDIA compute capability
-8.9+, AMD MI300): the FP8 run follows the bf16 run's losses, tensor parallelism gives one GPU's
-FP8 losses, and checkpoints move between FP8 and bf16 runs either way.
+8.9+, AMD MI300): the FP8 run follows the bf16 run's losses (a dMoE's too, its experts in FP8 on
+Hopper), tensor parallelism gives one GPU's FP8 losses, and checkpoints move between FP8 and
+bf16 runs either way.
 
 GPU-marked (`pytest -m gpu tests/parallel/test_gpu_fp8.py`); the tests skip cleanly on a machine
 without FP8 units or with fewer GPUs than they need. A tiny GPT (hidden 64: every projection's
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 from megatron.kernels.fp8_linear import fp8_unsupported
+from moe.kernels.grouped_gemm import torch_grouped_mm_is_fast_on
 from tests.launch import pretrain_on_gpus
 from tests.tiny_gpt import tiny_gpt_args
 
@@ -29,13 +31,15 @@ pytestmark = [
 ]
 
 
-def run(nproc: int, data_prefix: str, root: Path, *extra: str) -> dict:
-    """The run's {iteration: lm loss}, on `nproc` GPUs under torchrun (NCCL)."""
+def run(nproc: int, data_prefix: str, root: Path, *extra: str, stdout: bool = False):
+    """The run's {iteration: lm loss}, on `nproc` GPUs under torchrun (NCCL); with `stdout`,
+    also what it printed."""
     args = tiny_gpt_args(
         data_prefix, "--bf16", "--make-vocab-size-divisible-by", "64", *extra,
         train_iters=ITERATIONS, eval_iters=0,
     )  # fmt: skip
-    return pretrain_on_gpus(nproc, args, root / "tb", ["lm loss"])["lm loss"]
+    result = pretrain_on_gpus(nproc, args, root / "tb", ["lm loss"])
+    return (result["lm loss"], result["stdout"]) if stdout else result["lm loss"]
 
 
 def assert_close(expected: dict, actual: dict, relative: float) -> None:
@@ -75,3 +79,22 @@ def test_a_checkpoint_moves_between_fp8_and_bf16(first, then, data_prefix, tmp_p
     assert min(resumed) == 11
     later = {step: loss for step, loss in straight.items() if step > 10}
     assert_close(later, resumed, relative=0.05)
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or not torch_grouped_mm_is_fast_on(torch.device("cuda")),
+    reason="FP8 experts need Hopper",
+)
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_a_dmoe_with_fp8_experts_follows_the_bf16_losses(recipe, data_prefix, tmp_path):
+    """The dMoE's grouped expert GEMMs in FP8 (torch._scaled_grouped_mm, compiled with the
+    rest): the run says nothing stays in bf16, and its losses follow the bf16 run's."""
+    moe = ("--moe-num-experts", "4", "--moe-top-k", "2")
+    bf16 = run(1, data_prefix, tmp_path / "bf16", *moe)
+    fp8, printed = run(
+        1, data_prefix, tmp_path / "fp8", *moe, "--fp8-format", "hybrid", "--fp8-recipe", recipe,
+        stdout=True,
+    )  # fmt: skip
+    assert "stays in bf16" not in printed
+    assert fp8 != bf16
+    assert_close(bf16, fp8, relative=0.02)
