@@ -231,7 +231,8 @@ def recipe_for(device: torch.device, scaling: str, fmt: str) -> Fp8Recipe:
     return Fp8Recipe(scaling, fmt, fnuz)
 
 
-def _dequantized(tensor: torch.Tensor, dtype: torch.dtype, rowwise_dim: Optional[int]):
+def dequantized(tensor: torch.Tensor, dtype: torch.dtype, rowwise_dim: Optional[int]):
+    """`tensor` quantized as `quantize` does and back, in fp32: what the references multiply."""
     quantized, inverse = quantize(tensor, dtype, rowwise_dim)
     return quantized.float() * inverse
 
@@ -248,8 +249,8 @@ def fp8_linear_reference(
 
     def product(left, right, left_dtype, right_dtype):
         # Rowwise: per row of the left operand, per column of the right one.
-        left_dq = _dequantized(left, left_dtype, 1 if rowwise else None)
-        right_dq = _dequantized(right, right_dtype, 0 if rowwise else None)
+        left_dq = dequantized(left, left_dtype, 1 if rowwise else None)
+        right_dq = dequantized(right, right_dtype, 0 if rowwise else None)
         return left_dq @ right_dq
 
     y = product(rows, weight.t(), forward, forward).to(x.dtype)

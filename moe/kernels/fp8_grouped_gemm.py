@@ -34,7 +34,7 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from megatron.kernels.fp8_linear import Fp8Recipe, quantize, scaled_cast
+from megatron.kernels.fp8_linear import Fp8Recipe, dequantized, quantize, scaled_cast
 
 __all__ = [
     "GROUP_ROW_ALIGNMENT",
@@ -90,8 +90,9 @@ class _Fp8GroupedMm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, offsets, recipe: Fp8Recipe, *quantized):
         quantized = QuantizedExpertWeight(*quantized) if quantized else None
-        x = _grouped_rows_only(x, offsets)
+        # The caller's x is saved, not the masked copy: other products save the same tensor.
         ctx.save_for_backward(x, weight, offsets, *(quantized[2:] if quantized else ()))
+        x = _grouped_rows_only(x, offsets)
         ctx.recipe = recipe
         ctx.inputs = 4 + len(quantized or ())
         rowwise = recipe.scaling == "rowwise"
@@ -109,6 +110,7 @@ class _Fp8GroupedMm(torch.autograd.Function):
         recipe: Fp8Recipe = ctx.recipe
         rowwise = recipe.scaling == "rowwise"
         dtype = recipe.forward_dtype
+        x = _grouped_rows_only(x, offsets)
         grad_output = _grouped_rows_only(grad_output, offsets)
         g_q, g_inverse = _quantized_rows(grad_output, dtype, rowwise)
         if quantized:
@@ -240,14 +242,6 @@ def _scaled_grouped(
     return product.to(torch.bfloat16)
 
 
-def _dequantized(tensor: torch.Tensor, dtype: torch.dtype, dims) -> torch.Tensor:
-    """`tensor` quantized with amax over `dims` (None: the whole tensor) and back, in fp32."""
-    magnitude = tensor.abs().float()
-    amax = magnitude.amax() if dims is None else magnitude.amax(dim=dims, keepdim=True)
-    quantized, inverse = scaled_cast(tensor, dtype, amax)
-    return quantized.float() * inverse
-
-
 def fp8_grouped_reference(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -262,28 +256,22 @@ def fp8_grouped_reference(
     dtype = recipe.forward_dtype
     rows = int(offsets[-1])
     x, grad_output = x[:rows], grad_output[:rows]
-    x_dq = _dequantized(x, dtype, 1 if rowwise else None)
-    g_dq = _dequantized(grad_output, dtype, 1 if rowwise else None)
-    # Tensorwise: the weight gradient's scales are the whole x's and dy's.
-    whole_x = x.abs().float().amax()
-    whole_g = grad_output.abs().float().amax()
+    x_dq = dequantized(x, dtype, 1 if rowwise else None)
+    g_dq = dequantized(grad_output, dtype, 1 if rowwise else None)
     ys, grad_xs, grad_ws = [], [], []
     bounds = [0] + offsets.tolist()
     for expert, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
         w = weight[expert]
-        ys.append(x_dq[start:end] @ _dequantized(w, dtype, 0 if rowwise else None))
-        grad_xs.append(g_dq[start:end] @ _dequantized(w, dtype, 1 if rowwise else None).t())
-        x_e, g_e = x[start:end], grad_output[start:end]
+        ys.append(x_dq[start:end] @ dequantized(w, dtype, 0 if rowwise else None))
+        grad_xs.append(g_dq[start:end] @ dequantized(w, dtype, 1 if rowwise else None).t())
         if end == start:
             grad_ws.append(torch.zeros_like(w, dtype=torch.float32))
             continue
-        if rowwise:
-            x_e, g_e = _dequantized(x_e, dtype, 0), _dequantized(g_e, dtype, 0)
-        else:
-            x_e = scaled_cast(x_e, dtype, whole_x)
-            x_e = x_e[0].float() * x_e[1]
-            g_e = scaled_cast(g_e, dtype, whole_g)
-            g_e = g_e[0].float() * g_e[1]
+        if rowwise:  # per (expert, column), over the expert's rows
+            x_e = dequantized(x[start:end], dtype, 0)
+            g_e = dequantized(grad_output[start:end], dtype, 0)
+        else:  # the whole x's and dy's scales, as in the other products
+            x_e, g_e = x_dq[start:end], g_dq[start:end]
         grad_ws.append(x_e.t() @ g_e)
     y = torch.cat(ys).to(torch.bfloat16)
     grad_x = torch.cat(grad_xs).to(torch.bfloat16).to(x.dtype)
