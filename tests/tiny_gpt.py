@@ -48,6 +48,16 @@ def sharded_gpt_model(config: ModelConfig, mlp_spec: MlpSpec = DENSE_MLP) -> GPT
     return shard_model(model, config)
 
 
+def bf16_autocast_loss(model: torch.nn.Module, seed: int = 0) -> torch.Tensor:
+    """The mean loss of a tiny model (vocabulary 64) on 4 random sequences of 8 tokens drawn
+    from `seed`, under the CPU's bf16 autocast (the FP8 products' compute dtype)."""
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 64, (4, 9), generator=generator)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        losses = model(tokens[:, :-1], labels=tokens[:, 1:])
+    return losses.float().mean()
+
+
 def moe_layer_model_config(
     hidden_size: int, ffn_hidden_size: int, seq_length: int, **overrides: Any
 ) -> ModelConfig:

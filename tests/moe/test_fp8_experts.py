@@ -20,7 +20,7 @@ from moe.kernels.grouped_gemm import MOE, TORCH
 from moe.mlp_spec import MoEMlpSpec
 from tests.launch import run_distributed
 from tests.markers import needs_torch_grouped_mm
-from tests.tiny_gpt import sharded_gpt_model, tiny_model_config
+from tests.tiny_gpt import bf16_autocast_loss, sharded_gpt_model, tiny_model_config
 
 pytestmark = needs_torch_grouped_mm
 RECIPE = Fp8Recipe("rowwise", "hybrid")
@@ -34,14 +34,6 @@ def _model(moe: MoEConfig = DMOE, fp8: bool = True) -> nn.Module:
     spec = MoEMlpSpec(moe)
     model = sharded_gpt_model(tiny_model_config(hidden_size=64, ffn_hidden_size=128), spec)
     return apply_fp8(model, RECIPE, spec.fp8_styles()) if fp8 else model
-
-
-def _loss(model: nn.Module, seed: int = 0) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, 64, (4, 9), generator=generator)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        losses = model(tokens[:, :-1], labels=tokens[:, 1:])
-    return losses.float().mean()
 
 
 def _experts(model: nn.Module):
@@ -71,16 +63,16 @@ def test_other_expert_products_stay_bf16_and_the_run_says_why_once(moe, reason, 
 
 
 def test_a_dmoe_with_fp8_experts_computes_nearly_the_bf16_loss_and_learns():
-    reference = _loss(_model(fp8=False))
+    reference = bf16_autocast_loss(_model(fp8=False))
     model = _model()
-    loss = _loss(model)
+    loss = bf16_autocast_loss(model)
     assert not torch.equal(loss, reference)  # quantized
     assert abs(loss.item() - reference.item()) / reference.item() < 0.02
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     losses = []
     for _ in range(5):
         optimizer.zero_grad()
-        loss = _loss(model)
+        loss = bf16_autocast_loss(model)
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
@@ -95,7 +87,7 @@ def _expert_parallel_loss(rank: int, world_size: int) -> dict:
     parallel_state.initialize_model_parallel(expert_model_parallel_size=world_size)
     try:
         model = _model(dataclasses.replace(DMOE, expert_parallel_buffer_factor=2.0))
-        loss = _loss(model)
+        loss = bf16_autocast_loss(model)
         loss.backward()
         return {"loss": loss.item(), "w1_grad": _experts(model)[0].w1.grad.clone()}
     finally:
@@ -127,7 +119,7 @@ def _step_with_copies(refresh: bool) -> tuple:
             refresh_compute_weights(model, torch.bfloat16, accumulate_in_place=False)
             assert all(experts._fp8_weights is not None for experts in _experts(model))
         optimizer.zero_grad()
-        loss = _loss(model)
+        loss = bf16_autocast_loss(model)
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
@@ -151,7 +143,7 @@ def test_the_memory_optimized_mlp_recomputes_the_same_fp8_products():
     for memory_optimized in (False, True):
         model = _model(dataclasses.replace(DMOE, memory_optimized_mlp=memory_optimized))
         refresh_compute_weights(model, torch.bfloat16, accumulate_in_place=False)
-        loss = _loss(model)
+        loss = bf16_autocast_loss(model)
         loss.backward()
         results.append((loss.item(), _experts(model)[0].w2.grad))
     assert results[0][0] == results[1][0]

@@ -22,18 +22,10 @@ from moe.mlp_spec import MoEMlpSpec
 from tests.kernels.test_fp8_linear import pytestmark as needs_cpu_scaled_mm
 from tests.launch import run_distributed
 from tests.pipeline.test_pipeline_parallel import micro_batches
-from tests.tiny_gpt import sharded_gpt_model, tiny_model_config
+from tests.tiny_gpt import bf16_autocast_loss, sharded_gpt_model, tiny_model_config
 
 pytestmark = needs_cpu_scaled_mm
 RECIPE = Fp8Recipe("rowwise", "hybrid")
-
-
-def _loss(model: nn.Module, seed: int = 0) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, 64, (4, 9), generator=generator)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        losses = model(tokens[:, :-1], labels=tokens[:, 1:])
-    return losses.float().mean()
 
 
 def _model(**overrides) -> nn.Module:
@@ -56,9 +48,9 @@ def test_the_projections_turn_fp8_and_nothing_else():
 
 
 def test_the_fp8_model_computes_nearly_the_bf16_loss_and_learns():
-    reference = _loss(_model())
+    reference = bf16_autocast_loss(_model())
     model = apply_fp8(_model(), RECIPE)
-    loss = _loss(model)
+    loss = bf16_autocast_loss(model)
     assert not torch.equal(loss, reference)  # quantized
     assert abs(loss.item() - reference.item()) / reference.item() < 0.02
     loss.backward()
@@ -79,7 +71,7 @@ def _tensor_parallel_loss(rank: int, world_size: int, sequence_parallel: bool) -
     ]
     assert len(products) == 4 * 2  # tied embeddings: no output layer of its own
     assert all(isinstance(product, Fp8Product) for product in products)
-    loss = _loss(model).item()
+    loss = bf16_autocast_loss(model).item()
     ps.destroy_model_parallel()
     return loss
 
@@ -88,7 +80,7 @@ def _tensor_parallel_loss(rank: int, world_size: int, sequence_parallel: bool) -
 def test_fp8_composes_with_tensor_parallelism(sequence_parallel):
     """Each rank quantizes its own shards (rowwise: the same scales as one process wherever a
     row is whole on a rank), so the loss is one process's FP8 loss up to that."""
-    one_process = _loss(apply_fp8(_model(), RECIPE)).item()
+    one_process = bf16_autocast_loss(apply_fp8(_model(), RECIPE)).item()
     losses = run_distributed(_tensor_parallel_loss, 2, sequence_parallel)
     assert losses[0] == losses[1]
     assert abs(losses[0] - one_process) / one_process < 0.01, (losses, one_process)
@@ -104,7 +96,7 @@ def test_fp8_composes_with_activation_recomputation(granularity):
             recompute.update(recompute_method="uniform", recompute_num_layers=1)
         model = apply_fp8(_model(**recompute), RECIPE)
         apply_activation_recomputation(model, model.config).train()
-        _loss(model).backward()
+        bf16_autocast_loss(model).backward()
         grads.append({name: param.grad for name, param in model.named_parameters()})
     for name, grad in grads[0].items():
         assert torch.equal(grads[1][name], grad), name
@@ -114,9 +106,9 @@ def test_the_fp8_model_compiles_as_one_graph():
     """torch.compile traces a model with FP8 projections whole (a graph break around each
     projection would cost more than FP8 saves) and computes the eager loss."""
     model = apply_fp8(_model(num_layers=1), RECIPE)
-    eager = _loss(model)
+    eager = bf16_autocast_loss(model)
     compiled = torch.compile(model, fullgraph=True, dynamic=False)
-    loss = _loss(compiled)
+    loss = bf16_autocast_loss(compiled)
     loss.backward()
     torch.testing.assert_close(loss, eager, rtol=1e-3, atol=0)
 
