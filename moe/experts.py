@@ -20,11 +20,12 @@ import contextlib
 from typing import Callable, Iterator, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from megatron.kernels.fp8_linear import Fp8Recipe
+from megatron.kernels.fp8_linear import Fp8Recipe, TensorShard
 from megatron.parallel.expert_parameters import mark_expert_parallel
 from megatron.parallel.parameter_swaps import replace_parameter
 from megatron.tensor_parallel import set_tensor_model_parallel_attributes
@@ -92,6 +93,9 @@ class Experts(nn.Module):
         self.memory_optimized = memory_optimized
         self.grouped_gemm = grouped_gemm
         self.fp8: Optional[Fp8Recipe] = None
+        # With `fp8` under tensor parallelism: the group the ffn channels are split over, whose
+        # ranks quantize with common scales (moe.kernels.fp8_grouped_gemm).
+        self.fp8_group: Optional[dist.ProcessGroup] = None
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_hidden_size))
         if mlp_type == "glu":
             self.v1 = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_hidden_size))
@@ -246,7 +250,8 @@ class Experts(nn.Module):
             return
         used = self._compute_weights or (self.w1, self.v1, self.w2)
         fresh = [
-            None if weight is None else quantize_expert_weight(weight, self.fp8) for weight in used
+            None if weight is None else quantize_expert_weight(weight, self.fp8, shard)
+            for weight, shard in zip(used, self._fp8_shards())
         ]
         if self._fp8_weights is None:
             self._fp8_weights = tuple(fresh)
@@ -254,6 +259,14 @@ class Experts(nn.Module):
         for held, new in zip(self._fp8_weights, fresh):
             for held_tensor, new_tensor in zip(held or (), new or ()):
                 held_tensor.copy_(new_tensor)
+
+    def _fp8_shards(self) -> Tuple[Optional[TensorShard], ...]:
+        """How (w1, v1, w2) are split for the FP8 products: w1 and v1 by their output columns,
+        w2 by its input rows, over `fp8_group`; nothing without tensor parallelism."""
+        if self.fp8_group is None:
+            return (None, None, None)
+        by_output, by_input = TensorShard(0, self.fp8_group), TensorShard(1, self.fp8_group)
+        return (by_output, by_output, by_input)
 
     def flush_gradients(self) -> None:
         """Add any held micro-batch gradients into the fp32 weights (`GradientAccumulator`)."""
@@ -369,14 +382,17 @@ class Experts(nn.Module):
 
         weights = self.projection_weights(x.dtype)
         quantized = self._fp8_weights or (None, None, None)
+        shards = self._fp8_shards()
 
         def project(inputs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
             if self.fp8 is not None and inputs.shape[0] > 0:
-                held = next(q for w, q in zip(weights, quantized) if w is weight)
+                index = next(i for i, w in enumerate(weights) if w is weight)
                 # Quantized from the compute-dtype weight, as the bf16 product multiplies it:
                 # every path to here (casts, refreshed copies, fp32 master) scales the same.
                 weight = weight.to(inputs.dtype)
-                return fp8_grouped_mm(inputs, weight, offsets, self.fp8, held)
+                return fp8_grouped_mm(
+                    inputs, weight, offsets, self.fp8, quantized[index], shards[index]
+                )
             return grouped_product(inputs, weight, tokens_per_expert, offsets, self.grouped_gemm)
 
         return self._mlp(x, project, row_scale, weights)

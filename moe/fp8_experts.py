@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 
 from megatron.kernels.fp8_linear import Fp8Recipe
+from megatron.parallel import parallel_state as ps
 from moe.kernels.fp8_grouped_gemm import GROUP_ROW_ALIGNMENT
 from moe.kernels.grouped_gemm import TORCH
 from moe.layers import DroplessMoE, MoE
@@ -34,6 +35,8 @@ def dropless_fp8(layer: DroplessMoE, recipe: Fp8Recipe) -> Optional[str]:
     if any(width % GROUP_ROW_ALIGNMENT for width in widths):
         return f"the expert widths {widths} are not multiples of {GROUP_ROW_ALIGNMENT}"
     experts.fp8 = recipe
+    if ps.get_tensor_model_parallel_world_size() > 1:
+        experts.fp8_group = ps.get_tensor_model_parallel_group()
     return None
 
 

@@ -15,16 +15,19 @@ forward's operands and uses e5m2, with its wider range, for the output gradient.
 
 Scales are computed from the current amax (dynamic scaling): scale = max_finite / amax, so the
 largest magnitude maps onto the dtype's largest finite value; the product is divided back by
-both scales. `fp8_linear_reference` quantizes and dequantizes the same way and multiplies in
+both scales. A tensor-parallel layer's product (`TensorShard`) takes the maximum of each amax
+over the ranks wherever the amax spans a dimension the ranks split, so every rank quantizes
+with the scales one process would use and tensor parallelism changes only the order of sums. `fp8_linear_reference` quantizes and dequantizes the same way and multiplies in
 fp32: the op must match it up to the order of fp32 sums.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 FP8_FORMATS = ("e4m3", "hybrid")
@@ -63,17 +66,33 @@ class Fp8Recipe:
         return torch.float8_e5m2fnuz if self.fnuz else torch.float8_e5m2
 
 
+@dataclass(frozen=True)
+class TensorShard:
+    """A tensor-parallel layer's weight split over `group`: `dim` 0 splits its output features
+    (a column-parallel layer), 1 its input features (a row-parallel layer)."""
+
+    dim: int
+    group: Optional[dist.ProcessGroup] = None
+
+
 def quantize(
-    tensor: torch.Tensor, dtype: torch.dtype, rowwise_dim: Optional[int]
+    tensor: torch.Tensor,
+    dtype: torch.dtype,
+    rowwise_dim: Optional[int],
+    group: Optional[dist.ProcessGroup] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """(tensor in `dtype`, the fp32 inverse scale to multiply a product by). One scale for the
     whole 2-D tensor, or with `rowwise_dim` one per slice along the other dimension: amax over
-    `rowwise_dim`, kept as a size-1 dimension so that it broadcasts."""
+    `rowwise_dim`, kept as a size-1 dimension so that it broadcasts. With `group`, the tensor is
+    one rank's part of a tensor split along the amax's dimensions: the amax is the maximum
+    over the group's ranks."""
     magnitude = tensor.detach().abs().float()
     if rowwise_dim is None:
         amax = magnitude.amax()
     else:
         amax = magnitude.amax(dim=rowwise_dim, keepdim=True)
+    if group is not None:
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
     return scaled_cast(tensor, dtype, amax)
 
 
@@ -94,15 +113,19 @@ def _scaled_product(
     right_dtype: torch.dtype,
     rowwise: bool,
     out_dtype: torch.dtype,
+    groups: Tuple[Optional[dist.ProcessGroup], Optional[dist.ProcessGroup]] = (None, None),
 ) -> torch.Tensor:
     """left [M, K] @ right [K, N] with both quantized (per row of `left` and per column of
-    `right` when `rowwise`), accumulated in fp32 by torch._scaled_mm."""
-    left_q, left_inverse = quantize(left, left_dtype, 1 if rowwise else None)
+    `right` when `rowwise`), accumulated in fp32 by torch._scaled_mm; `groups`: each operand's
+    amax group (`quantize`)."""
+    left_q, left_inverse = quantize(left, left_dtype, 1 if rowwise else None, groups[0])
     # _scaled_mm wants its left operand row-major (the weight gradient's is a transpose): the
     # copy is of the 1-byte quantized tensor.
     left_q = left_q.contiguous()
     # _scaled_mm wants its right operand column-major: the transpose of a row-major [N, K].
-    right_q, right_inverse = quantize(right.t().contiguous(), right_dtype, 1 if rowwise else None)
+    right_q, right_inverse = quantize(
+        right.t().contiguous(), right_dtype, 1 if rowwise else None, groups[1]
+    )
     right_inverse = right_inverse.t().contiguous() if rowwise else right_inverse
     # CUDA's rowwise-scaled product writes bf16 only.
     product_dtype = torch.bfloat16 if rowwise and left.is_cuda else out_dtype
@@ -116,17 +139,55 @@ def _scaled_product(
     return product.to(out_dtype)
 
 
+# The three products' operands and the weight dimension each sums over: forward y = x w^T over
+# the input features, input gradient dx = dy w over the output features, weight gradient
+# dw = dy^T x over the tokens (which tensor parallelism never splits).
+_OPERANDS = {"forward": ("x", "w"), "input gradient": ("dy", "w"), "weight gradient": ("dy", "x")}
+_SUMMED_WEIGHT_DIM = {"forward": 1, "input gradient": 0, "weight gradient": None}
+
+
+def amax_groups(
+    shard: Optional[TensorShard], product: str, rowwise: bool
+) -> Dict[str, Optional[dist.ProcessGroup]]:
+    """{operand: its amax group} for `product` ("forward", "input gradient" or "weight
+    gradient") of a layer split as `shard`, operands named "x", "dy" and "w": the group where
+    the operand is one rank's part along a dimension its amax spans. A rowwise amax spans the
+    summed dimension: both operands where the product sums over the split one. A per-tensor
+    amax spans all: the weight always, x where the input features are split, dy where the
+    output features are."""
+    operands = _OPERANDS[product]
+    if shard is None:
+        return dict.fromkeys(operands)
+    if rowwise:
+        summed_split = _SUMMED_WEIGHT_DIM[product] == shard.dim
+        return dict.fromkeys(operands, shard.group if summed_split else None)
+    split = {"w": True, "x": shard.dim == 1, "dy": shard.dim == 0}
+    return {operand: shard.group if split[operand] else None for operand in operands}
+
+
+def _groups(shard: Optional[TensorShard], product: str, rowwise: bool) -> Tuple:
+    """`amax_groups` as (left, right) in the order `_scaled_product` takes the operands."""
+    groups = amax_groups(shard, product, rowwise)
+    return tuple(groups[operand] for operand in _OPERANDS[product])
+
+
 class _Fp8Linear(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx, x: torch.Tensor, weight: torch.Tensor, recipe: Fp8Recipe, out_dtype: torch.dtype
+        ctx,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        recipe: Fp8Recipe,
+        out_dtype: torch.dtype,
+        shard: Optional[TensorShard],
     ) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
-        ctx.recipe = recipe
+        ctx.recipe, ctx.shard = recipe, shard
         rowwise = recipe.scaling == "rowwise"
         rows = x.reshape(-1, x.shape[-1])
         forward = recipe.forward_dtype
-        y = _scaled_product(rows, weight.t(), forward, forward, rowwise, out_dtype)
+        groups = _groups(shard, "forward", rowwise)
+        y = _scaled_product(rows, weight.t(), forward, forward, rowwise, out_dtype, groups)
         return y.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
@@ -137,9 +198,13 @@ class _Fp8Linear(torch.autograd.Function):
         rows = x.reshape(-1, x.shape[-1])
         grad_rows = grad_output.reshape(-1, grad_output.shape[-1])
         forward, gradient = recipe.forward_dtype, recipe.gradient_dtype
-        grad_x = _scaled_product(grad_rows, weight, gradient, forward, rowwise, x.dtype)
-        grad_weight = _scaled_product(grad_rows.t(), rows, gradient, forward, rowwise, weight.dtype)
-        return grad_x.view_as(x), grad_weight, None, None
+        groups = _groups(ctx.shard, "input gradient", rowwise)
+        grad_x = _scaled_product(grad_rows, weight, gradient, forward, rowwise, x.dtype, groups)
+        groups = _groups(ctx.shard, "weight gradient", rowwise)
+        grad_weight = _scaled_product(
+            grad_rows.t(), rows, gradient, forward, rowwise, weight.dtype, groups
+        )
+        return grad_x.view_as(x), grad_weight, None, None, None
 
 
 def fp8_linear(
@@ -147,10 +212,12 @@ def fp8_linear(
     weight: torch.Tensor,
     recipe: Fp8Recipe,
     bias: Optional[torch.Tensor] = None,
+    shard: Optional[TensorShard] = None,
 ) -> torch.Tensor:
     """x [..., in] @ weight [out, in]^T (+ bias) with FP8 operands in all three products (the
-    module docstring). The output in autocast's dtype where autocast is on (as F.linear's),
-    else in x's; the gradients in x's and weight's dtypes."""
+    module docstring); `shard`: how a tensor-parallel layer's weight is split. The output in
+    autocast's dtype where autocast is on (as F.linear's), else in x's; the gradients in x's
+    and weight's dtypes."""
     device_type = x.device.type
     out_dtype = x.dtype
     if torch.is_autocast_enabled(device_type):
@@ -158,7 +225,7 @@ def fp8_linear(
         # As autocast casts F.linear's input: the product saves x in the compute dtype for
         # the weight gradient, not an fp32 copy (a norm's output under autocast is fp32).
         x = x.to(out_dtype)
-    y = _Fp8Linear.apply(x, weight, recipe, out_dtype)
+    y = _Fp8Linear.apply(x, weight, recipe, out_dtype, shard)
     return y if bias is None else y + bias.to(out_dtype)
 
 
@@ -187,16 +254,17 @@ class Fp8Linear(nn.Linear):
 
 class Fp8Product(nn.Module):
     """A parallel linear layer's local product (megatron.tensor_parallel.layers' `product`
-    part, F.linear as built) in FP8. No parameters."""
+    part, F.linear as built) in FP8, its weight split as `shard`. No parameters."""
 
-    def __init__(self, recipe: Fp8Recipe) -> None:
+    def __init__(self, recipe: Fp8Recipe, shard: Optional[TensorShard] = None) -> None:
         super().__init__()
         self.recipe = recipe
+        self.shard = shard
 
     def forward(
         self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None
     ) -> torch.Tensor:
-        return fp8_linear(x, weight, self.recipe, bias)
+        return fp8_linear(x, weight, self.recipe, bias, self.shard)
 
 
 def fp8_unsupported(device: torch.device) -> Optional[str]:

@@ -18,7 +18,14 @@ from torch import nn
 
 from megatron.errors import UserError
 from megatron.initialize import print_rank_0
-from megatron.kernels.fp8_linear import Fp8Linear, Fp8Product, Fp8Recipe, fp8_unsupported
+from megatron.kernels.fp8_linear import (
+    Fp8Linear,
+    Fp8Product,
+    Fp8Recipe,
+    TensorShard,
+    fp8_unsupported,
+)
+from megatron.parallel import parallel_state as ps
 from megatron.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
 PROJECTION_NAMES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
@@ -33,6 +40,15 @@ def check_fp8_device(fp8_format: str, device) -> None:
         raise UserError(f"--fp8-format {fp8_format}: {reason}; train without --fp8-format")
 
 
+def _tensor_shard(layer: nn.Module) -> Optional[TensorShard]:
+    """How a parallel linear layer's weight is split over the tensor-parallel ranks, so that
+    its FP8 products quantize with one process's scales; None on one rank."""
+    if ps.get_tensor_model_parallel_world_size() == 1:
+        return None
+    dim = 0 if isinstance(layer, ColumnParallelLinear) else 1
+    return TensorShard(dim, ps.get_tensor_model_parallel_group())
+
+
 def apply_fp8(
     model: nn.Module, recipe: Fp8Recipe, styles: Optional[Mapping[type, Fp8Style]] = None
 ) -> nn.Module:
@@ -44,7 +60,7 @@ def apply_fp8(
             if name not in PROJECTION_NAMES:
                 continue
             if isinstance(child, (ColumnParallelLinear, RowParallelLinear)):
-                child.product = Fp8Product(recipe)
+                child.product = Fp8Product(recipe, _tensor_shard(child))
             elif type(child) is nn.Linear:
                 setattr(module, name, Fp8Linear.from_linear(child, recipe))
     reasons: Dict[str, None] = {}

@@ -21,6 +21,11 @@ outlier spoils only its own row (its own expert's, in the weight gradient); "ten
 scale per operand: per activation or gradient tensor, per expert's weight. Rows after the last
 group (moe.static_exchange's padding) are left out of every product, as torch._grouped_mm does.
 
+Under tensor parallelism each rank holds a slice of every expert's ffn channels (`TensorShard`:
+w1 split by its output columns, w2 by its input rows); as for the dense projections
+(megatron.kernels.fp8_linear.amax_groups) every amax that spans the split dimension is the
+maximum over the ranks, so the ranks quantize with one process's scales.
+
 Off the GPU (the CPU tests) the products dequantize the same FP8 operands and multiply them in
 fp32 with torch._grouped_mm, so everything but the CUTLASS kernel runs there.
 `fp8_grouped_reference` quantizes each expert's operands on their own, without the padded
@@ -32,9 +37,17 @@ from __future__ import annotations
 from typing import NamedTuple, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
-from megatron.kernels.fp8_linear import Fp8Recipe, dequantized, quantize, scaled_cast
+from megatron.kernels.fp8_linear import (
+    Fp8Recipe,
+    TensorShard,
+    amax_groups,
+    dequantized,
+    quantize,
+    scaled_cast,
+)
 
 __all__ = [
     "GROUP_ROW_ALIGNMENT",
@@ -59,13 +72,19 @@ class QuantizedExpertWeight(NamedTuple):
     backward_inverse: torch.Tensor
 
 
-def quantize_expert_weight(weight: torch.Tensor, recipe: Fp8Recipe) -> QuantizedExpertWeight:
-    """`weight` [E, K, N'] quantized for `fp8_grouped_mm`'s forward and input gradient."""
+def quantize_expert_weight(
+    weight: torch.Tensor, recipe: Fp8Recipe, shard: Optional[TensorShard] = None
+) -> QuantizedExpertWeight:
+    """`weight` [E, K, N'] (split as `shard`) quantized for `fp8_grouped_mm`'s forward and
+    input gradient."""
     rowwise = recipe.scaling == "rowwise"
+    dtype = recipe.forward_dtype
     forward, forward_inverse = _quantized_experts(
-        weight.transpose(1, 2), recipe.forward_dtype, rowwise
+        weight.transpose(1, 2), dtype, rowwise, amax_groups(shard, "forward", rowwise)["w"]
     )
-    backward, backward_inverse = _quantized_experts(weight, recipe.forward_dtype, rowwise)
+    backward, backward_inverse = _quantized_experts(
+        weight, dtype, rowwise, amax_groups(shard, "input gradient", rowwise)["w"]
+    )
     return QuantizedExpertWeight(forward, forward_inverse, backward, backward_inverse)
 
 
@@ -75,31 +94,34 @@ def fp8_grouped_mm(
     offsets: torch.Tensor,
     recipe: Fp8Recipe,
     quantized: Optional[QuantizedExpertWeight] = None,
+    shard: Optional[TensorShard] = None,
 ) -> torch.Tensor:
     """x [N, K] (rows grouped by expert, `offsets` [E] their int32 inclusive cumulative sums)
     times weight [E, K, N'] per group, in FP8 (module docstring): [N, N'] in bf16, the
     gradients in x's and weight's dtypes. `quantized`: `quantize_expert_weight(weight,
-    recipe)` made beforehand (moe.experts keeps it from one weight update to the next, for
-    every micro-batch), else the op quantizes `weight` itself."""
+    recipe, shard)` made beforehand (moe.experts keeps it from one weight update to the next,
+    for every micro-batch), else the op quantizes `weight` itself. `shard`: how a
+    tensor-parallel rank's weight is split."""
     if quantized is None:
-        return _Fp8GroupedMm.apply(x, weight, offsets, recipe)
-    return _Fp8GroupedMm.apply(x, weight, offsets, recipe, *quantized)
+        return _Fp8GroupedMm.apply(x, weight, offsets, recipe, shard)
+    return _Fp8GroupedMm.apply(x, weight, offsets, recipe, shard, *quantized)
 
 
 class _Fp8GroupedMm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, offsets, recipe: Fp8Recipe, *quantized):
+    def forward(ctx, x, weight, offsets, recipe: Fp8Recipe, shard, *quantized):
         quantized = QuantizedExpertWeight(*quantized) if quantized else None
         # The caller's x is saved, not the masked copy: other products save the same tensor.
         ctx.save_for_backward(x, weight, offsets, *(quantized[2:] if quantized else ()))
         x = _grouped_rows_only(x, offsets)
-        ctx.recipe = recipe
-        ctx.inputs = 4 + len(quantized or ())
+        ctx.recipe, ctx.shard = recipe, shard
+        ctx.inputs = 5 + len(quantized or ())
         rowwise = recipe.scaling == "rowwise"
         dtype = recipe.forward_dtype
-        x_q, x_inverse = _quantized_rows(x, dtype, rowwise)
+        groups = amax_groups(shard, "forward", rowwise)
+        x_q, x_inverse = _quantized_rows(x, dtype, rowwise, groups["x"])
         if quantized is None:
-            w_q, w_inverse = _quantized_experts(weight.transpose(1, 2), dtype, rowwise)
+            w_q, w_inverse = _quantized_experts(weight.transpose(1, 2), dtype, rowwise, groups["w"])
         else:
             w_q, w_inverse = quantized.forward, quantized.forward_inverse
         return _scaled_grouped(x_q, w_q.transpose(1, 2), x_inverse, w_inverse, offsets)
@@ -112,13 +134,15 @@ class _Fp8GroupedMm(torch.autograd.Function):
         dtype = recipe.forward_dtype
         x = _grouped_rows_only(x, offsets)
         grad_output = _grouped_rows_only(grad_output, offsets)
-        g_q, g_inverse = _quantized_rows(grad_output, dtype, rowwise)
+        groups = amax_groups(ctx.shard, "input gradient", rowwise)
+        g_q, g_inverse = _quantized_rows(grad_output, dtype, rowwise, groups["dy"])
         if quantized:
             w_q, w_inverse = quantized
         else:
-            w_q, w_inverse = _quantized_experts(weight, dtype, rowwise)
+            w_q, w_inverse = _quantized_experts(weight, dtype, rowwise, groups["w"])
         grad_x = _scaled_grouped(g_q, w_q.transpose(1, 2), g_inverse, w_inverse, offsets)
-        grad_weight = _weight_gradient(x, grad_output, offsets, dtype, rowwise)
+        groups = amax_groups(ctx.shard, "weight gradient", rowwise)
+        grad_weight = _weight_gradient(x, grad_output, offsets, dtype, rowwise, groups)
         grads = (grad_x.to(x.dtype), grad_weight.to(weight.dtype))
         return grads + (None,) * (ctx.inputs - 2)
 
@@ -131,19 +155,23 @@ def _grouped_rows_only(rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tenso
 
 
 def _quantized_rows(
-    rows: torch.Tensor, dtype: torch.dtype, rowwise: bool
+    rows: torch.Tensor, dtype: torch.dtype, rowwise: bool, group: Optional[dist.ProcessGroup]
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """rows [N, C] in `dtype` with their inverse scales [N] (one per row, or one repeated)."""
-    quantized, inverse = quantize(rows, dtype, 1 if rowwise else None)
+    """rows [N, C] in `dtype` with their inverse scales [N] (one per row, or one repeated);
+    `group`: the amax's (fp8_linear.quantize)."""
+    quantized, inverse = quantize(rows, dtype, 1 if rowwise else None, group)
     return quantized, inverse.expand(rows.shape[0], 1).reshape(-1).contiguous()
 
 
 def _quantized_experts(
-    weights: torch.Tensor, dtype: torch.dtype, rowwise: bool
+    weights: torch.Tensor, dtype: torch.dtype, rowwise: bool, group: Optional[dist.ProcessGroup]
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """weights [E, R, C] (a view: any strides) as a contiguous copy in `dtype`, with inverse
-    scales [E, R]: per (expert, row) over C, or per expert."""
+    scales [E, R]: per (expert, row) over C, or per expert; each amax the maximum over
+    `group`'s ranks when given."""
     amax = weights.detach().abs().float().amax(dim=(2,) if rowwise else (1, 2), keepdim=True)
+    if group is not None:
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
     quantized, inverse = scaled_cast(weights, dtype, amax)
     experts, rows = weights.shape[0], weights.shape[1]
     inverse = inverse.expand(experts, rows, 1).reshape(experts, rows).contiguous()
@@ -156,8 +184,10 @@ def _weight_gradient(
     offsets: torch.Tensor,
     dtype: torch.dtype,
     rowwise: bool,
+    groups: dict,
 ) -> torch.Tensor:
-    """dw [E, K, N'] = x_e^T dy_e for every expert e, on the padded layout (module docstring)."""
+    """dw [E, K, N'] = x_e^T dy_e for every expert e, on the padded layout (module docstring);
+    `groups`: the operands' amax groups (fp8_linear.amax_groups)."""
     rows, experts = x.shape[0], offsets.shape[0]
     offsets = offsets.to(torch.int64)
     starts = F.pad(offsets[:-1], (1, 0))
@@ -176,8 +206,8 @@ def _weight_gradient(
     alignment = GROUP_ROW_ALIGNMENT
     padded_rows = (rows + alignment - 1) // alignment * alignment + alignment * experts
     padded_offsets = torch.cat([padded_offsets[:-1], padded_offsets.new_full((1,), padded_rows)])
-    x_q, x_inverse = _quantized_groups(x, group, experts, dtype, rowwise)
-    g_q, g_inverse = _quantized_groups(grad_output, group, experts, dtype, rowwise)
+    x_q, x_inverse = _quantized_groups(x, group, experts, dtype, rowwise, groups["x"])
+    g_q, g_inverse = _quantized_groups(grad_output, group, experts, dtype, rowwise, groups["dy"])
     x_t = _padded(x_q, destination, padded_rows).t().contiguous()  # [K, rows] row-major
     g = _padded(g_q, destination, padded_rows).t().contiguous().t()  # [rows, N'] column-major
     return _scaled_grouped(
@@ -186,17 +216,27 @@ def _weight_gradient(
 
 
 def _quantized_groups(
-    rows: torch.Tensor, group: torch.Tensor, experts: int, dtype: torch.dtype, rowwise: bool
+    rows: torch.Tensor,
+    group: torch.Tensor,
+    experts: int,
+    dtype: torch.dtype,
+    rowwise: bool,
+    amax_group: Optional[dist.ProcessGroup],
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """rows [N, C] in `dtype`, each scaled by its group's scale: per (group, column) over the
-    group's rows, or one for the whole tensor; with the inverse scales [E, C] (contiguous)."""
+    group's rows, or one for the whole tensor (the maximum over `amax_group`'s ranks when
+    given); with the inverse scales [E, C] (contiguous)."""
     magnitude = rows.detach().abs().float()
     columns = rows.shape[1]
     if rowwise:
         amax = magnitude.new_zeros(experts + 1, columns)
         amax = amax.scatter_reduce(0, group[:, None].expand_as(magnitude), magnitude, "amax")
     else:
-        amax = magnitude.amax().expand(experts + 1, columns)
+        amax = magnitude.amax()
+    if amax_group is not None:
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=amax_group)
+    if not rowwise:
+        amax = amax.expand(experts + 1, columns)
     largest = torch.finfo(dtype).max
     scale = largest / amax.clamp(min=1e-12)
     # The rows after the last group (group `experts`) quantize to zeros.

@@ -29,11 +29,14 @@ RECIPE = Fp8Recipe("rowwise", "hybrid")
 DMOE = MoEConfig(num_experts=4, top_k=2, grouped_gemm=TORCH)
 
 
-def _model(moe: MoEConfig = DMOE, fp8: bool = True) -> nn.Module:
+def _model(
+    moe: MoEConfig = DMOE, fp8: bool = True, recipe: Fp8Recipe = RECIPE, **overrides
+) -> nn.Module:
     torch.manual_seed(0)
     spec = MoEMlpSpec(moe)
-    model = sharded_gpt_model(tiny_model_config(hidden_size=64, ffn_hidden_size=128), spec)
-    return apply_fp8(model, RECIPE, spec.fp8_styles()) if fp8 else model
+    config = tiny_model_config(hidden_size=64, ffn_hidden_size=128, **overrides)
+    model = sharded_gpt_model(config, spec)
+    return apply_fp8(model, recipe, spec.fp8_styles()) if fp8 else model
 
 
 def _experts(model: nn.Module):
@@ -105,6 +108,31 @@ def test_fp8_experts_under_expert_parallelism_give_one_process_losses():
         assert result["loss"] == pytest.approx(single["loss"], rel=1e-6)
         expected = 2 * single["w1_grad"][rank * local : (rank + 1) * local]
         torch.testing.assert_close(result["w1_grad"], expected, rtol=1e-5, atol=1e-8)
+
+
+def _held_weight_scales(rank: int, world_size: int, scaling: str) -> tuple:
+    """The inverse scales of the first layer's FP8 expert weights that span the ffn channels
+    (w1's input-gradient copy, w2's forward copy), each expert's channels split over
+    `world_size` tensor-parallel ranks."""
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world_size)
+    try:
+        recipe = Fp8Recipe(scaling, "hybrid")
+        model = _model(recipe=recipe, tensor_model_parallel_size=world_size)
+        refresh_compute_weights(model, torch.bfloat16, accumulate_in_place=False)
+        w1, _, w2 = _experts(model)[0]._fp8_weights
+        return w1.backward_inverse, w2.forward_inverse
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
+def test_fp8_experts_under_tensor_parallelism_quantize_with_one_process_scales(scaling):
+    """Each tensor-parallel rank holds a slice of every expert's ffn channels; the amax over
+    those channels is the maximum over the ranks, so the weights are quantized with one
+    process's scales (moe.kernels.fp8_grouped_gemm's products take the same for x and dy)."""
+    [single] = run_distributed(_held_weight_scales, 1, scaling)
+    for scales in run_distributed(_held_weight_scales, 2, scaling):
+        assert all(torch.equal(got, wanted) for got, wanted in zip(scales, single))
 
 
 def _step_with_copies(refresh: bool) -> tuple:

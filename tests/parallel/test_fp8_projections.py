@@ -16,7 +16,11 @@ from megatron.parallel.parallelize import apply_activation_recomputation, split_
 from megatron.pipeline.p2p import ActivationSpec
 from megatron.pipeline.schedules import forward_backward_pipelining_without_interleaving
 from megatron.pipeline.stages import stage_to_full_names
-from megatron.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    gather_tensor_model_parallel_weight,
+)
 from moe.config import MoEConfig
 from moe.mlp_spec import MoEMlpSpec
 from tests.kernels.test_fp8_linear import pytestmark as needs_cpu_scaled_mm
@@ -84,6 +88,74 @@ def test_fp8_composes_with_tensor_parallelism(sequence_parallel):
     losses = run_distributed(_tensor_parallel_loss, 2, sequence_parallel)
     assert losses[0] == losses[1]
     assert abs(losses[0] - one_process) / one_process < 0.01, (losses, one_process)
+
+
+def _fp8_mlp(fc1: nn.Module, fc2: nn.Module, recipe: Fp8Recipe) -> nn.Module:
+    """fc2(gelu(fc1(x))) with FP8 projections: a dense MLP's shape, without the model's bf16."""
+    mlp = nn.Sequential()
+    mlp.linear_fc1, mlp.gelu, mlp.linear_fc2 = fc1, nn.GELU(), fc2
+    return apply_fp8(mlp, recipe)
+
+
+def _mlp_products(mlp: nn.Module) -> list:
+    """The MLP's output, input gradient and weight gradients on fixed fp32 data."""
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(32, 64, generator=generator, requires_grad=True)
+    y = mlp(x)
+    y.backward(torch.randn(y.shape, generator=generator))
+    return [y.detach(), x.grad, mlp.linear_fc1.weight.grad, mlp.linear_fc2.weight.grad]
+
+
+def _dense_linears() -> tuple:
+    torch.manual_seed(0)
+    return nn.Linear(64, 128, bias=False), nn.Linear(128, 64, bias=False)
+
+
+def _tensor_parallel_mlp_products(rank: int, world_size: int, recipe: Fp8Recipe) -> list:
+    ps.initialize_model_parallel(tensor_model_parallel_size=world_size)
+    fc1, fc2 = _dense_linears()
+    mlp = _fp8_mlp(
+        ColumnParallelLinear.from_linear(fc1), RowParallelLinear.from_linear(fc2), recipe
+    )
+    y, grad_x, grad_fc1, grad_fc2 = _mlp_products(mlp)
+    full = [
+        gather_tensor_model_parallel_weight(grad_fc1, 0),
+        gather_tensor_model_parallel_weight(grad_fc2, 1),
+    ]
+    ps.destroy_model_parallel()
+    return [y, grad_x, *full]
+
+
+@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("fmt", ["e4m3", "hybrid"])
+def test_tensor_parallel_products_quantize_with_one_process_scales(scaling, fmt):
+    """The ranks take the maximum of every amax that spans a split dimension, so a column- then
+    row-parallel MLP quantizes exactly as one process: in fp32 only the order of sums differs
+    (each rank quantizing its own shard instead differs by FP8's rounding, about 3%)."""
+    recipe = Fp8Recipe(scaling, fmt)
+    expected = _mlp_products(_fp8_mlp(*_dense_linears(), recipe))
+    products = run_distributed(_tensor_parallel_mlp_products, 2, recipe)
+    for name, actual, wanted in zip(["y", "dx", "dw1", "dw2"], products[0], expected):
+        torch.testing.assert_close(actual, wanted, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def _compiled_tensor_parallel_mlp(rank: int, world_size: int) -> list:
+    ps.initialize_model_parallel(tensor_model_parallel_size=world_size)
+    fc1, fc2 = _dense_linears()
+    parallel = ColumnParallelLinear.from_linear(fc1), RowParallelLinear.from_linear(fc2)
+    mlp = _fp8_mlp(*parallel, RECIPE)
+    eager = _mlp_products(mlp)
+    mlp.zero_grad(set_to_none=True)
+    compiled = _mlp_products(torch.compile(mlp, fullgraph=True, dynamic=False))
+    ps.destroy_model_parallel()
+    return [(got - wanted).abs().max().item() for got, wanted in zip(compiled, eager)]
+
+
+def test_tensor_parallel_fp8_products_compile_as_one_graph():
+    """The amax all-reduces inside the FP8 products trace with them: one graph per rank,
+    the eager products up to the order of fp32 sums."""
+    for differences in run_distributed(_compiled_tensor_parallel_mlp, 2, timeout_s=300):
+        assert max(differences) < 1e-4, differences
 
 
 @pytest.mark.parametrize("granularity", ["full", "selective"])

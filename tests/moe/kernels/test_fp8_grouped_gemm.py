@@ -8,8 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron.kernels.fp8_linear import FP8_RECIPES, Fp8Recipe
+from megatron.kernels.fp8_linear import FP8_RECIPES, Fp8Recipe, TensorShard
 from moe.kernels.fp8_grouped_gemm import fp8_grouped_mm, fp8_grouped_reference
+from tests.launch import run_distributed
 from tests.markers import needs_torch_grouped_mm
 
 pytestmark = needs_torch_grouped_mm
@@ -92,3 +93,56 @@ def test_rowwise_keeps_one_experts_outlier_out_of_the_others_weight_gradient():
         exact = _exact(x, weight, grad_output[: sum(COUNTS)])[2][2]
         errors[scaling] = ((weight.grad[2] - exact).norm() / exact.norm()).item()
     assert errors["rowwise"] < 0.05 < errors["tensorwise"], errors
+
+
+def _products(
+    scaling: str, shard=None, x_columns=slice(None), weight_slice=(), grad_columns=slice(None)
+):
+    """(y, dx, dw) in fp32 of the op on `_operands(3)` (ffn 64), narrowed to a rank's slices."""
+    x, weight, grad_output, offsets = _operands(3, ffn=64)
+    x = x.detach()[:, x_columns].contiguous().requires_grad_()
+    weight = weight.detach()[(slice(None), *weight_slice)].contiguous().requires_grad_()
+    y = fp8_grouped_mm(x, weight, offsets, Fp8Recipe(scaling), shard=shard)
+    y.backward(grad_output[:, grad_columns])
+    rows = sum(COUNTS)
+    return y[:rows].float(), x.grad[:rows].float(), weight.grad.float()
+
+
+def _tensor_parallel_products(rank: int, world_size: int, scaling: str, dim: int) -> list:
+    """One rank's share of the products with the weight split along `dim` (0: its output
+    columns, as w1; 1: its input rows, as w2), assembled into the whole ones."""
+    group = torch.distributed.group.WORLD
+    shard = TensorShard(dim, group)
+    output_share = slice(rank * 64 // world_size, (rank + 1) * 64 // world_size)
+    input_share = slice(rank * 32 // world_size, (rank + 1) * 32 // world_size)
+    if dim == 0:
+        y, dx, dw = _products(scaling, shard, weight_slice=(slice(None), output_share),
+                              grad_columns=output_share)  # fmt: skip
+        torch.distributed.all_reduce(dx, group=group)
+        return [_gathered(y, 1), dx, _gathered(dw, 2)]
+    y, dx, dw = _products(scaling, shard, x_columns=input_share, weight_slice=(input_share,))
+    torch.distributed.all_reduce(y, group=group)
+    return [y, _gathered(dx, 1), _gathered(dw, 1)]
+
+
+def _gathered(shard: torch.Tensor, dim: int) -> torch.Tensor:
+    parts = [torch.empty_like(shard) for _ in range(torch.distributed.get_world_size())]
+    torch.distributed.all_gather(parts, shard.contiguous())
+    return torch.cat(parts, dim)
+
+
+@pytest.mark.parametrize("dim", [0, 1], ids=["w1_split_by_outputs", "w2_split_by_inputs"])
+@pytest.mark.parametrize("scaling", FP8_RECIPES)
+def test_tensor_parallel_ranks_quantize_with_one_process_scales(scaling, dim):
+    """Each rank holds a slice of every expert's ffn channels: with the amax of every split
+    dimension reduced over the ranks, the assembled products are one process's, exactly where
+    each rank writes whole values, and up to the bf16 rounding of the partial sums where the
+    ranks' results are summed (each rank's own scales would differ by FP8 rounding, ~3%)."""
+    expected = _products(scaling)
+    products = run_distributed(_tensor_parallel_products, 2, scaling, dim)[0]
+    summed = "dx" if dim == 0 else "y"
+    for name, got, wanted in zip(["y", "dx", "dw"], products, expected):
+        if name != summed:
+            assert torch.equal(got, wanted), name
+        error = ((got - wanted).norm() / wanted.norm()).item()
+        assert error < 5e-3, (name, error)
