@@ -56,9 +56,9 @@ class Experts(nn.Module):
     As built it holds every expert whole. After `place_experts(P, r)` it holds only the E / P
     experts of expert-parallel rank r, experts [r * E/P, (r + 1) * E/P), as [E/P, ...]
     parameters marked for moe.expert_parallel; local expert i is global expert r * E/P + i.
-    After `keep_ffn_channels(T, t)` (tensor parallelism) it holds channels [t * f/T, (t + 1) * f/T) of each
-    expert's ffn (module docstring), marked with Megatron's tensor-parallel attributes so
-    checkpoints and the grad norm treat them as shards.
+    After `keep_ffn_channels(T, t)` (tensor parallelism) it holds channels
+    [t * f/T, (t + 1) * f/T) of each expert's ffn (module docstring), marked with Megatron's
+    tensor-parallel attributes so checkpoints and the grad norm treat them as shards.
 
     `grouped_gemm` names the grouped product of `forward_grouped`
     (moe.kernels.grouped_gemm.BACKENDS); with `fp8` (an Fp8Recipe, set by moe.fp8_experts)

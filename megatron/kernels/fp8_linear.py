@@ -17,8 +17,9 @@ Scales are computed from the current amax (dynamic scaling): scale = max_finite 
 largest magnitude maps onto the dtype's largest finite value; the product is divided back by
 both scales. A tensor-parallel layer's product (`TensorShard`) takes the maximum of each amax
 over the ranks wherever the amax spans a dimension the ranks split, so every rank quantizes
-with the scales one process would use and tensor parallelism changes only the order of sums. `fp8_linear_reference` quantizes and dequantizes the same way and multiplies in
-fp32: the op must match it up to the order of fp32 sums.
+with the scales one process would use and tensor parallelism changes only the order of sums.
+`fp8_linear_reference` quantizes and dequantizes the same way and multiplies in fp32: the op
+must match it up to the order of fp32 sums.
 """
 
 from __future__ import annotations

@@ -4,10 +4,11 @@ With `--fp8-format` (config.numerics.fp8_format) every projection of the attenti
 (`linear_qkv`, `linear_proj`) and of the dense MLPs (`linear_fc1`, `linear_fc2`, the MoE shared
 expert's included) multiplies in FP8 (megatron.kernels.fp8_linear): a torch linear layer becomes
 an `Fp8Linear` sharing its parameters, a tensor-parallel layer keeps its layout and takes the FP8
-product as its local `product` part. The embedding, the output layer, the norms, the router and
-the loss stay as they are. An extension's modules take part through the MLP spec's
-`fp8_styles` (moe: the dMoE's grouped expert GEMMs, moe.fp8_experts). Parameters, gradients and optimizer state keep their dtypes, so a
-checkpoint moves between FP8 and bf16 runs either way.
+product as its local `product` part, with how its weight is split (the ranks then quantize
+with one process's scales). The embedding, the output layer, the norms, the router and the loss
+stay as they are. An extension's modules take part through the MLP spec's `fp8_styles` (moe:
+the dMoE's grouped expert GEMMs, moe.fp8_experts). Parameters, gradients and optimizer state
+keep their dtypes, so a checkpoint moves between FP8 and bf16 runs either way.
 """
 
 from __future__ import annotations
