@@ -17,9 +17,10 @@ The kernel takes e4m3 only: `--fp8-format hybrid`'s e5m2 output gradients are th
 projections'; the experts' gradients are e4m3 in both formats.
 
 Recipes (megatron.kernels.fp8_linear.Fp8Recipe.scaling): "rowwise" scales as listed above, so an
-outlier spoils only its own row (its own expert's, in the weight gradient); "tensorwise" one
-scale per operand: per activation or gradient tensor, per expert's weight. Rows after the last
-group (moe.static_exchange's padding) are left out of every product, as torch._grouped_mm does.
+outlier spoils only its own row (its own expert's, in the weight gradient, whose per-(expert,
+column) amax is moe.kernels.group_amax's kernel); "tensorwise" one scale per operand: per
+activation or gradient tensor, per expert's weight. Rows after the last group
+(moe.static_exchange's padding) are left out of every product, as torch._grouped_mm does.
 
 Under tensor parallelism each rank holds a slice of every expert's ffn channels (`TensorShard`:
 w1 split by its output columns, w2 by its input rows); as for the dense projections
@@ -48,6 +49,7 @@ from megatron.kernels.fp8_linear import (
     quantize,
     scaled_cast,
 )
+from moe.kernels.group_amax import group_column_amax
 
 __all__ = [
     "GROUP_ROW_ALIGNMENT",
@@ -206,8 +208,10 @@ def _weight_gradient(
     alignment = GROUP_ROW_ALIGNMENT
     padded_rows = (rows + alignment - 1) // alignment * alignment + alignment * experts
     padded_offsets = torch.cat([padded_offsets[:-1], padded_offsets.new_full((1,), padded_rows)])
-    x_q, x_inverse = _quantized_groups(x, group, experts, dtype, rowwise, groups["x"])
-    g_q, g_inverse = _quantized_groups(grad_output, group, experts, dtype, rowwise, groups["dy"])
+    x_q, x_inverse = _quantized_groups(x, offsets, group, experts, dtype, rowwise, groups["x"])
+    g_q, g_inverse = _quantized_groups(
+        grad_output, offsets, group, experts, dtype, rowwise, groups["dy"]
+    )
     x_t = _padded(x_q, destination, padded_rows).t().contiguous()  # [K, rows] row-major
     g = _padded(g_q, destination, padded_rows).t().contiguous().t()  # [rows, N'] column-major
     return _scaled_grouped(
@@ -217,30 +221,29 @@ def _weight_gradient(
 
 def _quantized_groups(
     rows: torch.Tensor,
+    offsets: torch.Tensor,
     group: torch.Tensor,
     experts: int,
     dtype: torch.dtype,
     rowwise: bool,
     amax_group: Optional[dist.ProcessGroup],
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """rows [N, C] in `dtype`, each scaled by its group's scale: per (group, column) over the
-    group's rows, or one for the whole tensor (the maximum over `amax_group`'s ranks when
+    """rows [N, C] in `dtype`, each scaled by its group's scale (`group`: each row's, from
+    `offsets`): per (group, column) over the group's rows, or one for the whole tensor (the maximum over `amax_group`'s ranks when
     given); with the inverse scales [E, C] (contiguous)."""
-    magnitude = rows.detach().abs().float()
     columns = rows.shape[1]
     if rowwise:
-        amax = magnitude.new_zeros(experts + 1, columns)
-        amax = amax.scatter_reduce(0, group[:, None].expand_as(magnitude), magnitude, "amax")
+        amax = group_column_amax(rows.detach(), offsets)
     else:
-        amax = magnitude.amax()
+        amax = rows.detach().abs().float().amax()
     if amax_group is not None:
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=amax_group)
     if not rowwise:
-        amax = amax.expand(experts + 1, columns)
+        amax = amax.expand(experts, columns)
     largest = torch.finfo(dtype).max
     scale = largest / amax.clamp(min=1e-12)
     # The rows after the last group (group `experts`) quantize to zeros.
-    scale = torch.cat([scale[:experts], scale.new_zeros(1, columns)])
+    scale = torch.cat([scale, scale.new_zeros(1, columns)])
     quantized = (rows.float() * scale[group]).clamp(-largest, largest).to(dtype)
     return quantized, scale[:experts].reciprocal().contiguous()
 

@@ -193,6 +193,20 @@ def test_token_rows_kernels_match_the_reference(top_k):
     assert _relative_error(summed, token_rows.sum_rows_reference(y, slot_of, top_k)) < 1e-2
 
 
+@pytest.mark.parametrize("experts,columns", [(8, 14336), (64, 1024)])
+def test_group_column_amax_kernel_gives_the_reference_exactly(experts, columns):
+    """moe.kernels.group_amax at the FP8 weight gradient's sizes (16,384 rows, Mixtral-shaped
+    and 64 experts), uneven groups, bf16: a maximum has no rounding, so exactly."""
+    from moe.kernels.group_amax import group_column_amax, group_column_amax_reference
+
+    generator = torch.Generator(device="cuda").manual_seed(experts)
+    rows = torch.randn(16384, columns, device="cuda", generator=generator).bfloat16()
+    weights = torch.rand(experts, device="cuda", generator=generator)
+    counts = (weights / weights.sum() * 16000).floor().to(torch.int32)
+    offsets = counts.cumsum(0).to(torch.int32)
+    assert torch.equal(group_column_amax(rows, offsets), group_column_amax_reference(rows, offsets))
+
+
 @pytest.mark.parametrize("activation", ["gelu", "silu"])
 @pytest.mark.parametrize("rows,width", [(131072, 1024), (16384, 3072)])
 def test_scaled_activation_kernels_match_the_reference(activation, rows, width):
