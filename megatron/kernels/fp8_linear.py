@@ -92,9 +92,15 @@ def quantize(
         amax = magnitude.amax()
     else:
         amax = magnitude.amax(dim=rowwise_dim, keepdim=True)
+    return scaled_cast(tensor, dtype, max_over_ranks(amax, group))
+
+
+def max_over_ranks(amax: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+    """`amax`, or with `group` its maximum over the group's ranks (in place): the amax of the
+    whole tensor whose parts the ranks hold."""
     if group is not None:
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
-    return scaled_cast(tensor, dtype, amax)
+    return amax
 
 
 def scaled_cast(

@@ -46,6 +46,7 @@ from megatron.kernels.fp8_linear import (
     TensorShard,
     amax_groups,
     dequantized,
+    max_over_ranks,
     quantize,
     scaled_cast,
 )
@@ -172,8 +173,7 @@ def _quantized_experts(
     scales [E, R]: per (expert, row) over C, or per expert; each amax the maximum over
     `group`'s ranks when given."""
     amax = weights.detach().abs().float().amax(dim=(2,) if rowwise else (1, 2), keepdim=True)
-    if group is not None:
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+    amax = max_over_ranks(amax, group)
     quantized, inverse = scaled_cast(weights, dtype, amax)
     experts, rows = weights.shape[0], weights.shape[1]
     inverse = inverse.expand(experts, rows, 1).reshape(experts, rows).contiguous()
@@ -229,15 +229,14 @@ def _quantized_groups(
     amax_group: Optional[dist.ProcessGroup],
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """rows [N, C] in `dtype`, each scaled by its group's scale (`group`: each row's, from
-    `offsets`): per (group, column) over the group's rows, or one for the whole tensor (the maximum over `amax_group`'s ranks when
-    given); with the inverse scales [E, C] (contiguous)."""
+    `offsets`): per (group, column) over the group's rows, or one for the whole tensor (the
+    maximum over `amax_group`'s ranks when given); with the inverse scales [E, C] (contiguous)."""
     columns = rows.shape[1]
     if rowwise:
         amax = group_column_amax(rows.detach(), offsets)
     else:
         amax = rows.detach().abs().float().amax()
-    if amax_group is not None:
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=amax_group)
+    amax = max_over_ranks(amax, amax_group)
     if not rowwise:
         amax = amax.expand(experts, columns)
     largest = torch.finfo(dtype).max
