@@ -31,6 +31,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatron.parallel.collectives import all_reduce_result
+
 FP8_FORMATS = ("e4m3", "hybrid")
 FP8_RECIPES = ("tensorwise", "rowwise")
 
@@ -96,11 +98,12 @@ def quantize(
 
 
 def max_over_ranks(amax: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
-    """`amax`, or with `group` its maximum over the group's ranks (in place): the amax of the
-    whole tensor whose parts the ranks hold."""
-    if group is not None:
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
-    return amax
+    """`amax`, or with `group` its maximum over the group's ranks (a new tensor, by a
+    functional collective: megatron/parallel/collectives.py): the amax of the whole tensor whose
+    parts the ranks hold."""
+    if group is None:
+        return amax
+    return all_reduce_result(amax, group, "max")
 
 
 def scaled_cast(

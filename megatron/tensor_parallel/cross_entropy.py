@@ -8,14 +8,15 @@ gradient ``softmax - one_hot(target)`` is computed shard by shard without commun
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from megatron.parallel import parallel_state
+from megatron.parallel.collectives import all_reduce_result
 
 
-def _all_reduce(tensor: torch.Tensor, op: dist.ReduceOp) -> None:
-    if parallel_state.get_tensor_model_parallel_world_size() > 1:
-        dist.all_reduce(tensor, op=op, group=parallel_state.get_tensor_model_parallel_group())
+def _all_reduce(tensor: torch.Tensor, op: str) -> torch.Tensor:
+    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+        return tensor
+    return all_reduce_result(tensor, parallel_state.get_tensor_model_parallel_group(), op)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -25,7 +26,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         logits = logits_shard.float()
         # Subtracting the global max keeps exp() in range; it cancels out of the loss.
         logits_max = logits.max(dim=-1).values
-        _all_reduce(logits_max, dist.ReduceOp.MAX)
+        logits_max = _all_reduce(logits_max, "max")
         logits = logits - logits_max.unsqueeze(-1)
 
         vocab_per_partition = logits.shape[-1]
@@ -35,11 +36,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         # Only the rank owning the label contributes its logit; the all-reduce delivers it.
         target_logits = logits.gather(-1, local_labels.unsqueeze(-1)).squeeze(-1)
         target_logits = target_logits.masked_fill(outside, 0.0)
-        _all_reduce(target_logits, dist.ReduceOp.SUM)
+        target_logits = _all_reduce(target_logits, "sum")
 
         exp_logits = logits.exp()
         sum_exp_logits = exp_logits.sum(dim=-1)
-        _all_reduce(sum_exp_logits, dist.ReduceOp.SUM)
+        sum_exp_logits = _all_reduce(sum_exp_logits, "sum")
 
         loss = sum_exp_logits.log() - target_logits
         softmax = exp_logits.div_(sum_exp_logits.unsqueeze(-1))

@@ -22,7 +22,9 @@ functions copy chunks into contiguous buffers before communicating; the results 
 
 With a tensor-parallel size of 1 every function returns its input unchanged. Inputs are never
 modified in place: a tensor handed to a collective might be saved or shared by other autograd
-nodes (a residual branch receives the very same gradient tensor), so collectives work on copies.
+nodes (a residual branch receives the very same gradient tensor). The collectives are torch's
+functional ones, which return new tensors (megatron/parallel/collectives.py says why a compiled
+model needs them).
 """
 
 from __future__ import annotations
@@ -31,19 +33,25 @@ import torch
 import torch.distributed as dist
 
 from megatron.parallel import parallel_state
-from megatron.parallel.collectives import reduce_scatter_single
+from megatron.parallel.collectives import (
+    all_gather_result,
+    all_reduce_result,
+    reduce_scatter_result,
+)
 
 
 def _world_size() -> int:
     return parallel_state.get_tensor_model_parallel_world_size()
 
 
+def _group() -> dist.ProcessGroup:
+    return parallel_state.get_tensor_model_parallel_group()
+
+
 def _all_reduce(tensor: torch.Tensor) -> torch.Tensor:
     if _world_size() == 1:
         return tensor
-    result = tensor.clone(memory_format=torch.contiguous_format)
-    dist.all_reduce(result, group=parallel_state.get_tensor_model_parallel_group())
-    return result
+    return all_reduce_result(tensor, _group())
 
 
 def _check_divisible(tensor: torch.Tensor, dim: int, world_size: int) -> None:
@@ -67,13 +75,9 @@ def _split(tensor: torch.Tensor, dim: int) -> torch.Tensor:
 
 def _all_gather(tensor: torch.Tensor, dim: int) -> torch.Tensor:
     """Concatenate every rank's ``tensor`` along ``dim``, in rank order."""
-    world_size = _world_size()
-    if world_size == 1:
+    if _world_size() == 1:
         return tensor
-    tensor = tensor.contiguous()
-    parts = [torch.empty_like(tensor) for _ in range(world_size)]
-    dist.all_gather(parts, tensor, group=parallel_state.get_tensor_model_parallel_group())
-    return torch.cat(parts, dim=dim)
+    return all_gather_result(tensor, dim, _group())
 
 
 def _reduce_scatter(tensor: torch.Tensor, dim: int) -> torch.Tensor:
@@ -82,13 +86,7 @@ def _reduce_scatter(tensor: torch.Tensor, dim: int) -> torch.Tensor:
     if world_size == 1:
         return tensor
     _check_divisible(tensor, dim, world_size)
-    # The one-tensor collective (megatron/parallel/collectives.py says why): its input holds the ranks'
-    # chunks one after another along dim 0.
-    chunks = tensor.chunk(world_size, dim)
-    result = torch.empty_like(chunks[0], memory_format=torch.contiguous_format)
-    laid_out = torch.cat(chunks, dim=0)
-    reduce_scatter_single(result, laid_out, group=parallel_state.get_tensor_model_parallel_group())
-    return result
+    return reduce_scatter_result(tensor, dim, _group())
 
 
 class _CopyToTensorModelParallelRegion(torch.autograd.Function):

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from megatron.kernels.fp8_linear import max_over_ranks
 from megatron.parallel import parallel_state as ps
 from megatron.tensor_parallel import (
     ColumnParallelLinear,
@@ -203,6 +205,52 @@ def test_parallel_mlp_matches_serial_mlp(world_size, sequence_parallel):
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_vocab_parallel_embedding_and_cross_entropy_match_serial(world_size):
     run_distributed(_check_vocab_parallel, world_size)
+
+
+# torch.distributed's in-place collectives; the layers' forward and backward must not call them.
+IN_PLACE_COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+)
+
+
+def _communicate_functionally(rank: int, world_size: int) -> None:
+    """A sequence-parallel MLP, the vocabulary-parallel loss and FP8's amax reduction, forward
+    and backward, with torch.distributed's in-place collectives replaced by a refusal."""
+    ps.initialize_model_parallel(tensor_model_parallel_size=world_size)
+    torch.manual_seed(3)
+    fc1 = ColumnParallelLinear(HIDDEN, FFN, gather_output=False, sequence_parallel=True)
+    fc2 = RowParallelLinear(FFN, VOCAB, input_is_parallel=True, sequence_parallel=True)
+    x = leaf(torch.randn(BATCH, SEQ // world_size, HIDDEN))
+    labels = torch.randint(0, VOCAB, (BATCH, SEQ))
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("an in-place torch.distributed collective inside the model")
+
+    saved = {name: getattr(dist, name) for name in IN_PLACE_COLLECTIVES}
+    for name in IN_PLACE_COLLECTIVES:
+        setattr(dist, name, refuse)
+    try:
+        hidden = fc2(F.gelu(fc1(x)))  # sequence-sharded [BATCH, SEQ / tp, VOCAB]
+        logits = ColumnParallelLinear(VOCAB, VOCAB, gather_output=False, sequence_parallel=True)
+        loss = vocab_parallel_cross_entropy(logits(hidden), labels)
+        loss.sum().backward()
+        amax = max_over_ranks(torch.tensor([float(rank)]), ps.get_tensor_model_parallel_group())
+    finally:
+        for name, collective in saved.items():
+            setattr(dist, name, collective)
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+    assert amax.item() == world_size - 1
+    ps.destroy_model_parallel()
+
+
+def test_the_layers_communicate_by_functional_collectives():
+    """torch.compile rewrites an in-place collective into a functional one copied back into
+    its input, and on NCCL a compiled backward read that input before the reduction was done
+    (megatron/parallel/collectives.py); the layers call the functional collectives themselves."""
+    run_distributed(_communicate_functionally, 2)
 
 
 def _draw_masks(rank: int, world_size: int) -> dict:
