@@ -54,10 +54,12 @@ def torchrun(nproc: int, args: list, tensorboard: Path) -> dict:
     return pretrain_on_gpus(nproc, args, tensorboard, SCALARS)
 
 
-def assert_same(expected: dict, actual: dict, iterations) -> None:
-    for name in SCALARS:
+def assert_same(expected: dict, actual: dict, iterations, tolerances=None) -> None:
+    """Every scalar of `tolerances` ({name: relative tolerance}; default: SCALARS within
+    RELATIVE) at every step of `iterations`."""
+    for name, relative in (tolerances or dict.fromkeys(SCALARS, RELATIVE)).items():
         for step in iterations:
-            assert actual[name][step] == pytest.approx(expected[name][step], rel=RELATIVE), (
+            assert actual[name][step] == pytest.approx(expected[name][step], rel=relative), (
                 name, step, expected[name], actual[name],
             )  # fmt: skip
 
@@ -173,16 +175,15 @@ def test_compiled_tensor_parallel_equals_one_gpu(
     collectives its column-parallel input gradients stayed partial, grad norm 1.03 for 1.36)."""
     layout = ["--tensor-model-parallel-size", "2"] + (["--sequence-parallel"] * sequence_parallel)
     run = pretrain_on_gpus(2, dense_args(data_prefix, *layout), tmp_path / "tb", DENSE_SCALARS)
-    for name in DENSE_SCALARS:
-        for step in range(1, ITERATIONS + 1):
-            assert run[name][step] == pytest.approx(one_gpu_dense[name][step], rel=RELATIVE), (
-                name, step, one_gpu_dense[name], run[name],
-            )  # fmt: skip
+    assert_same(
+        one_gpu_dense, run, range(1, ITERATIONS + 1), dict.fromkeys(DENSE_SCALARS, RELATIVE)
+    )
 
 
 # bf16 sums in another order: the dense GPT's TP2 loss is within 1e-5 of one GPU's and its grad
 # norm within 7e-4; partial gradients moved the loss 0.3% by step 3 and the grad norm 24%.
 BF16_RELATIVE = {"lm loss": 1e-3, "grad-norm": 1e-2}
+BF16_ITERATIONS = 5
 
 
 @pytest.fixture(scope="module")
@@ -196,7 +197,7 @@ def bf16_dmoe_args(data_prefix: str, *extra: str) -> list:
     captures the whole model (moe.training_hooks), collectives included."""
     return tiny_gpt_args(
         data_prefix, *MOE_ARGS, "--bf16", "--make-vocab-size-divisible-by", "64", *extra,
-        train_iters=5, eval_iters=0,
+        train_iters=BF16_ITERATIONS, eval_iters=0,
     )  # fmt: skip
 
 
@@ -210,8 +211,4 @@ def test_compiled_bf16_dmoe_layout_follows_one_gpu(
     layout, one_gpu_bf16_dmoe, data_prefix, tmp_path
 ):
     run = pretrain_on_gpus(2, bf16_dmoe_args(data_prefix, *layout), tmp_path / "tb", DENSE_SCALARS)
-    for name in DENSE_SCALARS:
-        for step in range(1, 6):
-            assert run[name][step] == pytest.approx(
-                one_gpu_bf16_dmoe[name][step], rel=BF16_RELATIVE[name]
-            ), (name, step, one_gpu_bf16_dmoe[name], run[name])
+    assert_same(one_gpu_bf16_dmoe, run, range(1, BF16_ITERATIONS + 1), BF16_RELATIVE)
