@@ -17,7 +17,7 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Dict, List, Set
+from typing import Callable, Dict, List, Set, Tuple
 
 import pytest
 import torch
@@ -25,9 +25,9 @@ import torch.distributed as dist
 
 import pretrain_gpt
 from megatron.optimizer.param_gather import ParamGather
-from megatron.training.trainer import Trainer
 from tests.launch import run_distributed
 from tests.moe.test_expert_parallel_gpt import moe_gpt_args
+from tests.parallel.collective_names import COLLECTIVES, replaced_collectives
 from tests.parallel.test_tensor_parallel_gpt import gpt_args
 from tests.tiny_gpt import saved_state, tensorboard_scalars
 
@@ -44,56 +44,70 @@ DENSE = ["--num-layers", "4", "--global-batch-size", "8"]
 OVERLAP = ["--overlap-grad-reduce", "--overlap-param-gather", "--ddp-bucket-size", "20000"]
 
 
-COLLECTIVES = (
-    "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast",
-    "all_to_all_single", "barrier",
-)  # fmt: skip
+class _GatherRecord:
+    """What `_record_collectives_behind_the_gather` saw in one rank: the collectives issued
+    behind a parameter all-gather in flight, and how many gathers were launched in flight."""
+
+    def __init__(self) -> None:
+        self.late: List[str] = []
+        self.launched = 0
 
 
-def _record_collectives_behind_the_gather() -> List[str]:
-    """The collectives a training step issues, after launching its parameter all-gather in
-    flight (--overlap-param-gather), on a group that gather uses. NCCL runs a group's
-    collectives in order: each would wait for the whole gather and, read on the host, hold the
-    next forward behind it, so the overlap would be lost."""
-    late: List[str] = []
-    gathering: Set[int] = set()
-    start, train_step = ParamGather.start, Trainer.train_step
+def _record_collectives_behind_the_gather() -> Tuple[_GatherRecord, Callable]:
+    """A record, and the replacement of each collective that fills it (for
+    `replaced_collectives`), of every collective, by any name the project calls it
+    (tests/parallel/collective_names.py), issued on a group whose parameter all-gather is
+    still in flight (--overlap-param-gather: launched after the step, waited bucket by bucket
+    before the forwards that need it). NCCL runs a group's collectives in order: each would
+    wait for the whole gather and, read on the host, hold the next forward behind it, so the
+    overlap would be lost. The gathers' own launches are not counted. Patches this rank's
+    ParamGather.start to see them."""
+    record = _GatherRecord()
+    gathers: List[ParamGather] = []
+    launching = [False]
+    start = ParamGather.start
 
     def start_in_flight(self) -> None:
-        start(self)
-        if self.overlap:
-            gathering.update(id(bucket.group) for queue in self.queues for bucket in queue)
-
-    def recorded_train_step(self, data_iterator):
+        launching[0] = True
         try:
-            return train_step(self, data_iterator)
+            start(self)
         finally:
-            gathering.clear()
+            launching[0] = False
+        if self not in gathers:
+            gathers.append(self)
+        record.launched += self.pending()
+
+    def in_flight_groups() -> Set[int]:
+        return {
+            id(gather.queues[q][b].group or dist.group.WORLD)
+            for gather in gathers
+            for q, b in gather._in_flight
+        }
 
     def recorded(name, collective):
         signature = inspect.signature(collective)
 
         def call(*args, **kwargs):
-            if id(signature.bind(*args, **kwargs).arguments.get("group")) in gathering:
-                late.append(name)
+            group = signature.bind(*args, **kwargs).arguments.get("group") or dist.group.WORLD
+            if not launching[0] and id(group) in in_flight_groups():
+                record.late.append(name)
             return collective(*args, **kwargs)
 
         return call
 
-    ParamGather.start, Trainer.train_step = start_in_flight, recorded_train_step
-    for name in COLLECTIVES:
-        setattr(dist, name, recorded(name, getattr(dist, name)))
-    return late
+    ParamGather.start = start_in_flight
+    return record, recorded
 
 
-def _pretrain(rank: int, world_size: int, args: List[str]) -> List[str]:
+def _pretrain(rank: int, world_size: int, args: List[str]) -> Dict:
     # initialize_distributed reads torchrun's variables and joins the group already there.
     os.environ.update(
         WORLD_SIZE=str(world_size), RANK=str(rank), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1"
     )
-    late = _record_collectives_behind_the_gather()  # in this forked rank only
-    pretrain_gpt.main(args)
-    return late
+    record, recorded = _record_collectives_behind_the_gather()  # in this forked rank only
+    with replaced_collectives(recorded, COLLECTIVES):
+        pretrain_gpt.main(args)
+    return {"late": record.late, "launched": record.launched}
 
 
 def train(
@@ -105,8 +119,11 @@ def train(
     tensorboard = directory / "tb"
     args = [*args, "--save", str(directory / "ckpt"), "--save-interval", str(save_interval)]
     args += ["--tensorboard-dir", str(tensorboard)]
-    late = run_distributed(_pretrain, world_size, args, timeout_s=120.0)
+    records = run_distributed(_pretrain, world_size, args, timeout_s=120.0)
+    late = [record["late"] for record in records]
     assert late == [[]] * world_size, f"collectives issued behind the parameter gather: {late}"
+    if "--overlap-param-gather" in args:  # the record above saw gathers in flight
+        assert all(record["launched"] > 0 for record in records), records
     return tensorboard_scalars(tensorboard, ("lm loss", "grad-norm"))
 
 

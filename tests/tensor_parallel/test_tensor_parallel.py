@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -26,6 +25,7 @@ from megatron.tensor_parallel import (
     vocab_parallel_cross_entropy,
 )
 from tests.launch import run_distributed
+from tests.parallel.collective_names import IN_PLACE_COLLECTIVES, replaced_collectives
 
 BATCH, SEQ, HIDDEN, FFN, VOCAB = 2, 4, 8, 16, 16
 
@@ -207,18 +207,10 @@ def test_vocab_parallel_embedding_and_cross_entropy_match_serial(world_size):
     run_distributed(_check_vocab_parallel, world_size)
 
 
-# torch.distributed's in-place collectives; the layers' forward and backward must not call them.
-IN_PLACE_COLLECTIVES = (
-    "all_reduce",
-    "all_gather",
-    "all_gather_into_tensor",
-    "reduce_scatter_tensor",
-)
-
-
 def _communicate_functionally(rank: int, world_size: int) -> None:
     """A sequence-parallel MLP, the vocabulary-parallel loss and FP8's amax reduction, forward
-    and backward, with torch.distributed's in-place collectives replaced by a refusal."""
+    and backward, with every in-place collective the project can reach, by any of its names,
+    replaced by a refusal (tests/parallel/collective_names.py)."""
     ps.initialize_model_parallel(tensor_model_parallel_size=world_size)
     torch.manual_seed(3)
     fc1 = ColumnParallelLinear(HIDDEN, FFN, gather_output=False, sequence_parallel=True)
@@ -226,21 +218,22 @@ def _communicate_functionally(rank: int, world_size: int) -> None:
     x = leaf(torch.randn(BATCH, SEQ // world_size, HIDDEN))
     labels = torch.randint(0, VOCAB, (BATCH, SEQ))
 
-    def refuse(*args, **kwargs):
-        raise AssertionError("an in-place torch.distributed collective inside the model")
+    def refusal(name, collective):
+        def refuse(*args, **kwargs):
+            raise AssertionError(f"an in-place collective inside the model: {name}")
 
-    saved = {name: getattr(dist, name) for name in IN_PLACE_COLLECTIVES}
-    for name in IN_PLACE_COLLECTIVES:
-        setattr(dist, name, refuse)
-    try:
+        return refuse
+
+    with replaced_collectives(refusal, IN_PLACE_COLLECTIVES) as replaced:
+        # The project's own names for the one-tensor collectives are among those refused.
+        names = {(namespace.__name__, attribute) for namespace, attribute, _ in replaced}
+        assert {("megatron.parallel.collectives", "reduce_scatter_single"),
+                ("megatron.parallel.collectives", "all_gather_single")} <= names  # fmt: skip
         hidden = fc2(F.gelu(fc1(x)))  # sequence-sharded [BATCH, SEQ / tp, VOCAB]
         logits = ColumnParallelLinear(VOCAB, VOCAB, gather_output=False, sequence_parallel=True)
         loss = vocab_parallel_cross_entropy(logits(hidden), labels)
         loss.sum().backward()
         amax = max_over_ranks(torch.tensor([float(rank)]), ps.get_tensor_model_parallel_group())
-    finally:
-        for name, collective in saved.items():
-            setattr(dist, name, collective)
     assert x.grad is not None and torch.isfinite(x.grad).all()
     assert amax.item() == world_size - 1
     ps.destroy_model_parallel()
