@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import psutil
 import pytest
@@ -28,6 +28,8 @@ from tests.tiny_gpt import tiny_gpt_args
 
 ITERATIONS = 16
 LOSS = re.compile(r" iteration +(\d+)/ *\d+ \|.*?lm loss: ([0-9.E+-]+) \|")
+# What a (re)started run says it starts from (megatron.checkpointing.load).
+START = re.compile(r"loaded checkpoint \S+ at iteration (\d+)|training from scratch")
 KILLS_PER_JOB = 5
 
 
@@ -87,17 +89,34 @@ class _Job:
         return victim.pid
 
 
-def _run_with_kills(args: List[str], save: Path, moments: List[str], seed: int) -> str:
-    """The job with a SIGKILL at each of `moments` ("iteration", "save", "background write"),
-    each after the previous kill's restart is training again; the job's whole output."""
+class _Restart(NamedTuple):
+    """A kill and the restart after it: the iteration the tracker named when the rank died
+    and the one the restart loaded (None: no checkpoint yet, and a start from scratch)."""
+
+    moment: str
+    named: Optional[int]
+    loaded: Optional[int]
+
+
+def _run_with_kills(
+    args: List[str], save: Path, moments: List[str], seed: int
+) -> Tuple[str, List[_Restart]]:
+    """The job with a SIGKILL at each of `moments`, each after the previous kill's restart is
+    training again; the job's whole output and its restarts. Counted from the iteration the
+    run (re)started at: "iteration" kills during iteration 3 or later (a checkpoint of
+    iteration 2 is written by then), "save" during the first save (after an even iteration),
+    "background write" while an --async-save's write goes on."""
     rng = random.Random(seed)
     job = _Job(args, max_restarts=len(moments) + 2)
     deadline = time.monotonic() + 240  # a restart that hangs fails here
     iteration_line = re.compile(r" iteration +(\d+)/")
+    started_at = 0
+    restarts = []
     try:
         for moment in moments:
             if moment == "iteration":
-                job.wait_for(iteration_line, deadline)
+                while int(job.wait_for(iteration_line, deadline).group(1)) < started_at + 3:
+                    pass
                 time.sleep(rng.uniform(0.0, 0.3))
             elif moment == "save":  # the save follows the line of an even iteration
                 while int(job.wait_for(iteration_line, deadline).group(1)) % 2:
@@ -110,14 +129,16 @@ def _run_with_kills(args: List[str], save: Path, moments: List[str], seed: int) 
             named = read_tracker(str(save)) if save.exists() else None
             if named is not None:
                 assert is_complete(str(save / f"iter_{named:07d}")), named
-            job.wait_for(re.compile(r"loaded checkpoint|training from scratch"), deadline)
+            loaded = job.wait_for(START, deadline).group(1)
+            restarts.append(_Restart(moment, named, None if loaded is None else int(loaded)))
+            started_at = restarts[-1].loaded or 0
         job.process.wait(timeout=max(1.0, deadline - time.monotonic()))
     finally:
         if job.process.poll() is None:
             job.process.kill()
     output = "".join(job.output)
     assert job.process.returncode == 0, output[-4000:]
-    return output
+    return output, restarts
 
 
 @pytest.mark.parametrize("saving", ["sync", "async"])
@@ -137,12 +158,19 @@ def test_killed_ranks_restart_from_the_latest_checkpoint_with_the_same_losses(
     else:
         moments = ["iteration", "save", "iteration", "save", "save"]
     assert len(moments) == KILLS_PER_JOB
-    output = _run_with_kills(_args(data_prefix, *flags), save, moments, seed=len(saving))
+    output, restarts = _run_with_kills(_args(data_prefix, *flags), save, moments, seed=len(saving))
 
-    assert (
-        output.count("loaded checkpoint") + output.count("training from scratch")
-        == len(moments) + 1
-    )
+    # Each restart loads the checkpoint the tracker named when the rank died (or a newer one
+    # the other rank completed); from scratch only when there was none. A kill during an
+    # iteration comes after a save, so those restarts load one.
+    assert len(START.findall(output)) == len(moments) + 1  # the first start, then each restart
+    for restart in restarts:
+        if restart.named is None:
+            assert restart.loaded is None or restart.loaded > 0, restarts
+        else:
+            assert restart.loaded is not None and restart.loaded >= restart.named, restarts
+        if restart.moment == "iteration":
+            assert restart.named is not None, restarts
     logged = _losses(output)
     assert sorted(logged) == list(range(1, ITERATIONS + 1))
     bad = {
