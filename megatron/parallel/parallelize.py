@@ -239,8 +239,8 @@ def compile_model(
     model: nn.Module, veto: Optional[str], layer_by_layer: bool = False, **options
 ) -> nn.Module:
     """torch.compile(`model`) (with torch.compile's `options`), which fuses the elementwise
-    work (norms, GELU, dropout, the loss) around the matmuls; with a `veto` the model stays
-    eager and the reason is printed (a graph broken around Triton-launched kernels can run
+    work (norms, GELU, dropout, the loss) around the matmuls, saying so in one line; with a
+    `veto` the model stays eager and the reason is printed (a graph broken around Triton-launched kernels can run
     slower than eager). `layer_by_layer`: each TransformerLayer's forward compiles on its
     own, in place (the rest, and the layers' forward hooks, stay eager: the distributed
     optimizer's waits for a layer's parameters run there), and the model is returned."""
@@ -252,8 +252,10 @@ def compile_model(
     # instead of becoming a symbol; a buffer size derived from a symbolic float cannot be
     # traced at all.
     if layer_by_layer:
+        print_rank_0("> torch.compile: each transformer layer's forward")
         for module in model.modules():
             if isinstance(module, TransformerLayer):
                 module.forward = torch.compile(module.forward, dynamic=False, **options)
         return model
+    print_rank_0("> torch.compile: the whole model")
     return torch.compile(model, dynamic=False, **options)

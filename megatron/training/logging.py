@@ -73,6 +73,21 @@ def format_memory_report(rank: int, iteration: int, device: torch.device) -> str
     return line
 
 
+def format_compile_report(iteration: int) -> Optional[str]:
+    """What torch.compile captured in this process, printed once after the first logged
+    iteration: `> torch.compile (after N iterations): G graphs, B graph breaks`; None where
+    nothing was compiled. Each graph break returns to Python between graphs that Inductor
+    optimizes apart: the first thing to look at when a compiled model runs slower than it
+    should."""
+    from torch._dynamo.utils import counters
+
+    graphs = counters["stats"]["unique_graphs"]
+    if not graphs:
+        return None
+    breaks = sum(counters["graph_break"].values())
+    return f"> torch.compile (after {iteration} iterations): {graphs} graphs, {breaks} graph breaks"
+
+
 def format_times_across_ranks(times_ms: Dict[str, Tuple[float, float]]) -> str:
     """Megatron's timer block: `(min, max) time across ranks (ms):`, then one line per timer
     (`    save-checkpoint ....: (24895.07, 24895.13)`), the name dot-padded to 48 characters."""

@@ -27,6 +27,7 @@ from megatron.parallel.parallelize import ParallelModel
 from megatron.training.hooks import TrainingHooks
 from megatron.training.logging import (
     IterationStats,
+    format_compile_report,
     format_iteration_line,
     format_memory_report,
     format_validation_block,
@@ -158,7 +159,8 @@ def _train_loop(
     start_time = time.time()
     window = _LogWindow()
     last_grad_norm: Optional[float] = None
-    report_memory = True  # once, after the first logged iteration, as Megatron does
+    # Once, after the first logged iteration, as Megatron does; with what torch.compile made.
+    report_memory = True
     trainer.model.train()
     print_rank_0("training ...")
     train_iters = total_train_iters(config)
@@ -205,6 +207,9 @@ def _train_loop(
                         trainer.context.rank, trainer.iteration, trainer.context.device
                     )
                 )
+                compiled = format_compile_report(trainer.iteration)
+                if compiled is not None:
+                    print_rank_0(compiled)
                 report_memory = False
             if trainer.metric_writers is not None:
                 trainer.metric_writers.log_training(stats)

@@ -14,6 +14,7 @@ size, so the load-balancing loss is the same number too.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -149,12 +150,27 @@ def test_torch_dist_checkpoint_resumes_at_another_layout(one_gpu, data_prefix, t
 
 
 DENSE_SCALARS = ("lm loss", "grad-norm")
+# The run's report after its first iteration (megatron.training.logging.format_compile_report).
+COMPILE_REPORT = re.compile(r"> torch\.compile \(after \d+ iterations\): (\d+) graphs, (\d+) graph")
+
+
+def compiled(run: dict) -> dict:
+    """`run`, after checking that it compiled its model whole: the whole-model compile line,
+    and dynamo's graphs without a break (on one H200 both the dense GPT and the bf16 dMoE are
+    one graph). A run left eager, as --no-torch-compile or a hook's veto leaves it, would
+    compare eager layouts."""
+    output = run["stdout"]
+    assert "> torch.compile: the whole model" in output, output[-3000:]
+    report = COMPILE_REPORT.search(output)
+    assert report is not None and int(report.group(1)) > 0, output[-3000:]
+    assert int(report.group(2)) == 0, report.group(0)
+    return run
 
 
 @pytest.fixture(scope="module")
 def one_gpu_dense(data_prefix, tmp_path_factory):
     root = tmp_path_factory.mktemp("one_gpu_dense")
-    return pretrain_on_gpus(1, dense_args(data_prefix), root / "tb", DENSE_SCALARS)
+    return compiled(pretrain_on_gpus(1, dense_args(data_prefix), root / "tb", DENSE_SCALARS))
 
 
 def dense_args(data_prefix: str, *extra: str) -> list:
@@ -175,6 +191,7 @@ def test_compiled_tensor_parallel_equals_one_gpu(
     collectives its column-parallel input gradients stayed partial, grad norm 1.03 for 1.36)."""
     layout = ["--tensor-model-parallel-size", "2"] + (["--sequence-parallel"] * sequence_parallel)
     run = pretrain_on_gpus(2, dense_args(data_prefix, *layout), tmp_path / "tb", DENSE_SCALARS)
+    compiled(run)
     assert_same(
         one_gpu_dense, run, range(1, ITERATIONS + 1), dict.fromkeys(DENSE_SCALARS, RELATIVE)
     )
@@ -189,7 +206,7 @@ BF16_ITERATIONS = 5
 @pytest.fixture(scope="module")
 def one_gpu_bf16_dmoe(data_prefix, tmp_path_factory):
     root = tmp_path_factory.mktemp("one_gpu_bf16_dmoe")
-    return pretrain_on_gpus(1, bf16_dmoe_args(data_prefix), root / "tb", DENSE_SCALARS)
+    return compiled(pretrain_on_gpus(1, bf16_dmoe_args(data_prefix), root / "tb", DENSE_SCALARS))
 
 
 def bf16_dmoe_args(data_prefix: str, *extra: str) -> list:
@@ -211,4 +228,5 @@ def test_compiled_bf16_dmoe_layout_follows_one_gpu(
     layout, one_gpu_bf16_dmoe, data_prefix, tmp_path
 ):
     run = pretrain_on_gpus(2, bf16_dmoe_args(data_prefix, *layout), tmp_path / "tb", DENSE_SCALARS)
+    compiled(run)
     assert_same(one_gpu_bf16_dmoe, run, range(1, BF16_ITERATIONS + 1), BF16_RELATIVE)

@@ -137,6 +137,16 @@ def test_swapped_parameters_keep_their_marks_and_sharing():
     assert not is_expert_parameter(swapped)
 
 
+def test_compile_says_what_it_compiles_or_why_not(capsys):
+    model = build(*MODELS["dense"])
+    assert compile_model(model, "a reason to stay eager") is model
+    assert capsys.readouterr().out == "note: a reason to stay eager\n"
+    compiled = compile_model(model, None, backend="eager")
+    assert compiled is not model and capsys.readouterr().out == "> torch.compile: the whole model\n"
+    compile_model(model, None, layer_by_layer=True, backend="eager")
+    assert capsys.readouterr().out == "> torch.compile: each transformer layer's forward\n"
+
+
 def test_layer_by_layer_compile_keeps_the_layers_forward_hooks_eager():
     """With --overlap-grad-reduce each layer's forward compiles on its own and the rest stays
     eager: the layer's forward pre-hooks (where the distributed optimizer's waits for its
