@@ -23,7 +23,7 @@ from gpt_pretraining.run_events import (
     read_run,
 )
 from tests.sample_data import REPO
-from tests.tiny_gpt import tiny_gpt_args
+from tests.tiny_gpt import tensorboard_scalars, tiny_gpt_args
 
 SEQ_LENGTH = 32
 GLOBAL_BATCH = 4
@@ -111,6 +111,19 @@ def test_the_expert_load_is_each_experts_share_of_its_layer(dmoe_run):
         assert load.over_mean_EP.shape == (NUM_EXPERTS, ITERATIONS)
         # Tokens over the mean: the experts' values average to 1 at every iteration.
         np.testing.assert_allclose(load.over_mean_EP.mean(axis=0), 1.0, rtol=1e-6)
+    # Which expert got which share: each layer's largest and smallest share is the one the run
+    # logged for that layer (from its own counts, moe.expert_load.load_spread), iteration by
+    # iteration, and the layers' loads differ.
+    names = [f"moe/tokens-per-expert {end}-over-mean layer {n}" for n in MOE_LAYERS for end in
+             ("max", "min")]  # fmt: skip
+    logged = tensorboard_scalars(dmoe_run[0] / "tensorboard", names)
+    for layer, load in run.expert_load.items():
+        for end, reduce in (("max", np.max), ("min", np.min)):
+            spread = logged[f"moe/tokens-per-expert {end}-over-mean layer {layer}"]
+            expected = [spread[i] for i in load.iterations.tolist()]
+            np.testing.assert_allclose(reduce(load.over_mean_EP, axis=0), expected, rtol=1e-6)
+    first, second = (run.expert_load[layer].over_mean_EP for layer in MOE_LAYERS)
+    assert not np.array_equal(first, second)
 
 
 @pytest.mark.parametrize("axis", ["iterations", "tokens", "time"])

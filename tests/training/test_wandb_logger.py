@@ -1,6 +1,6 @@
-"""--wandb-project: what a tiny run logs to Weights & Biases (offline), read back from W&B's own
-record file and checked against Megatron's log lines and TensorBoard; a resumed run continues
-the same W&B run; without the wandb package the flag is refused before any work."""
+"""--wandb-project: what a tiny dMoE run logs to Weights & Biases (offline), read back from W&B's
+own record file and checked against Megatron's log lines and TensorBoard; a resumed run
+continues the same W&B run; without the wandb package the flag is refused before any work."""
 
 import json
 import os
@@ -16,7 +16,7 @@ import pytest
 import pretrain_gpt
 from megatron.training.wandb_logger import RUN_ID_FILE
 from tests import processes
-from tests.tiny_gpt import tensorboard_scalars, tiny_gpt_args
+from tests.tiny_gpt import MOE_ARGS, tensorboard_scalars, tiny_gpt_args
 
 ITERATION_LINE = re.compile(
     r" iteration +(\d+)/ +\d+ \|.* learning rate: ([0-9.E+-]+) \|.* lm loss: ([0-9.E+-]+) \|"
@@ -88,7 +88,7 @@ def resumed_run(data_prefix, tmp_path_factory) -> Dict[str, Any]:
     common += ["--save-interval", "3", "--eval-interval", "3"]
 
     def run(*flags: str) -> processes.Finished:
-        args = tiny_gpt_args(data_prefix, *common, *flags, train_iters=6)
+        args = tiny_gpt_args(data_prefix, *MOE_ARGS, *common, *flags, train_iters=6)
         finished = processes.run(args, env=env)
         assert finished.returncode == 0, finished.stderr[-3000:]
         return finished
@@ -131,19 +131,28 @@ def test_validation_loss_and_perplexity_are_logged(resumed_run, part, iteration,
 
 
 def test_wandb_gets_every_tensorboard_scalar(resumed_run):
-    """The first part wrote TensorBoard too: each scalar it got against iterations, W&B got at
-    the same step, equal up to TensorBoard's float32."""
+    """The first part wrote TensorBoard too: each scalar it got against iterations, the dMoE's
+    per-expert ones included, W&B got at the same step, equal up to TensorBoard's float32."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(resumed_run["tensorboard"]))
     events.Reload()
     names = [name for name in events.Tags()["scalars"] if not name.endswith(" vs samples")]
     assert {"learning-rate", "grad-norm", "batch-size", "loss-scale", "lm loss"} <= set(names)
+    # The dMoE's: its auxiliary loss and each layer's expert load, per expert too.
+    expert_load = {f"moe/tokens-per-expert over-mean layer {layer} expert {expert}"
+                   for layer in (0, 1) for expert in range(4)}  # fmt: skip
+    assert {"load balancing loss", *expert_load} <= set(names), names
     history = resumed_run["first"]["history"]
     for name, steps in tensorboard_scalars(resumed_run["tensorboard"], names).items():
         for step, value in steps.items():
             assert struct.unpack("f", struct.pack("f", history[step][name]))[0] == value, name
     assert [history[step]["samples vs steps"] for step in (1, 2, 3)] == [8, 16, 24]
+    # Each MoE layer's histogram of tokens per expert: one count per expert.
+    for step, layer in ((1, 0), (3, 1)):
+        histogram = f"moe/tokens-per-expert layer {layer}"
+        assert history[step][f"{histogram}/_type"] == "histogram"
+        assert sum(history[step][f"{histogram}/values"]) == 4
 
 
 def test_a_resumed_run_continues_its_wandb_run(resumed_run):
