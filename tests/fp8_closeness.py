@@ -6,9 +6,9 @@ gradient against the bf16 model's. The FP8 tests of the projections
 
 A loss near ln 64 says nothing here: on the tiny models FP8 moves it by about 1e-4, and so
 would a dead expert or an attention output left at zero (about 1e-3). A layer's own
-products do: FP8's 3 mantissa bits move each product by 1-5% of its norm (relative
-Frobenius error, as tests/moe/kernels/test_fp8_grouped_gemm.py bounds the kernel's), a layer
-left in bf16 by nothing, a wrong scale or a dead expert by much more.
+products do: FP8's few mantissa bits move each by 3-6% of its norm (relative Frobenius
+error, as tests/moe/kernels/test_fp8_grouped_gemm.py bounds the kernel's), a layer left in
+bf16 by nothing, a wrong scale or a dead expert by tens of percent.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from tests.tiny_gpt import bf16_autocast_loss
 
 # A layer's relative error against its bf16 twin on the same operands: a bf16 layer gives 0,
 # FP8 3.3-3.7% in a projection's output (two e4m3 operands), 5% in the experts' (two products
-# in a row) and 4.5-6.2% in the gradients, whose output gradient is e5m2 under the "hybrid"
-# format (2 mantissa bits); a wrong scale or a dead expert gives tens of percent.
+# in a row) and 4.5-6.2% in the gradients (a projection's output gradient is e5m2, 2 mantissa
+# bits, under the "hybrid" format); a wrong scale or a dead expert gives 10-60%.
 FP8_ROUNDING = (1e-3, 0.1)
 # A parameter's gradient in the whole model against the bf16 model's: FP8's rounding in every
 # layer adds up to 0.1-11% on the tiny models; a dead expert's share of a weight gradient is
