@@ -14,7 +14,7 @@ bf16 by nothing, a wrong scale or a dead expert by tens of percent.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -57,7 +57,7 @@ class Call:
 
     args: Tuple
     output: torch.Tensor
-    grad_output: Optional[torch.Tensor] = field(default=None)
+    grad_output: Optional[torch.Tensor] = None
 
 
 def _copied(value):
@@ -118,17 +118,16 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual.float() - expected).norm() / expected.norm()).item()
 
 
-def layer_errors(
-    bf16_model: nn.Module, fp8_model: nn.Module, loss_fn
-) -> Dict[str, Dict[str, float]]:
-    """{FP8 layer: {output or gradient: relative error}}: `loss_fn(fp8_model)`'s forward and
-    backward give each FP8 layer (fp8_layers of `bf16_model`) its operands and output gradient;
-    the FP8 layer and its bf16 twin then compute the output, the input gradients and the weight
-    gradients from those same operands. Checks that the replay repeats the model's own output
-    bit for bit, so that what is compared is what the model computed."""
+def layer_errors(bf16_model: nn.Module, fp8_model: nn.Module) -> Dict[str, Dict[str, float]]:
+    """{FP8 layer: {output or gradient: relative error}}: the forward and backward of
+    `bf16_autocast_loss(fp8_model)` give each FP8 layer (fp8_layers of `bf16_model`) its
+    operands and output gradient; the FP8 layer and its bf16 twin then compute the output, the
+    input gradients and the weight gradients from those same operands. Checks that the replay
+    repeats the model's own output bit for bit, so that what is compared is what the model
+    computed."""
     layers = fp8_layers(bf16_model)
     with recorded_calls(fp8_model, layers) as calls:
-        loss_fn(fp8_model).backward()
+        bf16_autocast_loss(fp8_model).backward()
     assert sorted(calls) == sorted(layers), "a layer was not called"
     errors = {}
     for name, method in layers.items():
@@ -173,7 +172,7 @@ def assert_fp8_follows_bf16(
     after `reduce_gradients` of each model, within GRADIENT_DRIFT of the bf16 model's. Returns
     the layer errors."""
     bf16_autocast_loss(bf16_model).backward()
-    errors = layer_errors(bf16_model, fp8_model, bf16_autocast_loss)
+    errors = layer_errors(bf16_model, fp8_model)
     wrong = outside(errors, FP8_ROUNDING)
     assert not wrong, f"not within {FP8_ROUNDING} of bf16: {wrong}"
     for model in (bf16_model, fp8_model):

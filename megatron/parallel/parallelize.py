@@ -240,10 +240,11 @@ def compile_model(
 ) -> nn.Module:
     """torch.compile(`model`) (with torch.compile's `options`), which fuses the elementwise
     work (norms, GELU, dropout, the loss) around the matmuls, saying so in one line; with a
-    `veto` the model stays eager and the reason is printed (a graph broken around Triton-launched kernels can run
-    slower than eager). `layer_by_layer`: each TransformerLayer's forward compiles on its
-    own, in place (the rest, and the layers' forward hooks, stay eager: the distributed
-    optimizer's waits for a layer's parameters run there), and the model is returned."""
+    `veto` the model stays eager and the reason is printed (a graph broken around
+    Triton-launched kernels can run slower than eager). `layer_by_layer`: each
+    TransformerLayer's forward compiles on its own, in place (the rest, and the layers'
+    forward hooks, stay eager: the distributed optimizer's waits for a layer's parameters run
+    there), and the model is returned."""
     if veto is not None:
         print_rank_0(f"note: {veto}")
         return model

@@ -39,7 +39,7 @@ COLLECTIVES = tuple(
         "gather",
         "scatter",
         "barrier",
-    )  # fmt: skip
+    )
     if hasattr(dist, name)
 )
 IN_PLACE_COLLECTIVES = tuple(name for name in COLLECTIVES if name != "barrier")
