@@ -32,7 +32,7 @@ from megatron.model import GPTModel
 from megatron.optimizer.distributed_optimizer import build_distributed_optimizer
 from megatron.parallel import parallel_state
 from megatron.parallel.parallel_state import initialize_model_parallel
-from megatron.parallel.parallelize import shard_model
+from megatron.parallelize.steps import shard_model
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 

@@ -9,7 +9,7 @@ Under tensor parallelism (Megatron-core's default, expert tensor parallel size =
 TP rank holds f / tp of every expert's ffn channels: w1 and v1 split on their last dim like a
 column-parallel linear, w2 on its ffn dim like a row-parallel one. The experts then compute a
 partial output, which the layer (moe.layers) sums over the TP group. Both that split and the
-expert-parallel one are applied to built experts by megatron.parallel.parallelize's steps, through
+expert-parallel one are applied to built experts by megatron.parallelize.steps's steps, through
 `keep_ffn_channels` (the experts' tensor-parallel style, moe.tensor_parallel) and
 `place_experts`.
 """

@@ -1,5 +1,5 @@
 """Which MoE layers' expert products run in FP8: the MoE's FP8 styles, applied with the dense
-projections' FP8 by megatron.parallel.fp8_projections (through MoEMlpSpec.fp8_styles).
+projections' FP8 by megatron.parallelize.fp8_projections (through MoEMlpSpec.fp8_styles).
 
 The dMoE's grouped GEMMs take FP8 (moe.kernels.fp8_grouped_gemm) where the run multiplies them
 with torch._grouped_mm (NVIDIA Hopper, bf16; moe.kernels.grouped_gemm.choose_backend): the FP8

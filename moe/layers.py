@@ -21,7 +21,7 @@ moe.experts), sum each token's rows back. What varies is the product: the run's 
 capacity sorts the same way and moves rows into capacity slots (moe.kernels.permute's binned
 layout), weighting them in the scatter back.
 
-A layer is built whole, as one process runs it; megatron.parallel.parallelize's steps then shard it.
+A layer is built whole, as one process runs it; megatron.parallelize.steps's steps then shard it.
 Under expert parallelism (`place_experts`) a layer holds only its rank's block of experts: the
 dMoE moves assignments to the rank of their expert and back by all-to-all (moe.expert_parallel),
 the MoE with capacity moves its fixed-size capacity slots.
@@ -89,7 +89,7 @@ class MoELayer(nn.Module):
         super().__init__()
         self.config = moe_config
         self.hidden_size = model_config.hidden_size
-        # Set by `place_experts` (megatron.parallel.parallelize).
+        # Set by `place_experts` (megatron.parallelize.steps).
         self.expert_parallel_rank, self.expert_parallel_size = 0, 1
         # Where tokens enter the experts and their output leaves: swapped by tensor parallelism.
         self.region: nn.Module = LocalRegion()

@@ -34,7 +34,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Sequence, Tuple
 
 from megatron.model.mlp import MlpMemory, dense_mlp_activation_bytes_per_token
-from megatron.parallel.gradient_sync import DDP, gradient_reduction
+from megatron.parallelize.data_parallel import DataParallel
 from moe.config import MoEConfig
 
 if TYPE_CHECKING:
@@ -119,7 +119,7 @@ def moe_memory(config: Config, moe: MoEConfig, layer_numbers: Sequence[int]) -> 
     if numerics.weight_copies_dtype is None:
         return MlpMemory(casts_per_micro_batch=2 * weights if numerics.autocast else 0)
     # moe.training_hooks._expert_grads_in_place: not when torch DDP reduces the experts.
-    in_ddp = gradient_reduction(config) == DDP
+    in_ddp = DataParallel.of(config).in_ddp
     in_place = not (in_ddp and expert_parallel_size == 1)
     # FP8 grouped GEMMs keep the copies quantized, in two layouts of a byte each.
     fp8_copies = numerics.fp8_format is not None and moe.dropless and moe.mlp_impl == "grouped"

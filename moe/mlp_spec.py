@@ -25,7 +25,7 @@ from moe.tensor_parallel import experts_style, moe_layer_style
 class MoEMlpSpec(MlpSpec):
     """MoE layers where `moe.is_moe_layer`, the dense MLP elsewhere. `expert_parallel_size`
     (the run's ParallelConfig.expert_model_parallel_size) is what the memory plan counts per
-    rank; the layers themselves are built whole and split by megatron.parallel.parallelize."""
+    rank; the layers themselves are built whole and split by megatron.parallelize.steps."""
 
     moe: MoEConfig
     expert_parallel_size: int = 1

@@ -24,7 +24,7 @@ and the router's jitter is drawn on the shard (from the block's random source, t
 when the model has dropout: not the single-process noise, as for dropout; every rank still
 routes the same gathered logits). Each rank's
 router weight gradient then covers its own tokens only: the weight is marked
-`sequence_parallel`, so `megatron.parallel.gradient_sync.GradientSync.after_backwards` sums it over the
+`sequence_parallel`, so `megatron.parallelize.gradient_sync.GradientSync.after_backwards` sums it over the
 TP group once per step (as for the norms; the router is not all-reduced anywhere else, so nothing is counted
 twice). The experts' input is all-gathered with a reduce-scatter backward, and the partial
 output is reduce-scattered back to the sequence shard; the output bias, added to the shard
@@ -91,7 +91,7 @@ class TensorParallelRegion(nn.Module):
 
 
 def moe_layer_style(layer: nn.Module, layout) -> None:
-    """Tensor-parallel style of an MoE layer (megatron.parallel.tensor_parallelism): its tokens
+    """Tensor-parallel style of an MoE layer (megatron.parallelize.tensor_parallelism): its tokens
     enter and leave through `TensorParallelRegion`; under sequence parallelism the router
     weight and the output bias see one sequence shard per rank, so their gradients are summed
     over the TP group after backward. The experts split their channels by their own style; the

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from megatron.initialize import print_rank_0
-from megatron.parallel.gradient_sync import GradientSync
+from megatron.parallelize.data_parallel import DataParallel
 from megatron.training.hooks import TrainingHooks
 from moe.block_factor import SHRINK_WINDOW, BlockFactor
 from moe.config import MoEConfig
@@ -48,12 +48,12 @@ EAGER_NOTE = (
 )
 
 
-def _expert_grads_in_place(gradient_sync: GradientSync) -> bool:
+def _expert_grads_in_place(data_parallel: DataParallel) -> bool:
     """Whether the copies add their gradients into the fp32 expert weights themselves. Not when
     torch DDP reduces the expert gradients: its hooks fire on autograd's accumulation, so the
     copies then stand in for the casts and leave accumulation to autograd (expert-parallel
     shards are outside DDP)."""
-    return not (gradient_sync.in_ddp and not gradient_sync.expert_parallel)
+    return not (data_parallel.in_ddp and not data_parallel.expert_parallel)
 
 
 class MoETrainingHooks(TrainingHooks):
@@ -90,9 +90,9 @@ class MoETrainingHooks(TrainingHooks):
         whole = moe.dropless and moe.mlp_impl == "grouped" and moe.grouped_gemm == TORCH
         return None if whole else EAGER_NOTE
 
-    def setup(self, model: nn.Module, gradient_sync: GradientSync, device: torch.device) -> None:
-        self.grads_in_place = _expert_grads_in_place(gradient_sync)
-        self.expert_parallel = gradient_sync.expert_parallel
+    def setup(self, model: nn.Module, data_parallel: DataParallel, device: torch.device) -> None:
+        self.grads_in_place = _expert_grads_in_place(data_parallel)
+        self.expert_parallel = data_parallel.expert_parallel
         self.device = device
 
     def before_step(self, model: nn.Module) -> bool:

@@ -1,7 +1,7 @@
 """How far FP8 moves a model from its bf16 twin, measured where FP8 acts: each FP8 layer's
 output and gradients against the bf16 layer's on the same operands, and each parameter's
 gradient against the bf16 model's. The FP8 tests of the projections
-(tests/parallel/test_fp8_projections.py) and of the dMoE's experts
+(tests/parallelize/test_fp8_projections.py) and of the dMoE's experts
 (tests/moe/test_fp8_experts.py) share it.
 
 A loss near ln 64 says nothing here: on the tiny models FP8 moves it by about 1e-4, and so
@@ -20,7 +20,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 from torch import nn
 
-from megatron.parallel.fp8_projections import PROJECTION_NAMES
+from megatron.parallelize.fp8_projections import PROJECTION_NAMES
 from moe.experts import Experts
 from tests.tiny_gpt import bf16_autocast_loss
 
@@ -38,7 +38,7 @@ GRADIENT_DRIFT = 0.25
 
 def fp8_layers(model: nn.Module) -> Dict[str, str]:
     """{qualified name: the method to replay} of every layer of `model` that `--fp8-format`
-    turns FP8 (megatron.parallel.fp8_projections and moe.fp8_experts): the attention and MLP
+    turns FP8 (megatron.parallelize.fp8_projections and moe.fp8_experts): the attention and MLP
     projections, and the dMoE's grouped experts. Read off the bf16 model, so that a layer the
     FP8 model left in bf16 is still expected."""
     layers = {}

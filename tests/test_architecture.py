@@ -70,6 +70,26 @@ def test_dependencies_point_one_way(package):
     )
 
 
+# The process groups and collectives every room builds on: they import no room but these
+# modules at the top of megatron/ (the steps that apply parallelism are megatron.parallelize).
+GROUPS_ROOM = "megatron.parallel"
+GROUPS_ROOM_MAY_IMPORT = ("megatron.main_grads", "megatron.errors")
+
+
+def test_the_process_groups_import_no_room_above_them():
+    offending = [
+        f"{path.relative_to(REPO_ROOT)}:{line}: {name}"
+        for module, path in _modules("megatron")
+        if module == GROUPS_ROOM or module.startswith(GROUPS_ROOM + ".")
+        for line, name in _imported_names(path)
+        if name.startswith("megatron")
+        and name != GROUPS_ROOM
+        and not name.startswith(GROUPS_ROOM + ".")
+        and name not in GROUPS_ROOM_MAY_IMPORT
+    ]
+    assert not offending, "\n".join(offending)
+
+
 def test_the_check_sees_every_kind_of_import(tmp_path):
     source = tmp_path / "module.py"
     source.write_text(

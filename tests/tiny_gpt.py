@@ -16,7 +16,7 @@ from megatron.checkpointing.convert import read_sharded_as_torch_state
 from megatron.checkpointing.torch_dist import is_sharded_checkpoint, read_common
 from megatron.config import ModelConfig
 from megatron.model import DENSE_MLP, GPTModel, MlpSpec
-from megatron.parallel.parallelize import shard_model
+from megatron.parallelize.steps import shard_model
 from tests.sample_data import MERGES, VOCAB
 
 # dMoE layers of 4 experts with top-2 routing, added to `tiny_gpt_args`.
@@ -42,7 +42,7 @@ def tiny_model_config(**overrides: Any) -> ModelConfig:
 
 def sharded_gpt_model(config: ModelConfig, mlp_spec: MlpSpec = DENSE_MLP) -> GPTModel:
     """This rank's shards of the GPT model, built as pretrain_gpt.py builds it: on the meta
-    device, then megatron.parallel.parallelize's tensor- and expert-parallel steps and weights."""
+    device, then megatron.parallelize.steps's tensor- and expert-parallel steps and weights."""
     with torch.device("meta"):
         model = GPTModel(config, mlp_spec)
     return shard_model(model, config)

@@ -67,6 +67,7 @@ from megatron.checkpointing.torch_dist import (
     read_tensor_metadata,
 )
 from megatron.initialize import broadcast_from, is_global_rank_zero, print_rank_0
+from megatron.optimizer.optimizer import MegatronOptimizer
 from megatron.parallel import parallel_state
 from megatron.pipeline.stages import stage_to_full_names
 from megatron.tensor_parallel import MODEL_PARALLEL_RNG
@@ -201,9 +202,8 @@ class _TorchCheckpoint:
         optimizer_state = _required(self.state, "optimizer", self.path, "--no-load-optim")
         # Checkpoints hold the unsharded state: a rank takes its stage's, tensor-parallel and
         # expert shards' part, and the distributed optimizer its data-parallel shard of that.
-        unsharded_view = getattr(optimizer, "unsharded_view", None)
-        if unsharded_view is not None:
-            optimizer = unsharded_view(gather=False)
+        if isinstance(optimizer, MegatronOptimizer):
+            optimizer = optimizer.unsharded_view(gather=False)
         if is_pipeline_parallel(model):
             load_pipeline_optimizer_state_dict(
                 optimizer, model, optimizer_state, self.state["model"]

@@ -53,6 +53,7 @@ from megatron.checkpointing.sharded_save import (
 )
 from megatron.checkpointing.torch_dist import FORMAT
 from megatron.initialize import broadcast_from, print_rank_0
+from megatron.optimizer.optimizer import MegatronOptimizer
 from megatron.parallel import parallel_state
 from megatron.pipeline.stages import holds_stage_chunks
 
@@ -154,13 +155,12 @@ def save_checkpoint(
         else:
             model_state = full_model_state_dict(model)
     if optimizer is not None and not config.no_save_optim:
-        unsharded_view = getattr(optimizer, "unsharded_view", None)
-        if unsharded_view is not None:
+        if isinstance(optimizer, MegatronOptimizer):
             # The distributed optimizer first gathers its data-parallel shards (a collective on
             # every rank) into the state a MegatronOptimizer of this rank holds; that state then
             # goes through the same tensor-, expert- and pipeline-parallel gathering, so one
             # checkpoint loads in any layout, sharded or not.
-            optimizer = unsharded_view(gather=True)
+            optimizer = optimizer.unsharded_view(gather=True)
         if in_writing_replica and pipeline:
             optimizer_state = pipeline_full_optimizer_state_dict(optimizer, model, model_state)
         elif in_writing_replica:

@@ -29,7 +29,6 @@ from megatron.checkpointing.chunks import (
     flat_range_chunks,
     is_replicated_over_tensor_parallel,
 )
-from megatron.optimizer.distributed_optimizer import DistributedOptimizer
 from megatron.optimizer.optimizer import MegatronOptimizer
 from megatron.parallel import parallel_state
 from megatron.pipeline.stages import WORD_EMBEDDINGS_KEY, full_name, holds_stage_chunks
@@ -104,14 +103,14 @@ class StateHolder:
 def state_holders(optimizer: Any, model: nn.Module) -> List[StateHolder]:
     """The inner optimizer's parameters in its own numbering (its param groups in order)."""
     names = {id(param): name for name, param in named_parameters(model)}
-    if isinstance(optimizer, DistributedOptimizer):
+    if isinstance(optimizer, MegatronOptimizer):
         return [
-            StateHolder(names[id(piece.param)], piece.param, piece.tensor, piece.start)
-            for piece in optimizer.pieces
+            StateHolder(names[id(param)], param, key, flat_start)
+            for param, key, flat_start in optimizer.state_pieces()
         ]
     return [
         StateHolder(names[id(param)], param, param, None)
-        for group in inner_optimizer(optimizer).param_groups
+        for group in optimizer.param_groups
         for param in group["params"]
     ]
 

@@ -46,7 +46,7 @@ class ModelConfig:
     recompute_granularity: str | None = None  # None | "full" | "selective"
     recompute_method: str | None = None  # None | "uniform" | "block"
     recompute_num_layers: int | None = None
-    # Read by megatron.parallel.parallelize's tensor-parallel step, not by the model (which is built
+    # Read by megatron.parallelize.steps's tensor-parallel step, not by the model (which is built
     # plain); the model config carries them as Megatron-core's TransformerConfig does.
     tensor_model_parallel_size: int = 1
     sequence_parallel: bool = False  # only with tensor_model_parallel_size > 1

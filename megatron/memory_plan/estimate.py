@@ -42,6 +42,7 @@ from megatron.memory_plan.activations import (
 )
 from megatron.memory_plan.parameters import ModelParameterCounts, count_parameters
 from megatron.model import DENSE_MLP, MlpSpec
+from megatron.parallelize.data_parallel import DataParallel
 from megatron.pipeline.stages import stage_layer_numbers
 
 if TYPE_CHECKING:
@@ -191,9 +192,7 @@ def _estimate_stage(
     extra = mlp_spec.memory(config, numbers)
 
     # Replica groups the distributed optimizer shards over.
-    expert_parallel = parallel.expert_model_parallel_size
-    dense_shards = parallel.data_parallel_size if parallel.use_distributed_optimizer else 1
-    expert_shards = max(1, dense_shards // expert_parallel)
+    dense_shards, expert_shards = DataParallel.of(config).optimizer_shards()
     sharded = -(-counts.dense // dense_shards) + -(-counts.expert // expert_shards)
 
     low_precision_grads = optimizer.main_grads_dtype == "bf16"
@@ -204,12 +203,11 @@ def _estimate_stage(
         # freed by the hook (megatron.main_grads); the word embeddings are the largest.
         vocab_shard = model.padded_vocab_size // model.tensor_model_parallel_size
         gradients += 4 * vocab_shard * model.hidden_size
-    if parallel.use_distributed_optimizer:
-        # Each shard's reduced gradient; a replica group of one rank reduces in place.
-        gradients += grad_bytes * (
-            (-(-counts.dense // dense_shards) if dense_shards > 1 else 0)
-            + (-(-counts.expert // expert_shards) if expert_shards > 1 else 0)
-        )
+    # Each shard's reduced gradient; a replica group of one rank reduces in place.
+    gradients += grad_bytes * (
+        (-(-counts.dense // dense_shards) if dense_shards > 1 else 0)
+        + (-(-counts.expert // expert_shards) if expert_shards > 1 else 0)
+    )
 
     if optimizer.optimizer == "adam":
         state_bytes = (

@@ -2,12 +2,12 @@
 
 The whole model is built as one process builds it (`GPTModel(config.model, mlp_spec)` on the
 meta device: no memory), then counted by part: embedding, each layer, final norm, output layer.
-Sharding follows megatron.parallel.parallelize without process groups:
+Sharding follows megatron.parallelize.steps without process groups:
 - tensor parallelism by the module names its step splits (column-parallel `linear_qkv`,
   `linear_fc1` and the output layer: weight and bias; row-parallel `linear_proj`, `linear_fc2`:
   the weight, the bias stays whole; the word embedding by vocabulary rows); modules of an
   extension by the tensor-parallel styles of its MLP spec, applied to the meta model as rank 0
-  of `size` (megatron.parallel.tensor_parallelism.apply_styles; their shards then carry
+  of `size` (megatron.parallelize.tensor_parallelism.apply_styles; their shards then carry
   `tensor_model_parallel`);
 - expert parallelism by the extension's own `place_experts(size, 0)`, whose parameters are then
   marked (megatron.parallel.expert_parameters);
@@ -26,13 +26,13 @@ from torch import nn
 
 from megatron.model import GPTModel, MlpSpec
 from megatron.parallel.expert_parameters import is_expert_parameter
-from megatron.parallel.tensor_parallelism import TensorParallelLayout, apply_styles
+from megatron.parallelize.tensor_parallelism import TensorParallelLayout, apply_styles
 from megatron.pipeline.stages import stage_layer_numbers
 
 if TYPE_CHECKING:
     from megatron.config import Config
 
-# Names of the linear layers megatron.parallel.parallelize splits, and how.
+# Names of the linear layers megatron.parallelize.steps splits, and how.
 COLUMN_PARALLEL = ("linear_qkv", "linear_fc1", "output_layer")
 ROW_PARALLEL = ("linear_proj", "linear_fc2")
 

@@ -4,7 +4,7 @@ The fused projection `linear_qkv` is laid out per query group, as Megatron lays 
 output channels are num_query_groups blocks of
     [heads_per_group query heads | 1 key head | 1 value head] x kv_channels,
 so Megatron checkpoints load without reshuffling and tensor parallelism (applied by
-megatron.parallel.parallelize) splits the projection along whole groups: each tensor-parallel rank
+megatron.parallelize.steps) splits the projection along whole groups: each tensor-parallel rank
 attends with its num_query_groups / tp groups (and their heads), and `linear_proj` sums the
 ranks' partial outputs.
 """
@@ -38,7 +38,7 @@ def num_query_groups(config: ModelConfig) -> int:
 class SelfAttention(nn.Module):
     """Pre-normalized hidden states [b, s, h] -> attention output [b, s, h] (before dropout).
 
-    Under tensor parallelism (megatron.parallel.tensor_parallelism) the heads are this rank's
+    Under tensor parallelism (megatron.parallelize.tensor_parallelism) the heads are this rank's
     share (`num_heads` and `num_query_groups` count local ones) and the core attention draws its
     dropout from the rank's stream; with sequence parallelism the input and output are this
     rank's sequence shard [b, s / tp, h] and the core attention sees the whole sequence.
@@ -102,7 +102,7 @@ class DotProductAttention(nn.Module):
     """softmax(q k^T / sqrt(d) + causal mask) v over [b, heads, s, head_dim], with attention
     dropout when training; no parameters.
 
-    Selective recompute (`recompute`, switched on by megatron.parallel.parallelize for
+    Selective recompute (`recompute`, switched on by megatron.parallelize.steps for
     recompute_granularity="selective") re-runs it in backward: the s x s attention intermediates
     are the big activations, and re-running only SDPA is cheap next to them. The checkpoint is
     taken inside this module, so a part wrapping it (the per-rank stream of tensor parallelism,

@@ -17,7 +17,7 @@ class LanguageModelEmbedding(nn.Module):
 
     Position embeddings exist only for `position_embedding_type == "learned_absolute"`; with
     RoPE, positions enter inside attention instead. Under tensor parallelism
-    (megatron.parallel.tensor_parallelism) the word embedding table is split by vocabulary rows;
+    (megatron.parallelize.tensor_parallelism) the word embedding table is split by vocabulary rows;
     the position table stays whole on every rank; with sequence parallelism the dropout becomes
     "keep this rank's sequence shard, then drop out with this rank's stream".
     """

@@ -5,8 +5,8 @@ logits [batch, seq, vocab]. (Megatron keeps [seq, batch, hidden] internally for 
 sequence-parallel layout; our sequence-parallel mappings split dim 1 instead.)
 
 The model is plain PyTorch as built: torch layers, the weights of one process, no switch for
-any parallelism. Parallelism is applied to it afterwards by megatron.parallel.parallelize, which
-swaps its parts for their parallel forms (megatron.parallel.tensor_parallelism); here tensor
+any parallelism. Parallelism is applied to it afterwards by megatron.parallelize.steps, which
+swaps its parts for their parallel forms (megatron.parallelize.tensor_parallelism); here tensor
 parallelism swaps the output head, so the logits stay split by vocabulary over TP ranks and the
 loss is the vocabulary-parallel cross-entropy.
 

@@ -18,7 +18,7 @@ class MLP(nn.Module):
 
     With SwiGLU, linear_fc1 produces 2 * ffn channels [a, b] and the activation is
     silu(a) * b, the layout of Megatron's fused fc1 (a checkpoint's fc1 rows load unchanged).
-    Under tensor parallelism (megatron.parallel.tensor_parallelism) each rank holds ffn / tp
+    Under tensor parallelism (megatron.parallelize.tensor_parallelism) each rank holds ffn / tp
     channels: fc1 is split by output rows (with SwiGLU in strided blocks, so a rank's rows are
     [its a rows; its b rows], Megatron's layout) and fc2 by input columns.
     """
@@ -54,9 +54,9 @@ class MlpSpec:
     buffers it initializes by `init_own_weights(std, output_std)` (Megatron's init; the model
     calls it on any submodule defining it); its tensor-parallel form comes from the styles this
     spec names (`tensor_parallel_styles`), applied by the same step as the model's own
-    (megatron.parallel.tensor_parallelism), and likewise its FP8 form (`fp8_styles`); its
+    (megatron.parallelize.tensor_parallelism), and likewise its FP8 form (`fp8_styles`); its
     expert-parallel share it keeps by
-    `place_experts(size, rank)` (megatron.parallel.parallelize).
+    `place_experts(size, rank)` (megatron.parallelize.steps).
     """
 
     def build(self, config: ModelConfig, layer_number: int) -> nn.Module:
@@ -65,14 +65,14 @@ class MlpSpec:
 
     def tensor_parallel_styles(self) -> Mapping[type, Callable]:
         """{module type: style} for the modules this spec builds that tensor parallelism must
-        treat beyond their torch layers (megatron.parallel.tensor_parallelism.TensorParallelStyle);
+        treat beyond their torch layers (megatron.parallelize.tensor_parallelism.TensorParallelStyle);
         the dense MLP is one of the framework's own styles."""
         return {}
 
     def fp8_styles(self) -> Mapping[type, Callable]:
         """{module type: style(module, recipe) -> None, or why the module stays as it is} for
         the modules this spec builds whose products take FP8 beyond their torch and parallel
-        linear layers (megatron.parallel.fp8_projections); the dense MLP has none."""
+        linear layers (megatron.parallelize.fp8_projections); the dense MLP has none."""
         return {}
 
     def forward_flops_per_token(self, config: ModelConfig, layer_number: int) -> int:

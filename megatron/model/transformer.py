@@ -61,7 +61,7 @@ class TransformerBlock(nn.Module):
     numbered `layer_numbers` (global, 0-based) and the final norm only when it is the last.
 
     Full recompute (training only; switched on by `set_full_recompute`, which
-    megatron.parallel.parallelize calls for `recompute_granularity="full"`) keeps just the inputs of
+    megatron.parallelize.steps calls for `recompute_granularity="full"`) keeps just the inputs of
     checkpointed layers and re-runs their forward in backward:
       "uniform": layers in chunks of `recompute_num_layers`, one checkpoint per chunk;
       "block":   each of the first `recompute_num_layers` layers checkpointed, the rest not.

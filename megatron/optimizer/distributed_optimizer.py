@@ -65,6 +65,7 @@ from megatron.optimizer.optimizer import (
 )
 from megatron.optimizer.param_gather import ParamGather
 from megatron.optimizer.sharded_buffer import ShardedBuffer, all_gather_into
+from megatron.optimizer.unsharded_view import UnshardedView
 from megatron.parallel import parallel_state
 from megatron.parallel.expert_parameters import is_expert_parameter
 
@@ -190,6 +191,9 @@ class DistributedOptimizer(MegatronOptimizer):
     def finish_parameter_gather(self) -> None:
         """Until every parameter holds the last step's values."""
         self.param_gather.finish()
+
+    def state_pieces(self) -> List[Tuple[torch.Tensor, torch.Tensor, Optional[int]]]:
+        return [(piece.param, piece.tensor, piece.start) for piece in self.pieces]
 
     def _grads_to_step(self) -> List[torch.Tensor]:
         """Collective over the data-parallel group: this rank's shard of the reduced
@@ -420,36 +424,6 @@ class DistributedOptimizer(MegatronOptimizer):
     def _load_grad_scaler(self, state_dict: Dict[str, Any]) -> None:
         if self.grad_scaler is not None and "grad_scaler" in state_dict:
             self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
-
-
-class UnshardedView:
-    """A `DistributedOptimizer` as megatron.checkpointing sees the `MegatronOptimizer` of the
-    same rank: `param_groups` over the model's parameters (whose attributes say which are
-    tensor-parallel or expert shards, or a pipeline stage's), `state_dict()` the gathered
-    unsharded state, and `load_state_dict` taking this rank's data-parallel shard of such a
-    state. The tensor-, expert- and pipeline-parallel gathering and cutting of checkpoints then
-    apply to it unchanged, so its checkpoints hold the single-process state."""
-
-    def __init__(self, optimizer: DistributedOptimizer, full_state: Optional[Dict[str, Any]]):
-        self._optimizer = optimizer
-        self._full_state = full_state
-        self.param_groups = [
-            {**{key: value for key, value in group.items() if key != "params"}, "params": params}
-            for group, params in zip(optimizer.param_groups, optimizer.model_param_groups)
-        ]
-
-    def state_dict(self) -> Dict[str, Any]:
-        """The state gathered when the view was made."""
-        if self._full_state is None:
-            raise RuntimeError(
-                "this view was made without gathering the state; call "
-                "DistributedOptimizer.unsharded_view(gather=True) on every rank first"
-            )
-        return self._full_state
-
-    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        """Take this rank's shard of an unsharded state of this rank's parameters."""
-        self._optimizer.load_full_state_dict(state_dict)
 
 
 def build_distributed_optimizer(

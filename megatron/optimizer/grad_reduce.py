@@ -8,7 +8,7 @@ writes the last layers' gradients first), each closed once it holds at least `bu
 elements; a bucket is reduce-scattered as soon as the last backward has written the gradient of
 every parameter in it, while the backward goes on with earlier layers. Gradients that change
 after the backward (the norms' partial sums under sequence parallelism, summed over the
-tensor-parallel group by megatron.parallel.gradient_sync.GradientSync.after_backwards) go in a last
+tensor-parallel group by megatron.parallelize.gradient_sync.GradientSync.after_backwards) go in a last
 bucket reduced at the step.
 
 When a gradient is written: autograd's post-accumulate-grad hook on the parameter, or where a
@@ -20,7 +20,7 @@ group's buckets launch in bucket order, bucket k only after buckets 0..k-1, what
 hooks fire in.
 
 Granularity. A backward compiled as one graph writes every gradient at its end; with this
-overlap megatron.parallel.parallelize compiles the model layer by layer instead.
+overlap megatron.parallelize.steps compiles the model layer by layer instead.
 """
 
 from __future__ import annotations

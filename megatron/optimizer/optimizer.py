@@ -77,16 +77,17 @@ class MegatronOptimizer:
         for buffer in self.main_grad_buffers:
             buffer.zero()
 
-    def last_backward_starts(self) -> None:
-        """Told before the step's last backward; an optimizer that reduces gradients while it
-        runs starts watching them (megatron.optimizer.grad_reduce)."""
+    def unsharded_view(self, gather: bool) -> MegatronOptimizer:
+        """What checkpoints save and load: an optimizer whose `state_dict` is this rank's whole
+        state, unsharded over data parallelism (this one itself; the distributed optimizer's
+        view gathers its shards when `gather`, a collective)."""
+        return self
 
-    def wait_for_parameters(self, params) -> None:
-        """Until `params` hold the last step's values; an optimizer that leaves its parameter
-        all-gather in flight waits for theirs (megatron.optimizer.param_gather)."""
-
-    def finish_parameter_gather(self) -> None:
-        """Until every parameter holds the last step's values."""
+    def state_pieces(self) -> List[Tuple[torch.Tensor, torch.Tensor, Optional[int]]]:
+        """What the inner optimizer's state is keyed by, in its own numbering, for the sharded
+        checkpoints: `(model parameter, key, flat start)`, where the key's elements start at
+        `flat start` of the flattened parameter (None: the key is the whole parameter)."""
+        return [(param, param, None) for param in self._params()]
 
     @torch.no_grad()
     def step(self) -> StepResult:

@@ -1,5 +1,6 @@
-"""Parallelism: `parallel_state` (the process groups), `parallelize` (the named steps that turn
-the plain model into this rank's part), `gradient_sync` (who reduces the gradients, decided
-once), `expert_parameters` and `parameter_swaps` (marks and swaps the steps and optimizers
-read), `collectives` (the one-tensor collectives under the running torch's names). Tensor
-parallelism's layers are in megatron.tensor_parallel, the pipeline in megatron.pipeline."""
+"""Parallelism's lowest layer, which every other room builds on: `parallel_state` (the process
+groups), `collectives` (the one-tensor collectives under the running torch's names),
+`expert_parameters` and `parameter_swaps` (the marks and swaps the layers, optimizers and
+checkpoints read). It imports no other room; the steps that apply parallelism to a model are in
+megatron.parallelize, tensor parallelism's layers in megatron.tensor_parallel, the pipeline in
+megatron.pipeline."""

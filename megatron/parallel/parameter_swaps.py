@@ -1,6 +1,6 @@
 """Swapping a module's parameter tensors while keeping the parameters' marks.
 
-The parallelize steps (megatron.parallel.parallelize) cut a built layer down to this rank's shard, and
+The parallelize steps (megatron.parallelize.steps) cut a built layer down to this rank's shard, and
 materialize a model built on the meta device. Both give a parameter a new tensor; the marks the
 rest of the framework reads on it (tensor-parallel attributes, `sequence_parallel`, the expert
 mark, `shared_embedding`) live in the Parameter's attributes and must survive the swap, which

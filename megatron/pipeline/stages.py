@@ -1,5 +1,5 @@
 """Pipeline stages of the GPT model: which layers each holds, their names, and the tied word
-embeddings across them (megatron.parallel.parallelize.split_pipeline cuts the model by these rules).
+embeddings across them (megatron.parallelize.steps.split_pipeline cuts the model by these rules).
 
 Megatron's split: with P stages each holds ``num_layers / P`` consecutive layers, stage r the
 layers from ``r * num_layers / P``. With the interleaved schedule (V virtual stages per rank,
@@ -105,7 +105,7 @@ def full_to_stage_state_dict(
 
 def holds_stage_chunks(model: nn.Module) -> bool:
     """Whether `model` is this rank's pipeline stage chunks (an nn.ModuleList of GPTModels:
-    megatron.parallel.parallelize.ParallelModel.unwrapped under a pipeline) rather than one
+    megatron.parallelize.steps.ParallelModel.unwrapped under a pipeline) rather than one
     whole model: the layout's answer to "is this a pipeline run", read off the model."""
     return isinstance(model, nn.ModuleList)
 

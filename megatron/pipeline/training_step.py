@@ -1,4 +1,4 @@
-"""The trainer's view of a pipeline (megatron.parallel.parallelize.split_pipeline builds the stages): one
+"""The trainer's view of a pipeline (megatron.parallelize.steps.split_pipeline builds the stages): one
 step's forwards and backwards through the schedule, and the reported values of every stage
 combined on every rank (rank 0 logs them, as without a pipeline)."""
 

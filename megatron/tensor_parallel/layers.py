@@ -11,7 +11,7 @@ therefore exactly what one process would draw with the same seed, so any tensor-
 reproduces TP=1 numerics, and all TP ranks consume the generator identically (replicated
 parameters initialized afterwards stay identical across ranks). The cost is a full-size fp32
 CPU tensor per layer during initialization. `from_linear` / `from_embedding` turn a built plain
-layer into this rank's parallel one (megatron.parallel.parallelize): they copy its shard, or on the meta
+layer into this rank's parallel one (megatron.parallelize.steps): they copy its shard, or on the meta
 device leave one for `reset_parameters` to draw.
 
 Sequence parallelism (``sequence_parallel=True``) expects activations outside the tensor-

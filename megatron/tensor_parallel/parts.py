@@ -2,7 +2,7 @@
 
 The plain model (megatron.model) calls small parts where tensor parallelism changes what happens
 between its layers: the output head that turns hidden states into logits or losses, its dropout
-modules, its core attention. The tensor-parallel step (megatron.parallel.tensor_parallelism)
+modules, its core attention. The tensor-parallel step (megatron.parallelize.tensor_parallelism)
 swaps those parts for the forms here, as it swaps a torch linear layer for its column- or
 row-parallel form; the plain model's code never asks which form it holds. None of them holds a
 parameter, so a swap changes no checkpoint key.

@@ -13,7 +13,7 @@ from typing import Any, Callable, Dict, Optional
 import torch
 from torch import nn
 
-from megatron.parallel.gradient_sync import GradientSync
+from megatron.parallelize.data_parallel import DataParallel
 
 
 class TrainingHooks:
@@ -28,10 +28,10 @@ class TrainingHooks:
         (printed as a note, and the model runs eagerly)."""
         return None
 
-    def setup(self, model: nn.Module, gradient_sync: GradientSync, device: torch.device) -> None:
-        """Once, with the unwrapped model on `device` and the run's gradient synchronization
-        (megatron.parallel.gradient_sync: whether torch DDP reduces the gradients, whose hooks then wait
-        on autograd's accumulation)."""
+    def setup(self, model: nn.Module, data_parallel: DataParallel, device: torch.device) -> None:
+        """Once, with the unwrapped model on `device` and the run's data-parallel mode
+        (megatron.parallelize.data_parallel: whether torch DDP reduces the gradients, whose
+        hooks then wait on autograd's accumulation)."""
 
     def before_step(self, model: nn.Module) -> bool:
         """At the start of each training step, before its first forward: whether this step

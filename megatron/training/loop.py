@@ -2,7 +2,7 @@
 
 The train step itself, evaluation and checkpoints are the `Trainer`'s (megatron.training.trainer).
 `pretrain` is model-agnostic: the entry point (pretrain_gpt.py) hands it a model with parallelism
-applied (megatron.parallel.parallelize), datasets and a `forward_step(model, batch) -> (loss, reported)`
+applied (megatron.parallelize.steps), datasets and a `forward_step(model, batch) -> (loss, reported)`
 function, where `reported` maps log names such as "lm loss" to detached scalars averaged over
 micro-batches and data-parallel ranks for the log.
 """
@@ -23,7 +23,7 @@ from megatron.config import Config
 from megatron.data.loader import build_data_iterator
 from megatron.errors import TrainingDiverged
 from megatron.initialize import DistributedContext, print_rank_0
-from megatron.parallel.parallelize import ParallelModel
+from megatron.parallelize.steps import ParallelModel
 from megatron.training.hooks import TrainingHooks
 from megatron.training.logging import (
     IterationStats,
@@ -111,7 +111,7 @@ def train(trainer: Trainer, train_iterator, valid_iterator, result: TrainingResu
     try:
         _train_loop(trainer, train_iterator, valid_iterator, result, profiler)
         # The last step's parameters, in full, for whatever reads the model after training.
-        trainer.optimizer.finish_parameter_gather()
+        trainer.data_parallel.finish_parameter_gather()
     except TrainingDiverged:
         # A checkpoint of an earlier iteration still being written is good: it completes.
         trainer.finish_saves()

@@ -26,13 +26,11 @@ from megatron.config import Config
 from megatron.errors import TrainingDiverged
 from megatron.initialize import DistributedContext, print_rank_0
 from megatron.model.flops import num_floating_point_operations
-from megatron.model.transformer import TransformerLayer
-from megatron.optimizer import build_lr_scheduler, build_optimizer
-from megatron.optimizer.distributed_optimizer import build_distributed_optimizer
+from megatron.optimizer import build_lr_scheduler
 from megatron.optimizer.precision import PrecisionAwareAdamW
 from megatron.parallel import parallel_state
-from megatron.parallel.gradient_sync import micro_batch_context
-from megatron.parallel.parallelize import ParallelModel
+from megatron.parallelize.data_parallel import install_parameter_waits
+from megatron.parallelize.steps import ParallelModel
 from megatron.pipeline.training_step import activation_spec, pipeline_step
 from megatron.training.hooks import TrainingHooks
 from megatron.training.logging import format_times_across_ranks, min_max_across_ranks
@@ -93,38 +91,23 @@ class Trainer:
         self.model = model.module
         self.pipeline = model.pipeline
         self.activation_spec = activation_spec(config, context.device) if self.pipeline else None
-        data_parallel_group = (
-            parallel_state.get_data_parallel_group() if context.world_size > 1 else None
-        )
-        if config.parallel.use_distributed_optimizer:
-            # Shards the optimizer state and does the gradient reduce-scatter itself: no DDP.
-            self.optimizer = build_distributed_optimizer(
-                self.unwrapped_model,
-                config.optimizer,
-                config.training,
-                data_parallel_group,
-                overlap_grad_reduce=config.parallel.overlap_grad_reduce,
-                bucket_size=config.parallel.ddp_bucket_size,
-                overlap_param_gather=config.parallel.overlap_param_gather,
-            )
-            print_rank_0(f"> {self.optimizer.memory_report()}")
-        else:
-            self.optimizer = build_optimizer(
-                self.unwrapped_model, config.optimizer, config.training
-            )
+        self.data_parallel = model.data_parallel
+        self.optimizer = self.data_parallel.build_optimizer(self.unwrapped_model)
         if isinstance(self.optimizer.optimizer, PrecisionAwareAdamW):
             description = self.optimizer.optimizer.describe(config.numerics.main_grads_dtype)
             print_rank_0(f"> {description}")
         self.scheduler = build_lr_scheduler(self.optimizer, config.optimizer, config.training)
         self.metric_writers = open_metric_writers(config, context.is_first)
-        self.gradient_sync = model.gradient_sync
-        self.hooks.setup(self.unwrapped_model, model.gradient_sync, context.device)
-        # With the parameter all-gather in flight after each step, every module waits for its
-        # own parameters just before its forward; otherwise they are waited for before the
-        # forwards begin.
-        self.gathers_before_use = config.parallel.overlap_param_gather and not self.pipeline
-        if self.gathers_before_use:
-            install_parameter_waits(self.unwrapped_model, self.optimizer, self.hooks)
+        self.hooks.setup(self.unwrapped_model, self.data_parallel, context.device)
+        # When the parameters of each layer arrive only just before its forward, every module
+        # waits for its own there; otherwise all are waited for before the forwards begin.
+        if self.data_parallel.gathers_by_layer:
+            install_parameter_waits(
+                self.unwrapped_model,
+                self.data_parallel.wait_for_parameters,
+                self.hooks.before_layer_forward,
+            )
+            self.hooks.weights_arrive_by_layer()
         self.iteration = 0
         self.consumed_train_samples = 0
         self.consumed_valid_samples = 0
@@ -144,7 +127,7 @@ class Trainer:
             means = self._forwards_and_backwards(data_iterator)
         else:
             means = self._forwards_and_backwards_until_valid(data_iterator)
-        self.gradient_sync.after_backwards(self.unwrapped_model)
+        self.data_parallel.after_backwards(self.unwrapped_model)
         # Before the step: its parameter all-gather (in flight with --overlap-param-gather)
         # would otherwise run ahead of this all-reduce on the same group, and reading the
         # losses would hold the next forward until the whole gather had arrived.
@@ -245,8 +228,8 @@ class Trainer:
         for index in range(num_micro_batches):
             batch = _to_device(next(data_iterator), self.context.device)
             if index == num_micro_batches - 1:
-                self.optimizer.last_backward_starts()
-            with micro_batch_context(self.model, index, num_micro_batches):
+                self.data_parallel.last_backward_starts()
+            with self.data_parallel.micro_batch_context(self.model, index, num_micro_batches):
                 with _autocast(self.config, self.context.device):
                     loss, reported = self.forward_step(self.model, batch)
                 self.optimizer.scale_loss(loss / num_micro_batches).backward()
@@ -339,7 +322,7 @@ class Trainer:
         if not self.config.checkpoint.save or self.last_saved_iteration == self.iteration:
             return
         self.mark_progress(f"the save of iteration {self.iteration}")
-        self.optimizer.finish_parameter_gather()
+        self.data_parallel.finish_parameter_gather()
         # Never a checkpoint with non-finite weights (with --no-check-for-nan-in-loss-and-grad
         # a diverged run gets this far): it would be the one the next run resumes from.
         bad = agreed_first_non_finite(self.unwrapped_model.named_parameters())
@@ -368,8 +351,8 @@ class Trainer:
     def _wait_for_parameters(self) -> None:
         """Before the forwards: every parameter's all-gather done, unless each module waits
         for its own (`install_parameter_waits`)."""
-        if not self.gathers_before_use:
-            self.optimizer.finish_parameter_gather()
+        if not self.data_parallel.gathers_by_layer:
+            self.data_parallel.finish_parameter_gather()
 
     def finish_saves(self) -> None:
         """Wait for a checkpoint still being written in the background (--async-save); raises
@@ -419,51 +402,3 @@ class _Recorded:
     def replay(self) -> Iterator:
         """The items taken so far, again."""
         return iter(list(self._taken))
-
-
-def install_parameter_waits(model: torch.nn.Module, optimizer, hooks: TrainingHooks) -> None:
-    """Forward hooks, ahead of any other, that wait for the optimizer's all-gather of the
-    parameters each module is about to use, so that the first module to run waits for the
-    buckets gathered first and the last for the last, never for a bucket gathered behind
-    others it does not need yet:
-    - a transformer layer: its own, before its forward (then the training hooks' per-layer
-      work);
-    - a module outside the layers: its own and its children's, before its forward (a parent
-      may read a child's weight without calling it: the tied output layer reads the word
-      embedding's);
-    - a module holding layers: its direct ones before its forward, and those of its children
-      without layers once each child holding layers has run (the model reads its output
-      layer's weight after the decoder without calling the output layer).
-    """
-
-    def before_layer(layer: torch.nn.Module, _) -> None:
-        optimizer.wait_for_parameters(layer.parameters())
-        hooks.before_layer_forward(layer)
-
-    def wait_hook(params):
-        return lambda *_: optimizer.wait_for_parameters(params)
-
-    def holds_layers(module: torch.nn.Module) -> bool:
-        return any(isinstance(child, TransformerLayer) for child in module.modules())
-
-    for module in model.modules():
-        if isinstance(module, TransformerLayer):
-            module.register_forward_pre_hook(before_layer, prepend=True)
-        elif not holds_layers(module):
-            continue  # waited for by the module above it, outside the layers
-        else:
-            direct = list(module.parameters(recurse=False))
-            if direct:
-                module.register_forward_pre_hook(wait_hook(direct), prepend=True)
-            children = list(module.children())
-            outside = [
-                p for child in children if not holds_layers(child) for p in child.parameters()
-            ]
-            for child in children:
-                if holds_layers(child) and not isinstance(child, TransformerLayer):
-                    child.register_forward_hook(wait_hook(outside), prepend=True)
-                elif not holds_layers(child) and any(True for _ in child.parameters()):
-                    child.register_forward_pre_hook(
-                        wait_hook(list(child.parameters())), prepend=True
-                    )
-    hooks.weights_arrive_by_layer()

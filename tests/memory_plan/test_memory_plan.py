@@ -213,7 +213,7 @@ def saved_bytes(run: Callable[[], torch.Tensor]) -> int:
 
 def measure_decoder(config: Config, batches: Sequence[int]) -> list:
     """Saved bytes of the decoder's training forward under bf16 autocast at each batch size."""
-    from megatron.parallel.parallelize import apply_activation_recomputation
+    from megatron.parallelize.steps import apply_activation_recomputation
     from moe.experts import refresh_compute_weights
 
     torch.manual_seed(0)

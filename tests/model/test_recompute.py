@@ -1,4 +1,4 @@
-"""Activation recomputation (megatron.parallel.parallelize.apply_activation_recomputation) must not change
+"""Activation recomputation (megatron.parallelize.steps.apply_activation_recomputation) must not change
 the loss or any gradient, and must actually recompute."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 
 from megatron.config import ModelConfig
 from megatron.model import GPTModel
-from megatron.parallel.parallelize import apply_activation_recomputation
+from megatron.parallelize.steps import apply_activation_recomputation
 
 RECOMPUTE_SETTINGS = {
     "full_uniform_2": dict(

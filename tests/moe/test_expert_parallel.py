@@ -28,8 +28,8 @@ from megatron.parallel.expert_parameters import (
     mark_expert_parallel,
     reduce_expert_gradients,
 )
-from megatron.parallel.gradient_sync import data_parallel_ignored_names, wrap_data_parallel
-from megatron.parallel.parallelize import compile_model, place_experts
+from megatron.parallelize.gradient_sync import data_parallel_ignored_names, wrap_data_parallel
+from megatron.parallelize.steps import compile_model, place_experts
 from moe.config import MoEConfig
 from moe.kernels.grouped_gemm import MOE as MOE_GEMM
 from moe.kernels.grouped_gemm import TORCH
@@ -422,7 +422,7 @@ def test_fixed_size_blocks_compile_as_one_graph():
     """With torch._grouped_mm (the grouped GEMM a run on Hopper compiles), the expert-parallel
     layer in fixed-size blocks traces whole: no graph break, no host sync; the same numbers,
     also after its blocks grew (a recompile with the new size as a constant:
-    megatron.parallel.parallelize.compile_model)."""
+    megatron.parallelize.steps.compile_model)."""
     for errors, load, compiled_load in run_distributed(_compiled_blocks_step, 2, TORCH):
         assert max(errors) < 1e-2, errors  # bf16; eager and compiled round alike or nearly
         assert load[1] == compiled_load[1] == 2.0 and load == pytest.approx(compiled_load)

@@ -14,7 +14,7 @@ from torch import nn
 
 from megatron.kernels.fp8_linear import Fp8Recipe
 from megatron.parallel import parallel_state
-from megatron.parallel.fp8_projections import apply_fp8
+from megatron.parallelize.fp8_projections import apply_fp8
 from moe.config import MoEConfig
 from moe.experts import refresh_compute_weights
 from moe.kernels.grouped_gemm import MOE, TORCH

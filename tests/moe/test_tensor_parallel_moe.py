@@ -23,8 +23,8 @@ import torch.distributed as dist
 import pretrain_gpt
 from megatron.parallel import parallel_state as ps
 from megatron.parallel.expert_parameters import is_expert_parameter, reduce_expert_gradients
-from megatron.parallel.parallelize import place_experts
-from megatron.parallel.tensor_parallelism import apply_tensor_parallel
+from megatron.parallelize.steps import place_experts
+from megatron.parallelize.tensor_parallelism import apply_tensor_parallel
 from megatron.tensor_parallel import (
     all_reduce_sequence_parallel_grads,
     gather_tensor_model_parallel_weight,
@@ -81,7 +81,7 @@ def make_layer(name: str, tensor_parallel: int = 1, sequence_parallel: bool = Fa
         **moe_overrides,
     )
     torch.manual_seed(0)
-    # Built whole, then cut to this rank's shards by megatron.parallel.parallelize's steps, which copy
+    # Built whole, then cut to this rank's shards by megatron.parallelize.steps's steps, which copy
     # them: every layout holds slices of the single-process weights.
     layer = apply_tensor_parallel(build_moe_layer(config, moe), config, MoEMlpSpec(moe))
     return place_experts(layer)

@@ -18,9 +18,9 @@ from megatron.model import DENSE_MLP, GPTModel
 from megatron.optimizer import build_lr_scheduler, build_optimizer
 from megatron.optimizer.distributed_optimizer import build_distributed_optimizer
 from megatron.optimizer.grad_reduce import bucket_parameters, default_bucket_size
+from megatron.parallelize.data_parallel import install_parameter_waits
 from megatron.tensor_parallel.layers import set_sequence_parallel_attribute
 from megatron.training.hooks import TrainingHooks
-from megatron.training.trainer import install_parameter_waits
 from moe.weight_copies import GradientAccumulator
 from tests.launch import run_distributed
 from tests.optimizer.test_distributed_optimizer import optimizer_config, training_config
@@ -109,7 +109,7 @@ def _train(rank: int, world_size: int, kind: str) -> Dict[str, Any]:
         optimizer.zero_grad()
         counts = []
         for index in range(MICRO_BATCHES):
-            if index == MICRO_BATCHES - 1:
+            if index == MICRO_BATCHES - 1 and kind != "one":
                 optimizer.last_backward_starts()
             inputs, targets = micro_batch(step, index, rank, world_size)
             loss = (net(inputs) - targets).square().mean() / MICRO_BATCHES
@@ -122,8 +122,10 @@ def _train(rank: int, world_size: int, kind: str) -> Dict[str, Any]:
         if kind == "gathered":
             in_flight_after_step.append(optimizer.param_gather.pending())
         scheduler.step(increment=ROWS * MICRO_BATCHES)
-        optimizer.wait_for_parameters(net[2].parameters())  # the copy is refreshed from it
-    optimizer.finish_parameter_gather()
+        if kind != "one":
+            optimizer.wait_for_parameters(net[2].parameters())  # the copy is refreshed from it
+    if kind != "one":
+        optimizer.finish_parameter_gather()
     return {
         "params": [param.detach().clone() for param in net.parameters()],
         "launched": launched,
@@ -255,7 +257,7 @@ class ArrivingParameters:
 
 @pytest.mark.parametrize("untie", [False, True], ids=["tied", "untied"])
 def test_every_module_waits_for_its_parameters_in_gather_order(untie: bool):
-    """The trainer's waits (megatron.training.trainer.install_parameter_waits) on a GPT whose
+    """The trainer's waits (megatron.parallelize.data_parallel.install_parameter_waits) on a GPT whose
     parameters all arrive only when waited for: the forward reads none before its wait (the
     logits stay finite and equal the model's), and the waits follow the gather order, so none
     waits behind a bucket it does not need yet (the untied output layer's weight, read by the
@@ -266,7 +268,7 @@ def test_every_module_waits_for_its_parameters_in_gather_order(untie: bool):
     tokens = torch.randint(0, config.padded_vocab_size, (2, 8))
     expected = net(tokens)
     arriving = ArrivingParameters(net, bucket_size=20_000)
-    install_parameter_waits(net, arriving, TrainingHooks())
+    install_parameter_waits(net, arriving.wait_for_parameters, TrainingHooks().before_layer_forward)
     for _ in range(2):
         arriving.scatter()
         torch.testing.assert_close(net(tokens), expected, rtol=0, atol=0)

@@ -23,8 +23,8 @@ from megatron.config import ModelConfig, OptimizerConfig, TrainingConfig
 from megatron.model import GPTModel
 from megatron.optimizer import build_optimizer
 from megatron.parallel import parallel_state as ps
-from megatron.parallel.parallelize import apply_activation_recomputation
-from megatron.parallel.tensor_parallelism import apply_tensor_parallel
+from megatron.parallelize.steps import apply_activation_recomputation
+from megatron.parallelize.tensor_parallelism import apply_tensor_parallel
 from megatron.tensor_parallel import (
     MODEL_PARALLEL_RNG,
     all_reduce_sequence_parallel_grads,

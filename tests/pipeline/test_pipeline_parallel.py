@@ -20,8 +20,8 @@ from megatron.config import ModelConfig, OptimizerConfig, TrainingConfig
 from megatron.model import GPTModel
 from megatron.optimizer import build_optimizer
 from megatron.parallel import parallel_state as ps
-from megatron.parallel.gradient_sync import reduce_tied_embedding_gradients
-from megatron.parallel.parallelize import split_pipeline
+from megatron.parallelize.gradient_sync import reduce_tied_embedding_gradients
+from megatron.parallelize.steps import split_pipeline
 from megatron.pipeline import p2p
 from megatron.pipeline.p2p import ActivationSpec
 from megatron.pipeline.schedules import (

@@ -4,7 +4,7 @@ The entry point builds the whole model as plain PyTorch at world size 1, on the 
 that it holds no memory (`GPTModel(config.model, mlp_spec)` under ``torch.device("meta")``),
 and hands it to `parallelize`, which returns what the trainer runs. Steps:
 
-1. Tensor and sequence parallelism (megatron.parallel.tensor_parallelism): each module gets
+1. Tensor and sequence parallelism (megatron.parallelize.tensor_parallelism): each module gets
    the style of its type, the framework's or the model's MLP spec's: linear layers and the word
    embedding become Megatron's parallel layers holding this rank's shard, attention keeps its
    share of the heads, the output head, dropouts and core attention their parallel parts.
@@ -14,18 +14,19 @@ and hands it to `parallelize`, which returns what the trainer runs. Steps:
    its weights; every parallel layer draws its full weight and keeps its shard, so any layout
    starts from the single-process weights.
    Then, with --fp8-format, the projections' products in FP8, and the MLP spec's FP8 styles
-   (the dMoE's grouped expert GEMMs; megatron.parallel.fp8_projections).
+   (the dMoE's grouped expert GEMMs; megatron.parallelize.fp8_projections).
 4. Pipeline split (`split_pipeline`): this rank's stage chunks, taking their modules from the
    whole model.
 5. Activation recomputation (`apply_activation_recomputation`): full (whole layers, by
    TransformerBlock) or selective (the core attention, by SelfAttention), per config.model.
 6. Device placement.
-7. Data parallelism (`data_parallel`): torch DDP around the model; or nothing, when the
-   distributed optimizer reduce-scatters the gradients in its step or, under a pipeline, the
-   trainer all-reduces them after the schedule.
+7. Data parallelism: the run's mode (megatron.parallelize.data_parallel.DataParallel, which
+   the trainer then asks for the optimizer and the step's reductions and gathers) wraps the
+   model: in torch DDP; or not, when the distributed optimizer reduce-scatters the gradients
+   in its step or, under a pipeline, the trainer all-reduces them after the schedule.
 8. Compile (`compile_model`): torch.compile of the whole model on GPUs, or of each layer where
-   the gradients must leave the backward layer by layer (`by_layer`), unless an extension's
-   training hooks veto it (megatron.training.hooks).
+   the gradients must leave the backward layer by layer (`DataParallel.compiles_by_layer`),
+   unless an extension's training hooks veto it (megatron.training.hooks).
 
 Steps 1 and 2 also work on a model built with real weights (its shards are copied, so a
 world-size-1 model and its parallel form hold the same numbers). Modules of an extension
@@ -48,10 +49,10 @@ from megatron.model.attention import DotProductAttention
 from megatron.model.transformer import TransformerBlock, TransformerLayer
 from megatron.parallel import parallel_state
 from megatron.parallel.expert_parameters import expert_parameters
-from megatron.parallel.fp8_projections import apply_fp8, check_fp8_device
-from megatron.parallel.gradient_sync import GradientSync, wrap_data_parallel
 from megatron.parallel.parameter_swaps import materialize
-from megatron.parallel.tensor_parallelism import apply_tensor_parallel
+from megatron.parallelize.data_parallel import DataParallel
+from megatron.parallelize.fp8_projections import apply_fp8, check_fp8_device
+from megatron.parallelize.tensor_parallelism import apply_tensor_parallel
 from megatron.pipeline.stages import stage_layer_numbers
 
 if TYPE_CHECKING:
@@ -65,13 +66,13 @@ class ParallelModel:
     `unwrapped` owns the parameters (the optimizer steps them, checkpoints save them): the
     model, or under a pipeline this rank's stage chunks as an nn.ModuleList. `module` is what
     forwards run: `unwrapped`, maybe in DDP, maybe compiled. `layout`: the tensor-, pipeline-,
-    expert- and data-parallel sizes it was parallelized for; `gradient_sync`: who reduces its
-    gradients, decided from that layout.
+    expert- and data-parallel sizes it was parallelized for; `data_parallel`: how its replicas
+    keep and reduce its parameters and gradients, decided from that layout.
     """
 
     unwrapped: nn.Module
     module: nn.Module
-    gradient_sync: GradientSync
+    data_parallel: DataParallel
     layout: ParallelConfig
 
     @property
@@ -97,15 +98,16 @@ def parallelize(
         recipe = recipe_for(context.device, numerics.fp8_recipe, numerics.fp8_format)
         mlp_spec = getattr(model, "mlp_spec", None) or MlpSpec()
         apply_fp8(model, recipe, mlp_spec.fp8_styles())
-    gradient_sync = GradientSync.of(config)
-    pipeline = gradient_sync.pipeline
+    data_parallel = DataParallel.of(config)
+    pipeline = data_parallel.pipeline
     unwrapped: nn.Module = split_pipeline(model) if pipeline else model
     apply_activation_recomputation(unwrapped, config.model)
     unwrapped = unwrapped.to(context.device)
-    module = data_parallel(unwrapped, context, gradient_sync)
+    module = data_parallel.apply(unwrapped, context)
     if config.training.torch_compile and context.device.type == "cuda" and not pipeline:
-        module = compile_model(module, compile_veto(context.device), by_layer(config))
-    return ParallelModel(unwrapped, module, gradient_sync, config.parallel)
+        veto = compile_veto(context.device)
+        module = compile_model(module, veto, data_parallel.compiles_by_layer)
+    return ParallelModel(unwrapped, module, data_parallel, config.parallel)
 
 
 def shard_model(model: GPTModel, model_config: ModelConfig) -> GPTModel:
@@ -214,25 +216,6 @@ def apply_activation_recomputation(model: nn.Module, model_config: ModelConfig) 
         elif granularity == "selective" and isinstance(module, DotProductAttention):
             module.recompute = True
     return model
-
-
-def data_parallel(
-    model: nn.Module, context: DistributedContext, gradient_sync: GradientSync
-) -> nn.Module:
-    """`model` in torch DDP when DDP is what reduces its gradients
-    (megatron.parallel.gradient_sync.gradient_reduction), else `model`."""
-    if not gradient_sync.in_ddp:
-        return model
-    group = parallel_state.get_data_parallel_group() if context.world_size > 1 else None
-    return wrap_data_parallel(model, context.device, group)
-
-
-def by_layer(config: Config) -> bool:
-    """Whether to compile each transformer layer on its own rather than the whole model: when
-    the distributed optimizer reduce-scatters gradients during the backward, which a backward
-    compiled as one graph gives out only at its end (torch DDP's own overlap splits the graph
-    at its buckets by itself)."""
-    return config.parallel.use_distributed_optimizer and config.parallel.overlap_grad_reduce
 
 
 def compile_model(

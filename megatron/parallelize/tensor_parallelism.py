@@ -1,4 +1,4 @@
-"""Tensor and sequence parallelism: step 1 of megatron.parallel.parallelize, one mechanism for
+"""Tensor and sequence parallelism: step 1 of megatron.parallelize.steps, one mechanism for
 the framework's modules and an extension's alike.
 
 A *style* turns one plain module into its tensor-parallel form in place: it swaps the module's
@@ -123,7 +123,7 @@ def _mlp(mlp: MLP, layout: TensorParallelLayout) -> None:
 
 def _norm(norm: nn.Module, layout: TensorParallelLayout) -> None:
     """Under sequence parallelism a norm sees one sequence shard per rank: its parameters'
-    gradients are summed over the TP group (megatron.parallel.gradient_sync)."""
+    gradients are summed over the TP group (megatron.parallelize.gradient_sync)."""
     if layout.sequence_parallel:
         for param in norm.parameters():
             set_sequence_parallel_attribute(param)

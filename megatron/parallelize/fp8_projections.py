@@ -1,4 +1,4 @@
-"""FP8 products for the attention and MLP projections: a step of megatron.parallel.parallelize.
+"""FP8 products for the attention and MLP projections: a step of megatron.parallelize.steps.
 
 With `--fp8-format` (config.numerics.fp8_format) every projection of the attention
 (`linear_qkv`, `linear_proj`) and of the dense MLPs (`linear_fc1`, `linear_fc2`, the MoE shared

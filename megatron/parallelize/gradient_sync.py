@@ -102,7 +102,7 @@ def gradient_reduction(config: Config) -> str:
 @dataclass(frozen=True)
 class GradientSync:
     """A run's gradient synchronization, the one object the trainer calls after the last
-    backward (megatron.parallel.parallelize builds it with the model and wraps the model in DDP when
+    backward (megatron.parallelize.steps builds it with the model and wraps the model in DDP when
     `in_ddp`). `reduction`: gradient_reduction's answer."""
 
     reduction: str

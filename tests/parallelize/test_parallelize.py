@@ -1,4 +1,4 @@
-"""megatron.parallel.parallelize on one process: the model is plain PyTorch as built, whatever the
+"""megatron.parallelize.steps on one process: the model is plain PyTorch as built, whatever the
 parallel config says, and building it on the meta device then drawing its weights gives the
 weights of a model built with them. The parallel layouts themselves are compared with one
 process in the multi-process tests beside this one and in tests/pipeline/, tests/moe/ and
@@ -19,8 +19,8 @@ from megatron.model.attention import SelfAttention
 from megatron.model.gpt_model import OutputHead
 from megatron.model.transformer import TransformerLayer
 from megatron.parallel.expert_parameters import is_expert_parameter
-from megatron.parallel.parallelize import compile_model, materialize_weights, shard_model
 from megatron.parallel.parameter_swaps import materialize, replace_parameter
+from megatron.parallelize.steps import compile_model, materialize_weights, shard_model
 from megatron.tensor_parallel import (
     ColumnParallelLinear,
     PerRankRandom,
@@ -180,7 +180,7 @@ PLAIN_MODEL_SOURCES = sorted((REPO_ROOT / "megatron" / "model").glob("*.py")) + 
 
 @pytest.mark.parametrize("path", PLAIN_MODEL_SOURCES, ids=lambda path: path.name)
 def test_the_plain_model_holds_no_tensor_parallel_switch(path):
-    """Tensor parallelism swaps parts (megatron.parallel.tensor_parallelism); no module of the
+    """Tensor parallelism swaps parts (megatron.parallelize.tensor_parallelism); no module of the
     plain model keeps a tensor- or sequence-parallel flag for its forward to read, and the
     framework's model code takes nothing from megatron.tensor_parallel but the recompute's
     checkpoint (its weights initialise without knowing the parallel layer types)."""

@@ -1,4 +1,4 @@
-"""--fp8-format's step (megatron.parallel.fp8_projections): which products turn FP8, that the
+"""--fp8-format's step (megatron.parallelize.fp8_projections): which products turn FP8, that the
 parameters and checkpoint keys stay, and that each FP8 projection rounds like FP8 against its
 bf16 twin, on one process and under tensor parallelism (CPU, torch._scaled_mm's CPU
 kernels)."""
@@ -11,9 +11,9 @@ from torch import nn
 
 from megatron.kernels.fp8_linear import Fp8Linear, Fp8Product, Fp8Recipe
 from megatron.parallel import parallel_state as ps
-from megatron.parallel.fp8_projections import PROJECTION_NAMES, apply_fp8
-from megatron.parallel.gradient_sync import reduce_tied_embedding_gradients
-from megatron.parallel.parallelize import apply_activation_recomputation, split_pipeline
+from megatron.parallelize.fp8_projections import PROJECTION_NAMES, apply_fp8
+from megatron.parallelize.gradient_sync import reduce_tied_embedding_gradients
+from megatron.parallelize.steps import apply_activation_recomputation, split_pipeline
 from megatron.pipeline.p2p import ActivationSpec
 from megatron.pipeline.schedules import forward_backward_pipelining_without_interleaving
 from megatron.pipeline.stages import stage_to_full_names

@@ -1,0 +1,88 @@
+"""Who reduces the data-parallel gradients (megatron.parallelize.gradient_sync.gradient_reduction), decided
+once from the config: what parallelize wraps in DDP, what the trainer reduces after the last
+backward and what the memory planner counts all follow it. (The reductions themselves are
+tested end to end against one process in the tests of each layout.)"""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron.parallelize.data_parallel import (
+    DataParallel,
+    Replicated,
+    ShardedOptimizerState,
+)
+from megatron.parallelize.gradient_sync import (
+    AFTER_BACKWARD,
+    DDP,
+    NO_REDUCTION,
+    OPTIMIZER,
+    GradientSync,
+    gradient_reduction,
+)
+from tests.config.command_lines import config
+
+MAIN_GRADS = ("--bf16", "--use-precision-aware-optimizer", "--main-grads-dtype", "bf16")
+
+
+@pytest.mark.parametrize(
+    "flags, world_size, reduction",
+    [
+        ((), 1, NO_REDUCTION),
+        ((), 2, DDP),
+        (("--use-distributed-optimizer",), 2, OPTIMIZER),
+        (("--use-distributed-optimizer",), 1, OPTIMIZER),
+        (("--pipeline-model-parallel-size", "2"), 4, AFTER_BACKWARD),
+        (("--pipeline-model-parallel-size", "2"), 2, NO_REDUCTION),
+        (MAIN_GRADS, 2, AFTER_BACKWARD),
+        (("--tensor-model-parallel-size", "2"), 2, NO_REDUCTION),
+        (("--tensor-model-parallel-size", "2"), 4, DDP),
+    ],
+)
+def test_one_decision_for_every_layout(flags, world_size, reduction):
+    cfg = config(*flags, world_size=world_size)
+    assert gradient_reduction(cfg) == reduction
+    sync = GradientSync.of(cfg)
+    assert sync.reduction == reduction and sync.in_ddp == (reduction == DDP)
+    assert sync.pipeline == (cfg.parallel.pipeline_model_parallel_size > 1)
+
+
+@pytest.mark.parametrize(
+    "flags, world_size, mode, shards, by_layer",
+    [
+        ((), 2, Replicated, (1, 1), (False, False)),
+        (("--use-distributed-optimizer",), 4, ShardedOptimizerState, (4, 4), (False, False)),
+        (
+            ("--use-distributed-optimizer", "--expert-model-parallel-size", "2"),
+            4,
+            ShardedOptimizerState,
+            (4, 2),
+            (False, False),
+        ),
+        (
+            ("--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"),
+            2,
+            ShardedOptimizerState,
+            (2, 2),
+            (True, True),
+        ),
+        (
+            ("--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather")
+            + ("--pipeline-model-parallel-size", "2"),
+            4,
+            ShardedOptimizerState,
+            (2, 2),
+            (True, False),
+        ),
+    ],
+)
+def test_one_data_parallel_mode_answers_the_trainer_and_the_planner(
+    flags, world_size, mode, shards, by_layer
+):
+    """The mode parallelize builds, what it tells the planner (over how many ranks the dense
+    and the expert optimizer state are divided) and whether it compiles and gathers layer by
+    layer (a pipeline's schedules run the forwards, so its layers do not wait one by one)."""
+    data_parallel = DataParallel.of(config(*flags, world_size=world_size))
+    assert type(data_parallel) is mode
+    assert data_parallel.optimizer_shards() == shards
+    assert (data_parallel.compiles_by_layer, data_parallel.gathers_by_layer) == by_layer
