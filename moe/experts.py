@@ -183,6 +183,12 @@ class Experts(nn.Module):
             full = full.narrow(0, self.first_local_expert, self.num_local_experts)
             weight.copy_(full.narrow(ffn_dim, self.first_local_channel, self.local_ffn_hidden_size))
 
+    def autocast_cast_parameters(self) -> Tuple[str, ...]:
+        """Every weight: the projections read them in the activations' compute dtype only
+        (megatron.parallelize.data_parallel may hold them in it, and then no copies are made:
+        `refresh_compute_weights`)."""
+        return ("w1", "v1", "w2")
+
     @torch.no_grad()
     def refresh_compute_weights(self, dtype: torch.dtype, accumulate_in_place: bool) -> None:
         """Keep a `dtype` copy of each weight for the forwards until the next refresh.

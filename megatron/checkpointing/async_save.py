@@ -37,11 +37,16 @@ class AsyncCheckpointWriter:
         self._outcome: Optional[str] = None
         self._done_message: Optional[str] = None
 
+    @property
+    def prepared(self) -> bool:
+        """Whether `prepare` has run (its buffers are allocated, or being allocated)."""
+        return self._allocating is not None or bool(self._buffers)
+
     def prepare(self, model: nn.Module, optimizer: Any) -> None:
         """Allocate the host buffers for the chunks of `model` and `optimizer` (None: not saved)
         in the background, once, so that no save blocks training while tens of GB are
         allocated and page-locked. Call it once the optimizer has its state."""
-        if self._allocating is not None or self._buffers:
+        if self.prepared:
             return
         shapes = {
             (name, offsets): (tensor.shape, tensor.dtype)

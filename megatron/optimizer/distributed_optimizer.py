@@ -42,9 +42,10 @@ each bucket just before the forward that needs it (megatron.optimizer.param_gath
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -108,6 +109,8 @@ class DistributedOptimizer(MegatronOptimizer):
         bucket_size: Optional[int] = None,
         model_order: Optional[List[nn.Parameter]] = None,
         overlap_param_gather: bool = False,
+        compute_dtype: Optional[torch.dtype] = None,
+        compute_dtype_params: Sequence[nn.Parameter] = (),
     ) -> None:
         if optimizer.state:
             raise ValueError("DistributedOptimizer needs a torch optimizer that has not stepped")
@@ -117,28 +120,32 @@ class DistributedOptimizer(MegatronOptimizer):
         # The model's parameters per group; flattened, a non-distributed state_dict's numbering.
         self.model_param_groups = [list(group["params"]) for group in optimizer.param_groups]
         self.model_params = [param for group in self.model_param_groups for param in group]
-        by_kind: Dict[Tuple[torch.dtype, bool], List[nn.Parameter]] = {}
+        in_compute_dtype = {id(param) for param in compute_dtype_params}
+        by_kind: Dict[Tuple[torch.dtype, bool, bool], List[nn.Parameter]] = {}
         for param in self.model_params:
-            by_kind.setdefault((param.dtype, is_expert_parameter(param)), []).append(param)
-        if expert_data_parallel_group is None and any(expert for _, expert in by_kind):
+            kind = (param.dtype, is_expert_parameter(param), id(param) in in_compute_dtype)
+            by_kind.setdefault(kind, []).append(param)
+        if expert_data_parallel_group is None and any(expert for _, expert, _ in by_kind):
             expert_data_parallel_group = parallel_state.get_expert_data_parallel_group()
         if overlap_grad_reduce and bucket_size is None:
             bucket_size = default_bucket_size(self.dp_size)
         self.buffers: List[ShardedBuffer] = []
         queues = []
-        for (_, expert), params in by_kind.items():
+        for (_, expert, low_precision), params in by_kind.items():
             group = expert_data_parallel_group if expert else data_parallel_group
             size, rank = _size_and_rank(group)
             buckets = bucket_parameters(
                 params, bucket_size if overlap_grad_reduce else None, model_order
             )
             # Both kinds end as the mean over the data-parallel replicas (module docstring).
+            held = compute_dtype if low_precision else None
             queues.append(
-                [ShardedBuffer(b, group, size, rank, self.dp_size, grad_dtype) for b in buckets]
+                [
+                    ShardedBuffer(b, group, size, rank, self.dp_size, grad_dtype, held)
+                    for b in buckets
+                ]
             )
             self.buffers.extend(queues[-1])
-        for buffer in self.buffers:
-            buffer.broadcast_params()
         self.grad_reduce = GradReduce(queues, overlap_grad_reduce)
         self.param_gather = ParamGather(queues, overlap_param_gather)
 
@@ -157,9 +164,10 @@ class DistributedOptimizer(MegatronOptimizer):
                 if local is not None:
                     start, end = local
                     shard_offset = buffer.offsets[index] + start - buffer.shard_start
-                    tensor = buffer.param_shard[shard_offset : shard_offset + end - start]
+                    tensor = buffer.step_shard[shard_offset : shard_offset + end - start]
                     shard_grad = buffer.shard_grad[shard_offset : shard_offset + end - start]
-                    if buffer.main_grads is not None:
+                    # A gradient in another dtype than what is stepped is a main gradient.
+                    if shard_grad.dtype != tensor.dtype:
                         tensor.main_grad = shard_grad
                     else:
                         tensor.grad = shard_grad
@@ -191,6 +199,17 @@ class DistributedOptimizer(MegatronOptimizer):
     def finish_parameter_gather(self) -> None:
         """Until every parameter holds the last step's values."""
         self.param_gather.finish()
+
+    @contextlib.contextmanager
+    def full_precision_parameters(self) -> Iterator[None]:
+        """Within it every parameter holds its fp32 value (those held in the compute dtype are
+        gathered from the master shards, a collective), for a checkpoint to save or load;
+        what they hold at its end becomes their master shards and compute-dtype values."""
+        self.param_gather.finish()
+        with contextlib.ExitStack() as stack:
+            for buffer in self.buffers:
+                stack.enter_context(buffer.full_precision())
+            yield
 
     def state_pieces(self) -> List[Tuple[torch.Tensor, torch.Tensor, Optional[int]]]:
         return [(piece.param, piece.tensor, piece.start) for piece in self.pieces]
@@ -301,7 +320,7 @@ class DistributedOptimizer(MegatronOptimizer):
 
     def memory_report(self) -> OptimizerMemoryReport:
         """Optimizer-state bytes on this rank vs unsharded, for the log."""
-        element_size = self.buffers[0].param_buffer.element_size()
+        element_size = self.buffers[0].step_shard.element_size()
         parameters = sum(buffer.numel for buffer in self.buffers)
         local = sum(buffer.local_numel for buffer in self.buffers)
         state_bytes = state_bytes_per_element(self.optimizer)
@@ -397,7 +416,7 @@ class DistributedOptimizer(MegatronOptimizer):
         ]
         dtypes = {value.dtype for _, value in values if value is not None}
         # Every rank must agree on the dtype; a state key's dtype is the run's, on every rank.
-        dtype = dtypes.pop() if len(dtypes) == 1 else buffer.param_buffer.dtype
+        dtype = dtypes.pop() if len(dtypes) == 1 else buffer.step_shard.dtype
         local = torch.zeros(buffer.shard_size, dtype=dtype, device=buffer.param_buffer.device)
         for piece, value in values:
             if value is not None:
@@ -435,22 +454,26 @@ def build_distributed_optimizer(
     overlap_grad_reduce: bool = False,
     bucket_size: Optional[int] = None,
     overlap_param_gather: bool = False,
+    compute_dtype_params: Sequence[nn.Parameter] = (),
 ) -> DistributedOptimizer:
     """`build_optimizer`'s optimizer (same groups, hyper-parameters and loss scaler), sharded
     over `data_parallel_group` (the default group when None), expert-parallel parameters over
     parallel_state's expert-data-parallel group. The model must not be in DDP."""
     optimizer, grad_scaler = build_inner_optimizer(model, optimizer_config, training_config)
+    numerics = Numerics.of(training_config, optimizer_config)
     return DistributedOptimizer(
         optimizer,
         grad_scaler,
         optimizer_config.clip_grad,
         log_num_zeros_in_grad,
         data_parallel_group,
-        grad_dtype=Numerics.of(training_config, optimizer_config).main_grads_dtype,
+        grad_dtype=numerics.main_grads_dtype,
         overlap_grad_reduce=overlap_grad_reduce,
         bucket_size=bucket_size,
         model_order=list(model.parameters()),
         overlap_param_gather=overlap_param_gather,
+        compute_dtype=numerics.compute_dtype,
+        compute_dtype_params=compute_dtype_params if numerics.autocast else (),
     )
 
 

@@ -4,7 +4,8 @@ the layout)."""
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+import contextlib
+from typing import Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -25,6 +26,12 @@ class ShardedBuffer:
     `grad_divisor` after the sum over the group. With a `grad_dtype` other than the parameters'
     (`--main-grads-dtype bf16`) the grad buffer holds main gradients (megatron.main_grads):
     each parameter's `main_grad` is its view, filled by a hook, and `.grad` stays None.
+
+    With a `compute_dtype` (the fp32 parameters of a bf16 or fp16 run that autocast would cast
+    to it anyway), the parameter buffer is of that dtype and the fp32 values are kept only as
+    this rank's shard, `master_shard`, which the optimizer steps; the gradients are fp32 main
+    gradients (or `grad_dtype`'s), and `start_all_gather` rounds the master shard into the
+    parameter buffer's before gathering the compute-dtype bytes.
     """
 
     def __init__(
@@ -35,6 +42,7 @@ class ShardedBuffer:
         rank: int,
         grad_divisor: int,
         grad_dtype: Optional[torch.dtype] = None,
+        compute_dtype: Optional[torch.dtype] = None,
     ) -> None:
         self.params = params
         self.group = group
@@ -51,7 +59,20 @@ class ShardedBuffer:
         padded = self.shard_size * size
         dtype, device = params[0].dtype, params[0].device
         grad_dtype = grad_dtype or dtype
-        self.param_buffer = torch.zeros(padded, dtype=dtype, device=device)
+        full = torch.zeros(padded, dtype=dtype, device=device)
+        with torch.no_grad():
+            for param, offset in zip(params, self.offsets):
+                full[offset : offset + param.numel()].copy_(param.detach().reshape(-1))
+        # Every replica takes the group's first rank's parameters, as DDP at construction.
+        if size > 1:
+            source = dist.get_global_rank(group, 0) if group is not None else 0
+            dist.broadcast(full, src=source, group=group)
+        self.master_shard: Optional[torch.Tensor] = None
+        self.param_buffer = full
+        if compute_dtype is not None and compute_dtype != dtype:
+            self.master_shard = full[self.shard_start : self.shard_start + self.shard_size].clone()
+            self.param_buffer = full.to(compute_dtype)
+            del full
         self.grad_buffer = torch.zeros(padded, dtype=grad_dtype, device=device)
         # A group of one rank reduces nothing: its shard is the whole buffer, in place.
         self.shard_grad = (
@@ -59,21 +80,50 @@ class ShardedBuffer:
             if size == 1
             else torch.zeros(self.shard_size, dtype=grad_dtype, device=device)
         )
+        # Compute-dtype parameters always add each micro-batch's gradient into an fp32 (or
+        # `grad_dtype`) main gradient, as the fp32 parameters' cast would.
         self.main_grads = (
             MainGradBuffer(params, grad_dtype, self.grad_buffer, self.offsets)
-            if grad_dtype != dtype
+            if grad_dtype != dtype or self.master_shard is not None
             else None
         )
-        with torch.no_grad():
-            for param, offset in zip(params, self.offsets):
-                view = self.param_buffer[offset : offset + param.numel()]
-                view.copy_(param.detach().reshape(-1))
-                param.data = view.view_as(param)
+        for param, offset in zip(params, self.offsets):
+            param.data = self.param_buffer[offset : offset + param.numel()].view_as(param)
 
     @property
     def param_shard(self) -> torch.Tensor:
         """This rank's shard of the parameter buffer."""
         return self.param_buffer[self.shard_start : self.shard_start + self.shard_size]
+
+    @property
+    def step_shard(self) -> torch.Tensor:
+        """What the optimizer steps: the fp32 master shard, or the parameters' own shard."""
+        return self.param_shard if self.master_shard is None else self.master_shard
+
+    @contextlib.contextmanager
+    def full_precision(self) -> Iterator[None]:
+        """Within it the parameters hold their fp32 values, gathered from every rank's master
+        shard (a collective), for a checkpoint to save or load; what they hold at its end
+        becomes the master shard and, rounded, the parameters. Nothing without master shards."""
+        if self.master_shard is None:
+            yield
+            return
+        full = torch.empty(self.grad_buffer.numel(), dtype=self.master_shard.dtype,
+                           device=self.master_shard.device)  # fmt: skip
+        if self.size > 1:
+            all_gather_into(full, self.master_shard, self.group)
+        else:
+            full.copy_(self.master_shard)
+        for param, offset in zip(self.params, self.offsets):
+            param.data = full[offset : offset + param.numel()].view_as(param)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                self.master_shard.copy_(full[self.shard_start : self.shard_start + self.shard_size])
+                self.param_buffer.copy_(full)
+            for param, offset in zip(self.params, self.offsets):
+                param.data = self.param_buffer[offset : offset + param.numel()].view_as(param)
 
     @property
     def local_numel(self) -> int:
@@ -91,12 +141,6 @@ class ShardedBuffer:
         start = max(offset, self.shard_start)
         end = min(offset + self.params[index].numel(), self.shard_start + self.shard_size)
         return (start - offset, end - offset) if start < end else None
-
-    def broadcast_params(self) -> None:
-        """Every replica takes the group's first rank's parameters, as DDP at construction."""
-        if self.size > 1:
-            source = dist.get_global_rank(self.group, 0) if self.group is not None else 0
-            dist.broadcast(self.param_buffer, src=source, group=self.group)
 
     def bind_grads(self) -> None:
         """Zero the grad buffer and make every `param.grad` its view, for backward to fill
@@ -149,6 +193,9 @@ class ShardedBuffer:
         """`all_gather_params` without waiting: the collective's handle (None when there is
         nothing to wait for). The parameters must not be read or written until it is waited
         for (on GPUs: the stream that uses them waits)."""
+        if self.master_shard is not None:
+            with torch.no_grad():
+                self.param_shard.copy_(self.master_shard)  # rounded to the compute dtype
         if self.size == 1:
             return None
         shard = self.param_shard

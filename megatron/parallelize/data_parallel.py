@@ -27,7 +27,8 @@ Checkpoints ask the optimizer it built (`MegatronOptimizer.unsharded_view` and
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, ContextManager, Iterable, Optional, Tuple
+import contextlib
+from typing import TYPE_CHECKING, Callable, ContextManager, Iterable, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -130,6 +131,11 @@ class DataParallel:
         """Until every parameter holds the last step's values (before anything but a forward
         reads them: a checkpoint, the end of training)."""
 
+    def full_precision_parameters(self) -> ContextManager:
+        """Within it every parameter holds its fp32 value, for a checkpoint to save or load;
+        what they hold at its end is what the run goes on with. A collective."""
+        return contextlib.nullcontext()
+
 
 class Replicated(DataParallel):
     """Every rank keeps the whole model and optimizer; gradients averaged by DDP, by one
@@ -180,6 +186,7 @@ class ShardedOptimizerState(DataParallel):
             overlap_grad_reduce=parallel.overlap_grad_reduce,
             bucket_size=parallel.ddp_bucket_size,
             overlap_param_gather=parallel.overlap_param_gather,
+            compute_dtype_params=autocast_cast_parameters(model),
         )
         print_rank_0(f"> {self.optimizer.memory_report()}")
         return self.optimizer
@@ -193,6 +200,32 @@ class ShardedOptimizerState(DataParallel):
 
     def finish_parameter_gather(self) -> None:
         self.optimizer.param_gather.finish()
+
+    def full_precision_parameters(self) -> ContextManager:
+        return self.optimizer.full_precision_parameters()
+
+
+def autocast_cast_parameters(model: nn.Module) -> List[nn.Parameter]:
+    """The parameters that autocast casts to the compute dtype wherever they are read, so that
+    holding them in it changes no value a kernel sees: those the modules name
+    (`autocast_cast_parameters()`: the parallel linear layers' weights and the bias a column-
+    parallel layer passes to F.linear, the MoE experts' weights) and those of torch's nn.Linear
+    (the untied output layer, the MoE router), which only F.linear reads. The rest stay fp32:
+    the embeddings (a lookup, which autocast leaves in fp32), the norms (which it runs in fp32)
+    and a row-parallel layer's bias (added to the product in fp32 after the reduction)."""
+    chosen: List[nn.Parameter] = []
+    for module in model.modules():
+        if callable(getattr(module, "autocast_cast_parameters", None)):
+            names = module.autocast_cast_parameters()
+        elif type(module) is nn.Linear:
+            names = ("weight", "bias")
+        else:
+            continue
+        for name in names:
+            param = getattr(module, name, None)
+            if isinstance(param, nn.Parameter) and param.requires_grad:
+                chosen.append(param)
+    return chosen
 
 
 def _distributed() -> bool:

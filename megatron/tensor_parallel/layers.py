@@ -27,7 +27,7 @@ dimension into s x tp equal blocks and gives rank r the blocks r, r + tp, ...: a
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -285,6 +285,12 @@ class ColumnParallelLinear(nn.Module):
         normal(0, `std`) drawn whole, this rank's rows kept; a zero bias."""
         self.reset_parameters(normal_init_method(std))
 
+    def autocast_cast_parameters(self) -> Tuple[str, ...]:
+        """The parameters that only the product reads, which autocast casts to the compute
+        dtype (megatron.parallelize.data_parallel may hold them in it): the weight and bias of
+        F.linear; none when the product is another (FP8's)."""
+        return ("weight", "bias") if type(self.product) is LinearProduct else ()
+
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
             input_ = gather_from_sequence_parallel_region(input_, SEQUENCE_DIM)
@@ -373,6 +379,11 @@ class RowParallelLinear(nn.Module):
         """Megatron's init for a model's weight (megatron.model.gpt_model.GPTModel.init_weights):
         normal(0, `std`) drawn whole, this rank's columns kept; a zero bias."""
         self.reset_parameters(normal_init_method(std))
+
+    def autocast_cast_parameters(self) -> Tuple[str, ...]:
+        """The weight, which only F.linear reads (megatron.parallelize.data_parallel); the bias
+        is added to the reduced product in fp32."""
+        return ("weight",) if type(self.product) is LinearProduct else ()
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:

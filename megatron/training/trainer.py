@@ -141,11 +141,13 @@ class Trainer:
             self._stop_if_diverged(got_nan, averaged, grad_norm if update_successful else None)
         if update_successful:
             self.scheduler.step(increment=self.config.training.global_batch_size)
-            if self.async_writer is not None:  # the optimizer has its state now
+            if self.async_writer is not None and not self.async_writer.prepared:
+                # The optimizer has its state now; the buffers take the tensors as saved.
                 saves_optimizer = not self.config.checkpoint.no_save_optim
-                self.async_writer.prepare(
-                    self.unwrapped_model, self.optimizer if saves_optimizer else None
-                )
+                with self.data_parallel.full_precision_parameters():
+                    self.async_writer.prepare(
+                        self.unwrapped_model, self.optimizer if saves_optimizer else None
+                    )
         return averaged, not update_successful, grad_norm, got_nan
 
     def _stop_if_diverged(
@@ -293,15 +295,17 @@ class Trainer:
         are the saved arguments compared with this run's (megatron.checkpointing.load)."""
         checkpoint = self.config.checkpoint
         start = self._timer_start()
-        state = load_checkpoint(
-            checkpoint,
-            self.unwrapped_model,
-            self.optimizer,
-            self.scheduler,
-            print_fn=print_rank_0,
-            args=self.config.saved_arguments(),
-            model_arguments=model_arguments,
-        )
+        # Checkpoints hold fp32 weights, whatever dtype the model computes with.
+        with self.data_parallel.full_precision_parameters():
+            state = load_checkpoint(
+                checkpoint,
+                self.unwrapped_model,
+                self.optimizer,
+                self.scheduler,
+                print_fn=print_rank_0,
+                args=self.config.saved_arguments(),
+                model_arguments=model_arguments,
+            )
         if checkpoint.load:
             self._log_time("load-checkpoint", start)
         self.iteration = state.iteration
@@ -332,18 +336,19 @@ class Trainer:
                 f"({self.last_good_checkpoint()})"
             )
         start = self._timer_start()
-        save_checkpoint(
-            self.config.checkpoint,
-            self.iteration,
-            self.unwrapped_model,
-            self.optimizer,
-            self.scheduler,
-            self.config.saved_arguments(),
-            consumed_train_samples=self.consumed_train_samples,
-            consumed_valid_samples=self.consumed_valid_samples,
-            print_fn=print_rank_0,
-            async_writer=self.async_writer,
-        )
+        with self.data_parallel.full_precision_parameters():
+            save_checkpoint(
+                self.config.checkpoint,
+                self.iteration,
+                self.unwrapped_model,
+                self.optimizer,
+                self.scheduler,
+                self.config.saved_arguments(),
+                consumed_train_samples=self.consumed_train_samples,
+                consumed_valid_samples=self.consumed_valid_samples,
+                print_fn=print_rank_0,
+                async_writer=self.async_writer,
+            )
         # With --async-save this is the time training was blocked: the write goes on.
         self._log_time("save-checkpoint", start)
         self.last_saved_iteration = self.iteration

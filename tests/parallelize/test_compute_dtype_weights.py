@@ -1,0 +1,227 @@
+"""--use-distributed-optimizer with --bf16: the model computes with bf16 weights, each rank keeps
+the fp32 master weights of its shard only, and the post-step all-gather moves bf16
+(megatron.parallelize.data_parallel.autocast_cast_parameters says which parameters; the rest,
+embeddings, norms and the biases added in fp32, stay fp32).
+
+- What is gathered: every linear layer's and expert's weights in bf16, the rest in fp32, and
+  the model's parameters in those dtypes (a tiny dMoE GPT's optimizer step in 2 gloo ranks).
+- The run is the one the distributed optimizer gave with fp32 weights, which autocast cast to
+  bf16 in every forward: pretrain_gpt.py's trainer in gloo processes (tiny GPT and dMoE, bf16
+  autocast on CPU, 20 iterations) gives bit for bit its losses, and its grad norms but for the
+  order in which fp32 squares are summed (the shards now split the weights by dtype). The
+  runs do not clip (--clip-grad 0): a clipped step multiplies its update by that norm, and the
+  last bit of fp32 rounding would then grow through Adam's normalisation and the bf16 rounding
+  of the weights into 1e-5 to 1e-4 of the loss over 20 iterations (dMoE routing flips make it
+  up to 2e-3 of the grad norm). The gradient buckets are the default size (one per dtype
+  here): 4 gloo ranks sum a gradient in an order that depends on where it lies in its bucket.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Dict, List
+
+import pytest
+import torch
+from torch import nn
+
+import pretrain_gpt
+from megatron.optimizer.sharded_buffer import ShardedBuffer
+from megatron.parallel import parallel_state
+from megatron.parallelize import data_parallel
+from megatron.parallelize.data_parallel import DataParallel
+from moe.config import MoEConfig
+from moe.experts import Experts
+from moe.mlp_spec import MoEMlpSpec
+from tests.config.command_lines import config
+from tests.launch import run_distributed
+from tests.parallel.collective_names import COLLECTIVES, replaced_collectives
+from tests.tiny_gpt import (
+    MOE_ARGS,
+    saved_state,
+    sharded_gpt_model,
+    tensorboard_scalars,
+    tiny_gpt_args,
+    tiny_model_config,
+)
+
+ITERATIONS = 20
+SAVED = 10  # the iteration the reference runs also save, for the resumes
+GRAD_NORM_TOLERANCE = 1e-6  # relative: fp32 squares summed in another order
+DENSE = ["--num-layers", "2"]
+DMOE = ["--num-layers", "2", *MOE_ARGS]
+OVERLAP = ["--overlap-grad-reduce", "--overlap-param-gather"]
+LAYOUTS = {
+    "dense_dp2": (2, DENSE),
+    "dmoe_dp2": (2, DMOE),
+    "dmoe_ep2_dp2": (4, [*DMOE, "--expert-model-parallel-size", "2"]),
+    "tp2_dp2": (4, [*DENSE, "--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    "pp2_dp2": (4, [*DENSE, "--pipeline-model-parallel-size", "2"]),
+}
+
+
+def _step_gathers(rank: int, world_size: int) -> Dict:
+    """One optimizer step of a tiny dMoE GPT under the data-parallel mode of a --bf16
+    --use-distributed-optimizer run: the dtype of each parameter by what reads it, and the
+    elements every all-gather moved, by dtype."""
+    parallel_state.initialize_model_parallel()
+    run_config = config("--bf16", "--use-distributed-optimizer", world_size=world_size)
+    model = sharded_gpt_model(tiny_model_config(), MoEMlpSpec(MoEConfig(num_experts=4, top_k=2)))
+    optimizer = DataParallel.of(run_config).build_optimizer(model)
+    for param in model.parameters():
+        param.grad = torch.ones_like(param)
+    gathered: Dict[str, int] = {}
+
+    def recorded(name, collective):
+        def call(output, *args, **kwargs):
+            if name.startswith("all_gather"):
+                gathered[str(output.dtype)] = gathered.get(str(output.dtype), 0) + output.numel()
+            return collective(output, *args, **kwargs)
+
+        return call
+
+    with replaced_collectives(recorded, COLLECTIVES):
+        optimizer.step()
+    read_by_products = {
+        id(param)
+        for module in model.modules()
+        if type(module) is nn.Linear or isinstance(module, Experts)
+        for param in module.parameters(recurse=False)
+    }
+    dtypes: Dict[str, List[str]] = {"products": [], "other": []}
+    for param in model.parameters():
+        dtypes["products" if id(param) in read_by_products else "other"].append(str(param.dtype))
+    numel = {
+        kind: sum(p.numel() for p in model.parameters() if (id(p) in read_by_products) == kind)
+        for kind in (True, False)
+    }
+    return {"gathered": gathered, "dtypes": dtypes, "numel": numel}
+
+
+def test_the_step_gathers_the_weights_the_products_read_in_bf16():
+    result = run_distributed(_step_gathers, 2)[0]
+    assert set(result["dtypes"]["products"]) == {"torch.bfloat16"}
+    assert set(result["dtypes"]["other"]) == {"torch.float32"}
+    # Each flat buffer is padded to an even length: at most one element each.
+    gathered, numel = result["gathered"], result["numel"]
+    assert 0 <= gathered["torch.bfloat16"] - numel[True] <= 2
+    assert 0 <= gathered["torch.float32"] - numel[False] <= 2
+
+
+def _pretrain(rank: int, world_size: int, args: List[str], fp32_weights: bool) -> Dict:
+    """pretrain_gpt.main in this forked rank; the dtypes every parameter all-gather moved.
+    `fp32_weights`: the distributed optimizer as it was before the model's weights were held in
+    the compute dtype (no parameter is, so every buffer is fp32 and its own master)."""
+    os.environ.update(
+        WORLD_SIZE=str(world_size), RANK=str(rank), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1"
+    )
+    gathered: List[str] = []
+    start = ShardedBuffer.start_all_gather
+
+    def recorded(self):
+        if self.size > 1:
+            gathered.append(str(self.param_buffer.dtype))
+        return start(self)
+
+    ShardedBuffer.start_all_gather = recorded  # in this forked rank only
+    if fp32_weights:
+        data_parallel.autocast_cast_parameters = lambda model: []
+    pretrain_gpt.main(args)
+    return {"gathered": sorted(set(gathered))}
+
+
+def train(world_size: int, args: List[str], directory: Path, fp32_weights: bool) -> Dict:
+    """{scalar: {iteration: value}} of rank 0's TensorBoard, and the dtypes rank 0 gathered."""
+    args = [*args, "--tensorboard-dir", str(directory / "tb")]
+    records = run_distributed(_pretrain, world_size, args, fp32_weights, timeout_s=300.0)
+    scalars = tensorboard_scalars(directory / "tb", ("lm loss", "grad-norm"))
+    return {**scalars, "gathered": records[0]["gathered"]}
+
+
+def _args(data_prefix: str, layout: str, *extra: str) -> List[str]:
+    return tiny_gpt_args(
+        data_prefix, "--bf16", "--clip-grad", "0.0", *LAYOUTS[layout][1],
+        "--use-distributed-optimizer", *extra,
+        seq_length=32, micro_batch=2, global_batch=8, train_iters=ITERATIONS, eval_iters=0,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def fp32_weights_runs(data_prefix, tmp_path_factory):
+    """Each layout's run with fp32 weights, trained once for the module. The overlap changes
+    when the gradients are summed, and where each lies in its bucket (the model's order instead
+    of the optimizer's groups): over 2 ranks a sum is the same wherever, over 4 it is not, so
+    only the layouts with 4 data-parallel ranks train a reference with the overlap."""
+    runs: Dict[tuple, Dict] = {}
+
+    def run(layout: str, overlap: bool) -> Dict:
+        world_size, extra = LAYOUTS[layout]
+        key = (layout, overlap and _data_parallel_size(world_size, extra) > 2)
+        if key not in runs:
+            directory = tmp_path_factory.mktemp(layout)
+            args = _args(data_prefix, layout, *(OVERLAP if key[1] else []))
+            args += ["--save", str(directory / "ckpt"), "--save-interval", str(SAVED)]
+            runs[key] = train(world_size, args, directory, fp32_weights=True)
+            runs[key]["save"] = directory / "ckpt"
+        return runs[key]
+
+    return run
+
+
+def _data_parallel_size(world_size: int, extra: List[str]) -> int:
+    model_parallel = 1
+    for flag in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size"):
+        if flag in extra:
+            model_parallel *= int(extra[extra.index(flag) + 1])
+    return world_size // model_parallel
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["gathered_after_step", "overlapped"])
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_compute_dtype_weights_give_the_fp32_weights_run(
+    fp32_weights_runs, data_prefix, tmp_path, layout, overlap
+):
+    before = fp32_weights_runs(layout, overlap)
+    args = _args(data_prefix, layout, *(OVERLAP if overlap else []))
+    after = train(LAYOUTS[layout][0], args, tmp_path, fp32_weights=False)
+    assert before["gathered"] == ["torch.float32"]
+    assert after["gathered"] == ["torch.bfloat16", "torch.float32"]
+    iterations = list(range(1, ITERATIONS + 1))
+    assert sorted(after["lm loss"]) == iterations
+    assert after["lm loss"] == before["lm loss"]
+    for step in iterations:
+        assert after["grad-norm"][step] == pytest.approx(
+            before["grad-norm"][step], rel=GRAD_NORM_TOLERANCE
+        ), step
+
+
+def _resume(data_prefix: str, source: Path, iteration: int, directory: Path, fp32: bool) -> Dict:
+    """dense_dp2 resumed from `source`'s checkpoint of `iteration`, trained to the end."""
+    load = directory / "load"
+    load.mkdir(parents=True)
+    shutil.copytree(source / f"iter_{iteration:07d}", load / f"iter_{iteration:07d}")
+    (load / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+    args = _args(data_prefix, "dense_dp2", "--load", str(load))
+    return train(2, args, directory, fp32_weights=fp32)
+
+
+def test_checkpoints_hold_fp32_weights_either_way(fp32_weights_runs, data_prefix, tmp_path):
+    """A checkpoint of the distributed optimizer with fp32 weights (torch_dist) resumes with
+    bf16 weights, and one of bf16 weights (--ckpt-format torch) with fp32 weights, and both go
+    on exactly as the uninterrupted run: a checkpoint holds the fp32 master weights, whatever
+    the model computed with, in the format it always had."""
+    reference = fp32_weights_runs("dense_dp2", False)
+    resumed = _resume(data_prefix, reference["save"], SAVED, tmp_path / "bf16", fp32=False)
+    later = list(range(SAVED + 1, ITERATIONS + 1))
+    assert resumed["lm loss"] == {step: reference["lm loss"][step] for step in later}
+
+    args = _args(data_prefix, "dense_dp2", "--ckpt-format", "torch")
+    args += ["--save", str(tmp_path / "torch"), "--save-interval", str(SAVED)]
+    bf16_weights = train(2, args, tmp_path / "bf16_run", fp32_weights=False)
+    assert bf16_weights["lm loss"] == reference["lm loss"]
+    saved = saved_state(tmp_path / "torch", SAVED)
+    assert {str(tensor.dtype) for tensor in saved["model"].values()} == {"torch.float32"}
+    resumed = _resume(data_prefix, tmp_path / "torch", SAVED, tmp_path / "fp32", fp32=True)
+    assert resumed["lm loss"] == {step: reference["lm loss"][step] for step in later}
