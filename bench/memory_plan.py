@@ -44,6 +44,7 @@ PRECISION_AWARE = (
     "--use-precision-aware-optimizer --main-grads-dtype bf16 --exp-avg-dtype bf16 "
     "--exp-avg-sq-dtype bf16"
 )
+DISTRIBUTED = "--use-distributed-optimizer"
 MEMORY_LINE = re.compile(
     r"max allocated: ([0-9.]+) \| reserved: [0-9.]+ \| max reserved: ([0-9.]+)"
 )
@@ -82,6 +83,8 @@ def rows() -> Dict[str, List[str]]:
                 flags += RECOMPUTE.split() if recompute else []
                 flags += PRECISION_AWARE.split() if precision_aware else []
                 table[row] = flags
+        # The distributed optimizer on one rank: bf16 weights beside whole fp32 masters.
+        table[name + "-do"] = model.split() + shared_flags(micro_batch) + [DISTRIBUTED]
     return table
 
 

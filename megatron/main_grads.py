@@ -1,8 +1,9 @@
-"""Main gradients in a lower precision than the parameters (`--main-grads-dtype bf16`).
+"""Main gradients in another dtype than the parameters: bf16 beside fp32 parameters
+(`--main-grads-dtype bf16`), or fp32 beside the bf16/fp16 weights the distributed optimizer holds
+in the compute dtype (megatron.parallelize.data_parallel).
 
-The model's parameters are fp32 (they are the master weights; mixed precision is autocast), and
-autograd insists that a parameter's `.grad` has the parameter's dtype. A bf16 gradient therefore
-lives beside it, as Megatron-Core's `param.main_grad`: a view of one flat buffer per dtype that
+Autograd insists that a parameter's `.grad` has the parameter's dtype. The main gradient
+therefore lives beside it, as Megatron-Core's `param.main_grad`: a view of one flat buffer per dtype that
 backward accumulates into through a post-accumulate-grad hook (each micro-batch's fp32 `.grad`
 is added in and dropped), or directly where a layer adds its own gradients (moe.weight_copies).
 Whatever reads or reduces a gradient after backward takes `gradient(param)`, which is the main

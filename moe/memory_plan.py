@@ -24,7 +24,8 @@ of every expert weight (2 bytes each) and, where the copies add their gradients 
 `.grad` or bf16 main gradients alike), one micro-batch's gradient of them held for the next
 (2 bytes each);
 otherwise autocast casts the expert weights in every forward, and each in-flight micro-batch
-keeps those casts for its backward. With --fp8-format the dMoE's grouped GEMMs keep those copies
+keeps those casts for its backward. Where the distributed optimizer holds the weights in the
+compute dtype (megatron.parallelize.data_parallel) there are neither copies nor casts. With --fp8-format the dMoE's grouped GEMMs keep those copies
 quantized too (moe.kernels.fp8_grouped_gemm.QuantizedExpertWeight: the forward's and the input
 gradient's layouts, 1 byte each) and refresh them with the copies; the scales are negligible.
 """
@@ -116,13 +117,17 @@ def moe_memory(config: Config, moe: MoEConfig, layer_numbers: Sequence[int]) -> 
     expert_parallel_size = parallel.expert_model_parallel_size
     weights = expert_parameters(config.model, moe, layer_numbers, expert_parallel_size)
     numerics = config.numerics
+    # FP8 grouped GEMMs keep the copies quantized, in two layouts of a byte each.
+    fp8_copies = numerics.fp8_format is not None and moe.dropless and moe.mlp_impl == "grouped"
+    data_parallel = DataParallel.of(config)
+    if data_parallel.weights_in_compute_dtype:
+        # The expert weights themselves are in the compute dtype: no copies, no held gradients
+        # and no casts (autograd adds each micro-batch's gradient into the main gradient).
+        return MlpMemory(weight_copies=2 * weights if fp8_copies else 0)
     if numerics.weight_copies_dtype is None:
         return MlpMemory(casts_per_micro_batch=2 * weights if numerics.autocast else 0)
     # moe.training_hooks._expert_grads_in_place: not when torch DDP reduces the experts.
-    in_ddp = DataParallel.of(config).in_ddp
-    in_place = not (in_ddp and expert_parallel_size == 1)
-    # FP8 grouped GEMMs keep the copies quantized, in two layouts of a byte each.
-    fp8_copies = numerics.fp8_format is not None and moe.dropless and moe.mlp_impl == "grouped"
+    in_place = not (data_parallel.in_ddp and expert_parallel_size == 1)
     return MlpMemory(
         weight_copies=(4 if fp8_copies else 2) * weights,
         held_gradients=2 * weights if in_place else 0,

@@ -20,7 +20,9 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 @dataclass(frozen=True)
 class Numerics:
-    """compute_dtype: autocast's dtype (float32: no autocast; parameters stay fp32 either way).
+    """compute_dtype: autocast's dtype (float32: no autocast; parameters stay fp32 either way,
+    but where the distributed optimizer holds the weights autocast would cast in it:
+    megatron.parallelize.data_parallel).
     main_grads_dtype: gradients kept in this dtype beside the parameters (megatron.main_grads),
     or None where the parameters' own fp32 `.grad` is used. weight_copies_dtype: the dtype of
     the per-step copies of weights whose layers accumulate their gradients themselves

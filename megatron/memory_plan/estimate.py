@@ -2,7 +2,9 @@
 
 Bytes per parameter (the model's parameters are fp32 and are the master weights; mixed
 precision is autocast, megatron.optimizer.optimizer):
-- weights: 4 per parameter on the rank;
+- weights: 4 per parameter on the rank; where the distributed optimizer holds the weights
+  autocast would cast in the compute dtype (megatron.parallelize.data_parallel), 2 for those
+  and `master_weights`, 4 per element of this rank's shard of them;
 - gradients: the fp32 `.grad`, 4; with `--main-grads-dtype bf16` a bf16 main grad, 2, plus the
   fp32 `.grad` autograd still makes for non-expert parameters during each backward, 4; the
   distributed optimizer adds its fp32 shard of the reduced gradients (4 per parameter over the
@@ -17,8 +19,9 @@ Activations are megatron.memory_plan.activations' bytes per token times the toke
 micro-batches a stage holds at once; every in-flight micro-batch also keeps autocast's casts
 of the matmul weights it used (2 per element). The peak is the larger of the backward's (all of
 the above but the step's working copies), the end of a backward's (no activations, but the
-gradients a compiled backward returns at once: the MoE experts' in the compute dtype, of the
-whole stage, or under full recomputation of one checkpointed chunk) and the step's (no
+gradients a compiled backward returns at once: the MoE experts' in the compute dtype, or
+every compute-dtype weight's, of the whole stage, or under full recomputation of one
+checkpointed chunk) and the step's (no
 activations); the caching
 allocator's reserve above it is `ALLOCATOR_OVERHEAD`. The rank estimated is the pipeline stage
 with the largest peak.
@@ -73,16 +76,26 @@ class MemoryEstimate:
     logits: int
     activations_worst_case: int  # `activations` with the worst routing imbalance
     # The compute-dtype gradients of the weights whose modules add their own gradients (the MoE
-    # experts' copies): a compiled backward returns all of a micro-batch's at its end, before
-    # their hooks add them in (moe.weight_copies).
+    # experts' copies), or of the weights held in the compute dtype: a compiled backward
+    # returns all of a micro-batch's at its end, before their hooks add them in
+    # (moe.weight_copies, megatron.main_grads).
     returned_gradients: int = 0
+    # The fp32 master weights of this rank's shard of the weights held in the compute dtype.
+    master_weights: int = 0
     pipeline_rank: int = 0
     device_memory: Optional[int] = None
 
     @property
     def state(self) -> int:
-        """What every moment of a step holds: weights, their copies, gradients, optimizer."""
-        return self.weights + self.expert_weight_copies + self.gradients + self.optimizer
+        """What every moment of a step holds: weights, their copies and masters, gradients,
+        optimizer."""
+        return (
+            self.weights
+            + self.expert_weight_copies
+            + self.master_weights
+            + self.gradients
+            + self.optimizer
+        )
 
     @property
     def backward_peak(self) -> int:
@@ -141,11 +154,13 @@ def gib(num_bytes: float) -> str:
 def format_estimate_line(estimate: MemoryEstimate) -> str:
     """Megatron-style start-up line: `> estimated peak memory per GPU: X GiB of Y GiB
     (weights A, gradients B, optimizer C, activations D, logits E)`, in GiB; weights include
-    the expert copies, gradients the held ones, activations autocast's weight casts."""
+    the expert copies and the fp32 masters, gradients the held ones, activations autocast's
+    weight casts."""
     device = "unknown" if estimate.device_memory is None else f"{gib(estimate.device_memory)} GiB"
+    weights = estimate.weights + estimate.expert_weight_copies + estimate.master_weights
     return (
         f"> estimated peak memory per GPU: {gib(estimate.total)} GiB of {device} ("
-        f"weights {gib(estimate.weights + estimate.expert_weight_copies)}, "
+        f"weights {gib(weights)}, "
         f"gradients {gib(estimate.gradients + estimate.held_gradients)}, "
         f"optimizer {gib(estimate.optimizer)}, "
         f"activations {gib(estimate.activations + estimate.weight_casts)}, "
@@ -192,8 +207,17 @@ def _estimate_stage(
     extra = mlp_spec.memory(config, numbers)
 
     # Replica groups the distributed optimizer shards over.
-    dense_shards, expert_shards = DataParallel.of(config).optimizer_shards()
+    data_parallel = DataParallel.of(config)
+    dense_shards, expert_shards = data_parallel.optimizer_shards()
     sharded = -(-counts.dense // dense_shards) + -(-counts.expert // expert_shards)
+    # Weights held in the compute dtype, with fp32 masters of this rank's shard only.
+    held = data_parallel.weights_in_compute_dtype
+    low = counts.compute if held else 0
+    masters = 0
+    if held:
+        masters = 4 * (
+            -(-counts.compute_dense // dense_shards) + -(-counts.compute_expert // expert_shards)
+        )
 
     low_precision_grads = optimizer.main_grads_dtype == "bf16"
     grad_bytes = 2 if low_precision_grads else 4
@@ -232,13 +256,13 @@ def _estimate_stage(
     # largest chunk's, or the layers left outside any checkpoint, exist together.
     kept, _, rerun = recompute_kept_fraction(model, len(numbers))
     together = max(kept, rerun / len(numbers)) if numbers else 1.0
-    returned = int(c * extra.self_accumulated_weights * together)
+    returned = int(c * (extra.self_accumulated_weights + low) * together)
     last = pipeline_rank == parallel.pipeline_model_parallel_size - 1
     tokens = config.training.micro_batch_size * config.data.seq_length
     fused = config.training.kernels != "reference"
     logits = int(tokens * logits_bytes_per_token(model, c, fused)) if last else 0
     return MemoryEstimate(
-        weights=4 * counts.total,
+        weights=4 * (counts.total - low) + c * low,
         expert_weight_copies=extra.weight_copies,
         gradients=gradients,
         held_gradients=extra.held_gradients,
@@ -249,6 +273,7 @@ def _estimate_stage(
         logits=logits,
         activations_worst_case=worst,
         returned_gradients=returned,
+        master_weights=masters,
         pipeline_rank=pipeline_rank,
     )
 

@@ -26,6 +26,8 @@ from torch import nn
 
 from megatron.model import GPTModel, MlpSpec
 from megatron.parallel.expert_parameters import is_expert_parameter
+from megatron.parallelize.data_parallel import DataParallel
+from megatron.parallelize.fp8_projections import PROJECTION_NAMES
 from megatron.parallelize.tensor_parallelism import TensorParallelLayout, apply_styles
 from megatron.pipeline.stages import stage_layer_numbers
 
@@ -43,23 +45,38 @@ class ParameterCounts:
 
     `dense` and `expert` split them by replica group (data-parallel vs expert-data-parallel);
     `matmul_weights` are the non-expert ones autocast casts to the compute dtype in every
-    forward (linear layers and the output layer's weight).
+    forward (linear layers and the output layer's weight, unless the run holds them in the
+    compute dtype already). `compute_dense` and `compute_expert`
+    are those the distributed optimizer holds in the compute dtype in a bf16 or fp16 run
+    (megatron.parallelize.data_parallel.autocast_cast_parameters), `largest_compute` the
+    largest such parameter.
     """
 
     dense: int = 0
     expert: int = 0
     matmul_weights: int = 0
+    compute_dense: int = 0
+    compute_expert: int = 0
+    largest_compute: int = 0
 
     @property
     def total(self) -> int:
         """Every element on the rank."""
         return self.dense + self.expert
 
+    @property
+    def compute(self) -> int:
+        """Elements held in the compute dtype."""
+        return self.compute_dense + self.compute_expert
+
     def __add__(self, other: ParameterCounts) -> ParameterCounts:
         return ParameterCounts(
             self.dense + other.dense,
             self.expert + other.expert,
             self.matmul_weights + other.matmul_weights,
+            self.compute_dense + other.compute_dense,
+            self.compute_expert + other.compute_expert,
+            max(self.largest_compute, other.largest_compute),
         )
 
 
@@ -111,34 +128,74 @@ def count_parameters(config: Config, mlp_spec: MlpSpec) -> ModelParameterCounts:
     if tensor > 1:
         layout = TensorParallelLayout(tensor, 0, model_config.sequence_parallel)
         apply_styles(model, mlp_spec.tensor_parallel_styles(), layout)
+    rules = _Rules(
+        tensor,
+        config.numerics.fp8_format is not None,
+        DataParallel.of(config).weights_in_compute_dtype,
+    )
     if model.output_layer is not None:
-        output_layer = _count(model.output_layer, tensor, name="output_layer")
+        output_layer = _count(model.output_layer, rules, name="output_layer")
     else:  # tied: a last stage without the table holds a copy (megatron.pipeline.stages)
         table = model.embedding.word_embeddings.weight.numel() // tensor
-        output_layer = ParameterCounts(dense=table, matmul_weights=table)
+        output_layer = ParameterCounts(
+            dense=table,
+            matmul_weights=0 if rules.holds_compute_dtype else table,
+            compute_dense=table,
+            largest_compute=table,
+        )
     return ModelParameterCounts(
-        embedding=_count(model.embedding, tensor),
-        layers=tuple(_count(layer, tensor) for layer in model.decoder.layers),
-        final_norm=_count(model.decoder.final_layernorm, tensor),
+        embedding=_count(model.embedding, rules),
+        layers=tuple(_count(layer, rules) for layer in model.decoder.layers),
+        final_norm=_count(model.decoder.final_layernorm, rules),
         output_layer=output_layer,
         tied=model.output_layer is None,
     )
 
 
-def _count(module: nn.Module, tensor: int, name: str = "") -> ParameterCounts:
-    """Elements of `module`'s parameters on tensor-parallel rank 0 of `tensor`, by kind."""
-    dense = expert = matmul = 0
+@dataclass(frozen=True)
+class _Rules:
+    """What decides how a parameter is counted: the tensor-parallel size, FP8 projections,
+    and whether the run holds weights in the compute dtype."""
+
+    tensor: int
+    fp8: bool
+    holds_compute_dtype: bool
+
+
+def _count(module: nn.Module, rules: _Rules, name: str = "") -> ParameterCounts:
+    """Elements of `module`'s parameters on tensor-parallel rank 0, by kind."""
+    dense = expert = matmul = compute_dense = compute_expert = largest = 0
     for module_name, owner in module.named_modules(prefix=name):
         last = module_name.rsplit(".", 1)[-1]
         for parameter_name, parameter in owner.named_parameters(recurse=False):
-            elements = _local_elements(owner, last, parameter_name, parameter, tensor)
+            elements = _local_elements(owner, last, parameter_name, parameter, rules.tensor)
+            held = _held_in_compute_dtype(owner, last, parameter_name, rules.tensor, rules.fp8)
+            if held:
+                largest = max(largest, elements)
             if is_expert_parameter(parameter):
                 expert += elements
+                compute_expert += elements if held else 0
             else:
                 dense += elements
-                if isinstance(owner, nn.Linear):
+                compute_dense += elements if held else 0
+                if isinstance(owner, nn.Linear) and not (held and rules.holds_compute_dtype):
                     matmul += elements
-    return ParameterCounts(dense, expert, matmul)
+    return ParameterCounts(dense, expert, matmul, compute_dense, compute_expert, largest)
+
+
+def _held_in_compute_dtype(
+    owner: nn.Module, name: str, parameter_name: str, tensor: int, fp8: bool
+) -> bool:
+    """megatron.parallelize.data_parallel.autocast_cast_parameters on the parallel model, from
+    the plain one: a linear layer's parameters, but a row-parallel layer's bias (added after
+    the reduction) and the FP8 projections' (megatron.parallelize.fp8_projections); a module's
+    own `autocast_cast_parameters()`."""
+    if isinstance(owner, nn.Linear):
+        if fp8 and name in PROJECTION_NAMES:
+            return False
+        return not (tensor > 1 and name in ROW_PARALLEL and parameter_name == "bias")
+    names = getattr(owner, "autocast_cast_parameters", None)
+    return callable(names) and parameter_name in names()
 
 
 def _local_elements(

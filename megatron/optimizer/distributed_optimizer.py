@@ -7,16 +7,22 @@ tensor-parallel shards, its pipeline stage's layers and its experts, each sharde
 that hold a replica of it: the data-parallel group, or for expert-parallel shards
 (`megatron.parallel.expert_parameters.is_expert_parameter`) the expert-data-parallel group.
 
-Layout. The parameters are grouped by dtype (all fp32 here: mixed precision is autocast) and by
-that replica group (Megatron-Core's dense and expert buffers). With `--main-grads-dtype bf16`
+Layout. The parameters are grouped by dtype, by that replica group (Megatron-Core's dense and
+expert buffers), and by whether they are held in the compute dtype (`compute_dtype_params`, with
+a bf16/fp16 `compute_dtype`: the weights autocast would cast, chosen by
+megatron.parallelize.data_parallel): those buffers hold bf16/fp16 parameters, fp32 master
+weights of this rank's shard only, which the inner optimizer steps, and fp32 main gradients
+(megatron.optimizer.sharded_buffer.ShardedBuffer); the all-gather after the step moves the rounded
+shards. With `--main-grads-dtype bf16`
 the grad buffers are bf16 and hold the parameters' main gradients (megatron.main_grads), and the
 pieces carry their shard of them as `main_grad` instead of `.grad`. Each group's parameters lie one
 after another, in param-group order, in a flat *parameter buffer* padded at the end to split
 into equal shards over its replica group; rank r of the group owns `[r * shard_size,
 (r + 1) * shard_size)`. The model's parameters become views into it, so the all-gather writes
 updated weights in place. A parameter may straddle a shard boundary: the inner torch optimizer
-gets one 1-D *piece* (a view of the buffer: fp32 parameters are their own master weights) per
-parameter the shard overlaps, in that parameter's group. A *grad buffer* of the same layout
+gets one 1-D *piece* (a view of the buffer, where fp32 parameters are their own master
+weights, or of the master shard) per parameter the shard overlaps, in that parameter's group.
+Checkpoints read and write the fp32 values (`full_precision_parameters`). A *grad buffer* of the same layout
 holds the gradients: `zero_grad` binds each `param.grad` to its view so backward accumulates
 there (grads autograd re-created elsewhere are copied in at `step`).
 
@@ -43,7 +49,6 @@ each bucket just before the forward that needs it (megatron.optimizer.param_gath
 from __future__ import annotations
 
 import contextlib
-import copy
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -65,8 +70,8 @@ from megatron.optimizer.optimizer import (
     load_keeping_kernel_flags,
 )
 from megatron.optimizer.param_gather import ParamGather
-from megatron.optimizer.sharded_buffer import ShardedBuffer, all_gather_into
-from megatron.optimizer.unsharded_view import UnshardedView
+from megatron.optimizer.sharded_buffer import ShardedBuffer
+from megatron.optimizer.unsharded_view import UnshardedView, gather_full_state, load_full_state
 from megatron.parallel import parallel_state
 from megatron.parallel.expert_parameters import is_expert_parameter
 
@@ -249,68 +254,14 @@ class DistributedOptimizer(MegatronOptimizer):
 
     def gather_full_state_dict(self) -> Dict[str, Any]:
         """The unsharded state of this rank's parameters, structured as the state_dict() of a
-        `MegatronOptimizer` over the same model (its tensor-parallel shards, stage, experts).
-
-        Collective over the data-parallel group (and the expert-data-parallel group with
-        expert-parallel parameters); every rank gets the full state (CPU tensors). Load it into
-        a `MegatronOptimizer`, or into a `DistributedOptimizer` of any DP size with
-        `load_full_state_dict`.
-        """
-        inner = self.optimizer.state_dict()
-        full_indices = {id(param): index for index, param in enumerate(self.model_params)}
-        full_state: Dict[int, Dict[str, Any]] = {}
-        for buffer in self.buffers:
-            sharded_keys = self._gather_small_state(buffer, inner["state"], full_state)
-            for key in sorted(sharded_keys):
-                full_flat = self._gather_state_key(buffer, key, inner["state"])
-                for param, offset in zip(buffer.params, buffer.offsets):
-                    entry = full_state.get(full_indices[id(param)])
-                    if entry is not None:
-                        value = full_flat[offset : offset + param.numel()].view_as(param)
-                        entry[key] = value.cpu().clone()
-        param_groups = copy.deepcopy(inner["param_groups"])
-        next_index = 0
-        for group, torch_group in zip(param_groups, self.model_param_groups):
-            group["params"] = list(range(next_index, next_index + len(torch_group)))
-            next_index += len(torch_group)
-        state = {
-            "optimizer": {"state": dict(sorted(full_state.items())), "param_groups": param_groups}
-        }
-        if self.grad_scaler is not None:
-            state["grad_scaler"] = self.grad_scaler.state_dict()
-        return state
+        `MegatronOptimizer` over the same model (megatron.optimizer.unsharded_view.
+        gather_full_state; a collective)."""
+        return gather_full_state(self)
 
     def load_full_state_dict(self, full_state_dict: Dict[str, Any]) -> None:
-        """Take this rank's shard of an unsharded state (`MegatronOptimizer.state_dict()` or
-        `gather_full_state_dict()` over the same parameters), whatever DP size wrote it."""
-        full = full_state_dict["optimizer"]
-        group_sizes = [len(group["params"]) for group in full["param_groups"]]
-        expected_sizes = [len(group) for group in self.model_param_groups]
-        if group_sizes != expected_sizes:
-            raise ValueError(
-                f"the full optimizer state has param groups of sizes {group_sizes} but this "
-                f"model's groups have {expected_sizes}: it was saved for another model"
-            )
-        full_ids = [index for group in full["param_groups"] for index in group["params"]]
-        inner_state = {}
-        for inner_index, piece in enumerate(self.pieces):
-            entry = full["state"].get(full_ids[piece.full_index])
-            if entry is None:
-                continue
-            inner_state[inner_index] = {
-                key: value.reshape(-1)[piece.start : piece.end].clone()
-                if _is_param_state(key, value, piece.param)
-                else value
-                for key, value in entry.items()
-            }
-        param_groups = copy.deepcopy(full["param_groups"])
-        next_index = 0
-        for group, torch_group in zip(param_groups, self.optimizer.param_groups):
-            group["params"] = list(range(next_index, next_index + len(torch_group["params"])))
-            next_index += len(torch_group["params"])
-        load_keeping_kernel_flags(
-            self.optimizer, {"state": inner_state, "param_groups": param_groups}
-        )
+        """Take this rank's shard of an unsharded state, whatever DP size wrote it
+        (megatron.optimizer.unsharded_view.load_full_state)."""
+        load_full_state(self, full_state_dict)
         self._load_grad_scaler(full_state_dict)
 
     def unsharded_view(self, gather: bool) -> UnshardedView:
@@ -376,57 +327,6 @@ class DistributedOptimizer(MegatronOptimizer):
             dist.all_reduce(value, group=parallel_state.get_model_parallel_group())
         return value
 
-    def _gather_small_state(
-        self,
-        buffer: ShardedBuffer,
-        inner_state: Dict[int, Dict[str, Any]],
-        full_state: Dict[int, Dict[str, Any]],
-    ) -> set:
-        """Merge the non-per-element state (Adam's `step`) of `buffer`'s pieces on every rank
-        of its group into `full_state`; the names of the per-element state keys."""
-        sharded_keys, small_entries = set(), {}
-        for inner_index, entry in inner_state.items():
-            piece = self.pieces[inner_index]
-            if piece.buffer is not buffer:
-                continue
-            small = small_entries.setdefault(piece.full_index, {})
-            for key, value in entry.items():
-                if _is_piece_state(value, piece.tensor):
-                    sharded_keys.add(key)
-                else:
-                    small[key] = value.cpu() if torch.is_tensor(value) else value
-        gathered = [(sharded_keys, small_entries)]
-        if buffer.size > 1:
-            gathered = [None] * buffer.size
-            dist.all_gather_object(gathered, (sharded_keys, small_entries), group=buffer.group)
-        for rank_keys, rank_entries in gathered:
-            sharded_keys |= rank_keys
-            for full_index, entry in rank_entries.items():
-                full_state.setdefault(full_index, {}).update(entry)
-        return sharded_keys
-
-    def _gather_state_key(
-        self, buffer: ShardedBuffer, key: str, inner_state: Dict[int, Dict[str, Any]]
-    ) -> torch.Tensor:
-        """All-gather state `key` of `buffer`'s parameters into one flat tensor."""
-        values = [
-            (piece, inner_state.get(inner_index, {}).get(key))
-            for inner_index, piece in enumerate(self.pieces)
-            if piece.buffer is buffer
-        ]
-        dtypes = {value.dtype for _, value in values if value is not None}
-        # Every rank must agree on the dtype; a state key's dtype is the run's, on every rank.
-        dtype = dtypes.pop() if len(dtypes) == 1 else buffer.step_shard.dtype
-        local = torch.zeros(buffer.shard_size, dtype=dtype, device=buffer.param_buffer.device)
-        for piece, value in values:
-            if value is not None:
-                local[piece.shard_offset : piece.shard_offset + value.numel()] = value
-        if buffer.size == 1:
-            return local
-        full = torch.empty(buffer.grad_buffer.numel(), dtype=dtype, device=local.device)
-        all_gather_into(full, local, buffer.group)
-        return full
-
     def _layout(self) -> Dict[str, Any]:
         return {
             "data_parallel_size": self.dp_size,
@@ -482,15 +382,3 @@ def _size_and_rank(group: Optional[dist.ProcessGroup]) -> Tuple[int, int]:
     if not (dist.is_available() and dist.is_initialized()):
         return 1, 0
     return dist.get_world_size(group), dist.get_rank(group)
-
-
-def _is_piece_state(value: Any, piece: torch.Tensor) -> bool:
-    """True for per-element state (exp_avg, momentum); False for `step` and non-tensors."""
-    return torch.is_tensor(value) and value.dim() > 0 and value.shape == piece.shape
-
-
-def _is_param_state(key: str, value: Any, param: torch.Tensor) -> bool:
-    """True for per-element state of a full parameter; a 0-dim parameter's `step` is not."""
-    return (
-        torch.is_tensor(value) and value.shape == param.shape and (param.dim() > 0 or key != "step")
-    )

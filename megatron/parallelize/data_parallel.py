@@ -101,6 +101,12 @@ class DataParallel:
         divided: the memory planner's question."""
         return 1, 1
 
+    @property
+    def weights_in_compute_dtype(self) -> bool:
+        """Whether the weights autocast would cast (`autocast_cast_parameters`) are held in the
+        compute dtype, with fp32 master weights beside them."""
+        return False
+
     # ------------------------------------------------------------------------ the model
     def apply(self, model: nn.Module, context: DistributedContext) -> nn.Module:
         """Step 7 of parallelize: what the forwards run (`model` itself, or it in DDP)."""
@@ -169,6 +175,10 @@ class ShardedOptimizerState(DataParallel):
     def gathers_by_layer(self) -> bool:
         # Under a pipeline the schedules run the chunks' forwards: all wait before them.
         return self.config.parallel.overlap_param_gather and not self.pipeline
+
+    @property
+    def weights_in_compute_dtype(self) -> bool:
+        return self.config.numerics.autocast
 
     def optimizer_shards(self) -> Tuple[int, int]:
         parallel = self.config.parallel

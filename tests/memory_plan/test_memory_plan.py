@@ -20,6 +20,7 @@ from megatron.memory_plan.activations import layer_bytes_per_token, norm_bytes_p
 from megatron.memory_plan.command_line import build_config
 from megatron.memory_plan.suggestions import format_warning, suggest_fits
 from megatron.model import GPTModel
+from megatron.parallelize.data_parallel import autocast_cast_parameters
 from tests import processes
 from tests.tiny_gpt import sharded_gpt_model
 
@@ -100,6 +101,29 @@ def test_expert_parallel_and_distributed_optimizer_shard_experts_and_state():
     ep_plain = estimate_memory(expert, GPT_RUN.mlp_spec(expert))
     dense = expert_counts.total - expert_counts.expert
     assert ep_sharded.gradients == pytest.approx(ep_plain.gradients + 4 * dense / 2, abs=16)
+
+
+@pytest.mark.parametrize("flags", [(), DMOE], ids=["dense", "dmoe"])
+def test_compute_dtype_weights_count_two_bytes_and_a_master_shard(flags):
+    """bf16 with the distributed optimizer over 2 ranks: the weights the run holds in bf16
+    (megatron.parallelize.data_parallel.autocast_cast_parameters on the real model) count 2
+    bytes, their fp32 masters 4 per element of a rank's half, the rest 4; the dMoE keeps no
+    expert copies and holds no gradient, and only the tied table is cast per micro-batch."""
+    config = config_of(*flags, "--use-distributed-optimizer", world_size=2)
+    model = real_model(config)
+    held = {id(p) for p in autocast_cast_parameters(model)}
+    low = sum(p.numel() for p in model.parameters() if id(p) in held)
+    rest = sum(p.numel() for p in model.parameters() if id(p) not in held)
+    estimate = estimate_memory(config, GPT_RUN.mlp_spec(config))
+    assert estimate.weights == 2 * low + 4 * rest
+    assert estimate.master_weights == pytest.approx(4 * low / 2, abs=16)
+    assert estimate.expert_weight_copies == estimate.held_gradients == 0
+    table = config.model.padded_vocab_size * config.model.hidden_size
+    micro_batches = config.training.num_micro_batches
+    assert estimate.weight_casts == 2 * table * micro_batches
+    replicated_config = config_of(*flags, world_size=2)
+    replicated = estimate_memory(replicated_config, GPT_RUN.mlp_spec(replicated_config))
+    assert replicated.master_weights == 0 and replicated.weights == 4 * (low + rest)
 
 
 def test_fixed_size_expert_parallel_blocks_plan_their_padding():

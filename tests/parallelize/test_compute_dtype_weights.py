@@ -149,23 +149,30 @@ def _args(data_prefix: str, layout: str, *extra: str) -> List[str]:
 
 
 @pytest.fixture(scope="module")
-def fp32_weights_runs(data_prefix, tmp_path_factory):
-    """Each layout's run with fp32 weights, trained once for the module. The overlap changes
-    when the gradients are summed, and where each lies in its bucket (the model's order instead
-    of the optimizer's groups): over 2 ranks a sum is the same wherever, over 4 it is not, so
-    only the layouts with 4 data-parallel ranks train a reference with the overlap."""
-    runs: Dict[tuple, Dict] = {}
+def runs(data_prefix, tmp_path_factory):
+    """Each run trained once for the module: `run(layout, overlap, fp32_weights)`.
 
-    def run(layout: str, overlap: bool) -> Dict:
+    With fp32 weights the overlap changes when the gradients are summed, and where each lies in
+    its bucket (the model's order instead of the optimizer's groups): over 2 ranks a sum is the
+    same wherever, over 4 it is not, so only the layouts with 4 data-parallel ranks train a
+    reference with the overlap. dense_dp2 without overlap saves iteration SAVED: with fp32
+    weights in the torch format, with bf16 weights in torch_dist, written in the background."""
+    trained: Dict[tuple, Dict] = {}
+
+    def run(layout: str, overlap: bool, fp32_weights: bool) -> Dict:
         world_size, extra = LAYOUTS[layout]
-        key = (layout, overlap and _data_parallel_size(world_size, extra) > 2)
-        if key not in runs:
+        if fp32_weights:
+            overlap = overlap and _data_parallel_size(world_size, extra) > 2
+        key = (layout, overlap, fp32_weights)
+        if key not in trained:
             directory = tmp_path_factory.mktemp(layout)
-            args = _args(data_prefix, layout, *(OVERLAP if key[1] else []))
-            args += ["--save", str(directory / "ckpt"), "--save-interval", str(SAVED)]
-            runs[key] = train(world_size, args, directory, fp32_weights=True)
-            runs[key]["save"] = directory / "ckpt"
-        return runs[key]
+            args = _args(data_prefix, layout, *(OVERLAP if overlap else []))
+            if layout == "dense_dp2" and not overlap:
+                args += ["--save", str(directory / "ckpt"), "--save-interval", str(SAVED)]
+                args += ["--ckpt-format", "torch"] if fp32_weights else ["--async-save"]
+            trained[key] = train(world_size, args, directory, fp32_weights=fp32_weights)
+            trained[key]["save"] = directory / "ckpt"
+        return trained[key]
 
     return run
 
@@ -180,12 +187,8 @@ def _data_parallel_size(world_size: int, extra: List[str]) -> int:
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["gathered_after_step", "overlapped"])
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_compute_dtype_weights_give_the_fp32_weights_run(
-    fp32_weights_runs, data_prefix, tmp_path, layout, overlap
-):
-    before = fp32_weights_runs(layout, overlap)
-    args = _args(data_prefix, layout, *(OVERLAP if overlap else []))
-    after = train(LAYOUTS[layout][0], args, tmp_path, fp32_weights=False)
+def test_compute_dtype_weights_give_the_fp32_weights_run(runs, layout, overlap):
+    before, after = runs(layout, overlap, True), runs(layout, overlap, False)
     assert before["gathered"] == ["torch.float32"]
     assert after["gathered"] == ["torch.bfloat16", "torch.float32"]
     iterations = list(range(1, ITERATIONS + 1))
@@ -197,31 +200,31 @@ def test_compute_dtype_weights_give_the_fp32_weights_run(
         ), step
 
 
-def _resume(data_prefix: str, source: Path, iteration: int, directory: Path, fp32: bool) -> Dict:
-    """dense_dp2 resumed from `source`'s checkpoint of `iteration`, trained to the end."""
+def _resume(data_prefix: str, source: Path, directory: Path, fp32_weights: bool) -> Dict:
+    """dense_dp2 resumed from `source`'s checkpoint of iteration SAVED, trained to the end."""
     load = directory / "load"
     load.mkdir(parents=True)
-    shutil.copytree(source / f"iter_{iteration:07d}", load / f"iter_{iteration:07d}")
-    (load / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+    name = f"iter_{SAVED:07d}"
+    shutil.copytree(source / name, load / name)
+    (load / "latest_checkpointed_iteration.txt").write_text(str(SAVED))
     args = _args(data_prefix, "dense_dp2", "--load", str(load))
-    return train(2, args, directory, fp32_weights=fp32)
+    return train(2, args, directory, fp32_weights=fp32_weights)
 
 
-def test_checkpoints_hold_fp32_weights_either_way(fp32_weights_runs, data_prefix, tmp_path):
-    """A checkpoint of the distributed optimizer with fp32 weights (torch_dist) resumes with
-    bf16 weights, and one of bf16 weights (--ckpt-format torch) with fp32 weights, and both go
-    on exactly as the uninterrupted run: a checkpoint holds the fp32 master weights, whatever
-    the model computed with, in the format it always had."""
-    reference = fp32_weights_runs("dense_dp2", False)
-    resumed = _resume(data_prefix, reference["save"], SAVED, tmp_path / "bf16", fp32=False)
-    later = list(range(SAVED + 1, ITERATIONS + 1))
-    assert resumed["lm loss"] == {step: reference["lm loss"][step] for step in later}
-
-    args = _args(data_prefix, "dense_dp2", "--ckpt-format", "torch")
-    args += ["--save", str(tmp_path / "torch"), "--save-interval", str(SAVED)]
-    bf16_weights = train(2, args, tmp_path / "bf16_run", fp32_weights=False)
-    assert bf16_weights["lm loss"] == reference["lm loss"]
-    saved = saved_state(tmp_path / "torch", SAVED)
-    assert {str(tensor.dtype) for tensor in saved["model"].values()} == {"torch.float32"}
-    resumed = _resume(data_prefix, tmp_path / "torch", SAVED, tmp_path / "fp32", fp32=True)
-    assert resumed["lm loss"] == {step: reference["lm loss"][step] for step in later}
+def test_checkpoints_hold_fp32_weights_either_way(runs, data_prefix, tmp_path):
+    """A checkpoint of the distributed optimizer with fp32 weights (--ckpt-format torch)
+    resumes with bf16 weights, and one of bf16 weights (torch_dist, written in the background)
+    with fp32 weights, and both go on exactly as the uninterrupted run: a checkpoint holds the
+    fp32 master weights, whatever the model computed with, in the formats it always had (the
+    two runs' weights are the same bits, and so are the tensors the two formats saved)."""
+    fp32_run, bf16_run = runs("dense_dp2", False, True), runs("dense_dp2", False, False)
+    later = {step: fp32_run["lm loss"][step] for step in range(SAVED + 1, ITERATIONS + 1)}
+    saved, sharded = saved_state(fp32_run["save"], SAVED), saved_state(bf16_run["save"], SAVED)
+    assert {str(tensor.dtype) for tensor in sharded["model"].values()} == {"torch.float32"}
+    assert list(sharded["model"]) == list(saved["model"])
+    for name, tensor in saved["model"].items():
+        assert torch.equal(sharded["model"][name], tensor), name
+    resumed = _resume(data_prefix, fp32_run["save"], tmp_path / "bf16", fp32_weights=False)
+    assert resumed["lm loss"] == later
+    resumed = _resume(data_prefix, bf16_run["save"], tmp_path / "fp32", fp32_weights=True)
+    assert resumed["lm loss"] == later
