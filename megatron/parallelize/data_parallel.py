@@ -6,11 +6,12 @@ one owner). `parallelize` builds it (step 7) and the rest of the run asks it:
   `compiles_by_layer` says whether its gradients must leave the backward layer by layer;
 - the trainer: `build_optimizer`, then per step `micro_batch_context`, `last_backward_starts`,
   `after_backwards` (the reductions left after the last backward), and the parameter gathers'
-  waits (`gathers_by_layer`, `install_parameter_waits`, `finish_parameter_gather`);
+  waits (`gathers_by_layer`, `install_parameter_waits`, `finish_parameter_gather`); around a
+  checkpoint's save or load `full_precision_parameters`;
 - the MoE hooks: `in_ddp` and `expert_parallel`, which say whether autograd's hooks reduce the
   expert weights' gradients;
-- the memory planner, before any process group exists: `DataParallel.of(config)` and
-  `optimizer_shards`.
+- the memory planner, before any process group exists: `DataParallel.of(config)`,
+  `optimizer_shards` and `weights_in_compute_dtype`.
 
 Two modes:
 - `Replicated`: every rank keeps the whole model and its optimizer state; the gradients are
@@ -19,7 +20,9 @@ Two modes:
 - `ShardedOptimizerState` (`--use-distributed-optimizer`, ZeRO-1): every rank keeps the whole
   model and a shard of its optimizer state; the parameters and gradients live in flat buffers
   that reduce-scatter the gradients and all-gather the updated weights
-  (megatron.optimizer.distributed_optimizer, which this mode builds over them).
+  (megatron.optimizer.distributed_optimizer, which this mode builds over them). In a bf16 or
+  fp16 run the weights autocast would cast (`autocast_cast_parameters`) are held in that dtype,
+  with fp32 master weights of each rank's shard only, and gathered in it.
 
 Checkpoints ask the optimizer it built (`MegatronOptimizer.unsharded_view` and
 `state_pieces`), whichever mode built it.

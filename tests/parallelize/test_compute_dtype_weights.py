@@ -144,7 +144,7 @@ def _args(data_prefix: str, layout: str, *extra: str) -> List[str]:
     return tiny_gpt_args(
         data_prefix, "--bf16", "--clip-grad", "0.0", *LAYOUTS[layout][1],
         "--use-distributed-optimizer", *extra,
-        seq_length=32, micro_batch=2, global_batch=8, train_iters=ITERATIONS, eval_iters=0,
+        seq_length=16, micro_batch=1, global_batch=4, train_iters=ITERATIONS, eval_iters=0,
     )  # fmt: skip
 
 
