@@ -72,7 +72,9 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="Shard the fp32 master weights and optimizer state over the data-parallel ranks "
         "(ZeRO-1; expert-parallel parameters over the expert-data-parallel ranks): gradients "
-        "are reduce-scattered and parameters all-gathered instead of DDP's all-reduce.",
+        "are reduce-scattered and parameters all-gathered instead of DDP's all-reduce. With "
+        "--bf16 or --fp16 the weights the products read are held in that dtype and gathered "
+        "in it; checkpoints still hold fp32 weights.",
     )
     group.add_argument(
         "--overlap-grad-reduce",
