@@ -46,10 +46,9 @@ class ParameterCounts:
     `dense` and `expert` split them by replica group (data-parallel vs expert-data-parallel);
     `matmul_weights` are the non-expert ones autocast casts to the compute dtype in every
     forward (linear layers and the output layer's weight, unless the run holds them in the
-    compute dtype already). `compute_dense` and `compute_expert`
-    are those the distributed optimizer holds in the compute dtype in a bf16 or fp16 run
-    (megatron.parallelize.data_parallel.autocast_cast_parameters), `largest_compute` the
-    largest such parameter.
+    compute dtype already). `compute_dense` and `compute_expert` are those the distributed
+    optimizer holds in the compute dtype in a bf16 or fp16 run
+    (megatron.parallelize.data_parallel.autocast_cast_parameters).
     """
 
     dense: int = 0
@@ -57,7 +56,6 @@ class ParameterCounts:
     matmul_weights: int = 0
     compute_dense: int = 0
     compute_expert: int = 0
-    largest_compute: int = 0
 
     @property
     def total(self) -> int:
@@ -76,7 +74,6 @@ class ParameterCounts:
             self.matmul_weights + other.matmul_weights,
             self.compute_dense + other.compute_dense,
             self.compute_expert + other.compute_expert,
-            max(self.largest_compute, other.largest_compute),
         )
 
 
@@ -141,7 +138,6 @@ def count_parameters(config: Config, mlp_spec: MlpSpec) -> ModelParameterCounts:
             dense=table,
             matmul_weights=0 if rules.holds_compute_dtype else table,
             compute_dense=table,
-            largest_compute=table,
         )
     return ModelParameterCounts(
         embedding=_count(model.embedding, rules),
@@ -164,14 +160,12 @@ class _Rules:
 
 def _count(module: nn.Module, rules: _Rules, name: str = "") -> ParameterCounts:
     """Elements of `module`'s parameters on tensor-parallel rank 0, by kind."""
-    dense = expert = matmul = compute_dense = compute_expert = largest = 0
+    dense = expert = matmul = compute_dense = compute_expert = 0
     for module_name, owner in module.named_modules(prefix=name):
         last = module_name.rsplit(".", 1)[-1]
         for parameter_name, parameter in owner.named_parameters(recurse=False):
             elements = _local_elements(owner, last, parameter_name, parameter, rules.tensor)
             held = _held_in_compute_dtype(owner, last, parameter_name, rules.tensor, rules.fp8)
-            if held:
-                largest = max(largest, elements)
             if is_expert_parameter(parameter):
                 expert += elements
                 compute_expert += elements if held else 0
@@ -180,7 +174,7 @@ def _count(module: nn.Module, rules: _Rules, name: str = "") -> ParameterCounts:
                 compute_dense += elements if held else 0
                 if isinstance(owner, nn.Linear) and not (held and rules.holds_compute_dtype):
                     matmul += elements
-    return ParameterCounts(dense, expert, matmul, compute_dense, compute_expert, largest)
+    return ParameterCounts(dense, expert, matmul, compute_dense, compute_expert)
 
 
 def _held_in_compute_dtype(

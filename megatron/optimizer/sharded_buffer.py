@@ -70,7 +70,7 @@ class ShardedBuffer:
         self.master_shard: Optional[torch.Tensor] = None
         self.param_buffer = full
         if compute_dtype is not None and compute_dtype != dtype:
-            self.master_shard = full[self.shard_start : self.shard_start + self.shard_size].clone()
+            self.master_shard = self._shard_of(full).clone()
             self.param_buffer = full.to(compute_dtype)
             del full
         self.grad_buffer = torch.zeros(padded, dtype=grad_dtype, device=device)
@@ -87,13 +87,21 @@ class ShardedBuffer:
             if grad_dtype != dtype or self.master_shard is not None
             else None
         )
-        for param, offset in zip(params, self.offsets):
-            param.data = self.param_buffer[offset : offset + param.numel()].view_as(param)
+        self._point_params_into(self.param_buffer)
+
+    def _point_params_into(self, flat: torch.Tensor) -> None:
+        """Make every parameter a view of its slice of `flat` (a buffer of this layout)."""
+        for param, offset in zip(self.params, self.offsets):
+            param.data = flat[offset : offset + param.numel()].view_as(param)
+
+    def _shard_of(self, flat: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of `flat` (a buffer of this layout)."""
+        return flat[self.shard_start : self.shard_start + self.shard_size]
 
     @property
     def param_shard(self) -> torch.Tensor:
         """This rank's shard of the parameter buffer."""
-        return self.param_buffer[self.shard_start : self.shard_start + self.shard_size]
+        return self._shard_of(self.param_buffer)
 
     @property
     def step_shard(self) -> torch.Tensor:
@@ -108,22 +116,19 @@ class ShardedBuffer:
         if self.master_shard is None:
             yield
             return
-        full = torch.empty(self.grad_buffer.numel(), dtype=self.master_shard.dtype,
-                           device=self.master_shard.device)  # fmt: skip
+        full = torch.empty_like(self.param_buffer, dtype=self.master_shard.dtype)
         if self.size > 1:
             all_gather_into(full, self.master_shard, self.group)
         else:
             full.copy_(self.master_shard)
-        for param, offset in zip(self.params, self.offsets):
-            param.data = full[offset : offset + param.numel()].view_as(param)
+        self._point_params_into(full)
         try:
             yield
         finally:
             with torch.no_grad():
-                self.master_shard.copy_(full[self.shard_start : self.shard_start + self.shard_size])
+                self.master_shard.copy_(self._shard_of(full))
                 self.param_buffer.copy_(full)
-            for param, offset in zip(self.params, self.offsets):
-                param.data = self.param_buffer[offset : offset + param.numel()].view_as(param)
+            self._point_params_into(self.param_buffer)
 
     @property
     def local_numel(self) -> int:
