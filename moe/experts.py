@@ -17,7 +17,7 @@ expert-parallel one are applied to built experts by megatron.parallelize.steps's
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator, List, Optional, Tuple
+from typing import Callable, Iterator, List, Optional, Tuple, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -39,6 +39,7 @@ from moe.kernels.scaled_activation import scaled_activation
 from moe.weight_copies import CachedCast, GradientAccumulator
 
 Projection = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+T = TypeVar("T")
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -111,6 +112,14 @@ class Experts(nn.Module):
         self._fp8_weights: Optional[Tuple[Optional[QuantizedExpertWeight], ...]] = None
         self._accumulates_in_place = False
         self._accumulators: Tuple[GradientAccumulator, ...] = ()
+
+    def forward(self, compute: Callable[..., T], *inputs: object) -> T:
+        """`compute(*inputs)`, which runs these experts (any of the methods below): the MoE
+        layer's one call into them, so that what wraps a module's forward covers every path.
+        Under --use-torch-fsdp2 with expert parallelism the experts are a unit of their own
+        (megatron.parallelize.fully_shard), whose weights are gathered around this call and
+        whose gradients are reduced after its backward."""
+        return compute(*inputs)
 
     def keep_ffn_channels(self, size: int, rank: int) -> None:
         """Keep channels [rank * f/size, (rank + 1) * f/size) of every expert's ffn (a copy of

@@ -202,7 +202,7 @@ class MoELayer(nn.Module):
             # kernels are autograd Functions autocast does not see; Experts casts their weights.
             tokens = tokens.to(torch.get_autocast_dtype(device_type))
         routing, expert_tokens = self.region.enter(self.router, tokens, hidden_states.shape)
-        output, tokens_per_expert = self.compute_experts(expert_tokens, routing)
+        output, tokens_per_expert = self.experts(self.compute_experts, expert_tokens, routing)
         # Computed on recomputation too: a checkpointed re-run must save the same tensors.
         probabilities = balancing_probabilities(routing, self.config.router_score)
         balance_loss = load_balancing_loss(tokens_per_expert, probabilities, self.config.top_k)

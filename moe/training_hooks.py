@@ -92,6 +92,9 @@ class MoETrainingHooks(TrainingHooks):
 
     def setup(self, model: nn.Module, data_parallel: DataParallel, device: torch.device) -> None:
         self.grads_in_place = _expert_grads_in_place(data_parallel)
+        if data_parallel.shards_parameters:
+            # Sharded outside their forward: the gathered weights are the compute copies.
+            self.compute_dtype = None
         self.expert_parallel = data_parallel.expert_parallel
         self.device = device
 

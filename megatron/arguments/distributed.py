@@ -91,6 +91,29 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
         "holds at least this many); default max(40M, 1M x the data-parallel size), as Megatron.",
     )
     group.add_argument(
+        "--use-torch-fsdp2",
+        action="store_true",
+        help="Shard weights, gradients and optimizer state over the data-parallel ranks with "
+        "torch's fully_shard (FSDP2), one unit per transformer layer, each unit's weights "
+        "gathered for its forward and backward (Megatron-Core's flag; torch 2.6 or newer). "
+        "Experts shard over the expert-data-parallel ranks.",
+    )
+    group.add_argument(
+        "--num-distributed-optimizer-instances",
+        type=int,
+        default=1,
+        help="With --use-torch-fsdp2: hybrid sharding (HSDP). The data-parallel ranks split into "
+        "this many groups of consecutive ranks (e.g. one per node); weights, gradients and "
+        "optimizer state shard within a group and are replicated across groups, whose "
+        "gradients are all-reduced (Megatron-Core's flag). 1: shard over every data-parallel rank.",
+    )
+    group.add_argument(
+        "--grad-reduce-in-bf16",
+        action="store_true",
+        help="With --use-torch-fsdp2 and --bf16: reduce-scatter gradients in bf16 (half the "
+        "bytes) instead of fp32 (Megatron-Core's flag).",
+    )
+    group.add_argument(
         "--overlap-param-gather",
         action="store_true",
         help="With --overlap-grad-reduce: leave the distributed optimizer's parameter all-gather "

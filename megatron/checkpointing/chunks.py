@@ -24,6 +24,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from megatron.parallel import parallel_state
+from megatron.parallel.dtensors import local_offsets, local_part
 from megatron.parallel.expert_parameters import is_expert_parameter
 
 Offsets = Tuple[int, ...]
@@ -90,16 +91,28 @@ def is_replicated_over_tensor_parallel(param: torch.Tensor) -> bool:
 
 
 def chunks_like(param: torch.Tensor, tensor: torch.Tensor) -> ChunkedTensor:
-    """`tensor` (shaped and split like `param`) as chunks of its single-process tensor."""
+    """`tensor` (shaped and split like `param`) as chunks of its single-process tensor. A
+    DTensor (FSDP2) holds rows [first, first + n) of this tensor-parallel rank's tensor: each
+    block's part of those rows."""
     global_shape, blocks = tensor_blocks(param)
-    tensor = tensor.detach()
+    scalar = tensor.dim() == 0
+    first = 0 if scalar else local_offsets(tensor)[0]
+    local = local_part(tensor).detach()
     chunks = []
     for block in blocks:
-        view = tensor
-        for dim, (start, size) in enumerate(zip(block.local_offsets, block.sizes)):
-            if size != tensor.shape[dim]:
+        starts, offsets, sizes = block.local_offsets, block.global_offsets, block.sizes
+        if not scalar:
+            begin = max(starts[0], first)
+            end = min(starts[0] + sizes[0], first + local.shape[0])
+            if begin >= end:
+                continue  # none of this block's rows is on this rank
+            offsets = (offsets[0] + begin - starts[0], *offsets[1:])
+            starts, sizes = (begin - first, *starts[1:]), (end - begin, *sizes[1:])
+        view = local
+        for dim, (start, size) in enumerate(zip(starts, sizes)):
+            if size != local.shape[dim]:
                 view = view.narrow(dim, start, size)
-        chunks.append((block.global_offsets, view))
+        chunks.append((offsets, view))
     return ChunkedTensor(global_shape, chunks)
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 from typing import List
 
+import torch
+
 from megatron.config.errors import ConfigError
 
 
@@ -121,7 +123,16 @@ def check_pipeline_parallel(args: argparse.Namespace) -> None:
 
 
 def check_gradient_sync(args: argparse.Namespace) -> None:
-    """The distributed optimizer's overlaps build on each other, as in Megatron."""
+    """The distributed optimizer's overlaps build on each other, as in Megatron; FSDP2 takes
+    the place of both data-parallel modes and composes with none of what it cannot."""
+    instances = args.num_distributed_optimizer_instances
+    if args.use_torch_fsdp2:
+        _check_fully_shard(args)
+    elif instances != 1 or args.grad_reduce_in_bf16:
+        flag = (
+            "--grad-reduce-in-bf16" if instances == 1 else "--num-distributed-optimizer-instances"
+        )
+        raise ConfigError(f"{flag} needs --use-torch-fsdp2 here; add it or drop {flag}")
     if args.overlap_param_gather and not (
         args.use_distributed_optimizer and args.overlap_grad_reduce
     ):
@@ -129,4 +140,51 @@ def check_gradient_sync(args: argparse.Namespace) -> None:
             "--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce "
             "(it gathers the parameters in the buckets the overlapped reduce-scatter makes); "
             "add them or drop --overlap-param-gather"
+        )
+
+
+# fully_shard is public (torch.distributed.fsdp) from torch 2.6, with the DeviceMesh of
+# process groups and the gradient divide factor FullyShard uses; 2.4 and 2.5 hold an earlier
+# private version of it that this project has not been run on.
+FULLY_SHARD_TORCH = (2, 6)
+
+
+def _check_fully_shard(args: argparse.Namespace) -> None:
+    """--use-torch-fsdp2's refusals: what it does not compose with, and hybrid groups that do
+    not divide the data-parallel ranks."""
+    version = tuple(int(part) for part in torch.__version__.split(".")[:2])
+    if version < FULLY_SHARD_TORCH:
+        raise ConfigError(
+            f"--use-torch-fsdp2 needs torch {'.'.join(map(str, FULLY_SHARD_TORCH))} or newer "
+            f"(torch.distributed.fsdp.fully_shard); this is torch {torch.__version__}: upgrade "
+            f"torch or use --use-distributed-optimizer"
+        )
+    instances = args.num_distributed_optimizer_instances
+    refused = [
+        (
+            args.use_distributed_optimizer,
+            "--use-distributed-optimizer (FSDP2 shards the optimizer state itself)",
+        ),
+        (args.pipeline_model_parallel_size > 1, "--pipeline-model-parallel-size > 1"),
+        (args.fp8_format is not None, "--fp8-format"),
+        (args.use_precision_aware_optimizer, "--use-precision-aware-optimizer"),
+        (args.optimizer_cpu_offload, "--optimizer-cpu-offload"),
+        (
+            instances > 1 and args.expert_model_parallel_size > 1,
+            "--num-distributed-optimizer-instances > 1 with --expert-model-parallel-size > 1",
+        ),
+        (args.grad_reduce_in_bf16 and not args.bf16, "--grad-reduce-in-bf16 without --bf16"),
+        (
+            args.ckpt_format == "torch",
+            "--ckpt-format torch (it gathers every tensor on one rank; use torch_dist)",
+        ),
+    ]
+    for bad, flag in refused:
+        if bad:
+            raise ConfigError(f"--use-torch-fsdp2 does not compose with {flag}; drop one")
+    if instances < 1 or args.data_parallel_size % instances != 0:
+        raise ConfigError(
+            f"--num-distributed-optimizer-instances {instances} does not divide the "
+            f"{args.data_parallel_size} data-parallel ranks into equal groups; choose a divisor "
+            f"of {args.data_parallel_size}"
         )

@@ -75,6 +75,11 @@ class ParallelConfig:
     ddp_impl: str = "local"  # --DDP-impl
     accumulate_allreduce_grads_in_fp32: bool = False
     use_distributed_optimizer: bool = False
+    # torch's fully_shard (megatron.parallelize.data_parallel.FullyShard): hybrid sharding
+    # over this many replica groups, and bf16 instead of fp32 gradient reduce-scatters.
+    use_torch_fsdp2: bool = False
+    num_distributed_optimizer_instances: int = 1
+    grad_reduce_in_bf16: bool = False
     # The distributed optimizer's reduce-scatter, bucket by bucket during the last backward
     # (megatron.optimizer.grad_reduce); torch DDP always overlaps its all-reduce.
     overlap_grad_reduce: bool = False

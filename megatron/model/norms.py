@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 if TYPE_CHECKING:
@@ -26,6 +27,20 @@ class RMSNorm(nn.Module):
         return x.type_as(hidden_states) * self.weight
 
 
+class LayerNorm(nn.LayerNorm):
+    """torch's LayerNorm, its weight and bias read in the input's dtype. Under --use-torch-fsdp2
+    with --bf16 a layer's norms are gathered in bf16 with its other weights while the residual
+    stream stays fp32 (megatron.parallelize.fully_shard): torch's CPU kernel refuses the mix,
+    and on GPUs autocast runs the norm in fp32 anyway. Elsewhere the cast changes nothing."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        dtype = hidden_states.dtype
+        return F.layer_norm(
+            hidden_states, self.normalized_shape, self.weight.to(dtype), self.bias.to(dtype),
+            self.eps,
+        )  # fmt: skip
+
+
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 
 
@@ -33,7 +48,7 @@ def build_norm(config: ModelConfig) -> nn.Module:
     """The norm named by `config.normalization` over `hidden_size`, with `layernorm_epsilon`."""
     if config.normalization == "LayerNorm":
         # Megatron's LayerNorm always has a bias, whatever --disable-bias-linear says.
-        norm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
+        norm = LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
     elif config.normalization == "RMSNorm":
         norm = RMSNorm(config.hidden_size, eps=config.layernorm_epsilon)
     else:

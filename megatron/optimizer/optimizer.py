@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import inspect
 from collections import defaultdict
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -30,6 +30,7 @@ from megatron.optimizer.precision import (
     saved_moment_dtypes,
 )
 from megatron.parallel import parallel_state
+from megatron.parallel.dtensors import is_dtensor, local_part, shard_groups
 from megatron.parallel.expert_parameters import is_expert_parameter
 
 StepResult = Tuple[bool, Optional[float], Optional[int]]
@@ -150,6 +151,8 @@ class MegatronOptimizer:
         groups that split the model (`_norm_groups`), so every rank gets the same norm. One
         process, or no model or expert parallelism, is the plain norm of `grads`.
         """
+        if any(is_dtensor(grad) for grad in grads):
+            return float(self._sharded_total(_sum_of_squares).sqrt().item())
         groups = self._norm_groups()
         if not groups:
             return _global_grad_norm(grads)
@@ -160,6 +163,8 @@ class MegatronOptimizer:
 
     def _count_zeros(self) -> int:
         """Zero gradient elements of the whole model, counted like `_global_grad_norm`."""
+        if any(is_dtensor(grad) for grad in self._grads()):
+            return int(self._sharded_total(_zeros_count).item())
         groups = self._norm_groups()
         if not groups:
             return _count_zeros(self._grads())
@@ -202,6 +207,43 @@ class MegatronOptimizer:
             and counted_across_model_parallel_ranks(param)
             and (is_expert_parameter(param) or first_expert_rank)
         ]
+
+    def _sharded_total(
+        self, measure: Callable[[List[torch.Tensor], torch.device], torch.Tensor]
+    ) -> torch.Tensor:
+        """`measure` (a sum over tensors) of the whole model's gradient when the gradients are
+        DTensor shards over the data-parallel ranks (FSDP2), which each rank holds a different
+        part of: each rank measures its parts, summed over the ranks of their shards
+        (megatron.parallel.dtensors.shard_groups), then over `_norm_groups` as `_counted_grads`
+        says. The dense parameters' shards span the expert-parallel ranks too: once summed they
+        are the same on all of them and count on the first."""
+        device = self._device()
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        first_expert_rank = parallel_state.get_expert_model_parallel_rank() == 0
+        for experts in (False, True):
+            params = [
+                param
+                for param in self._params()
+                if gradient(param) is not None and is_expert_parameter(param) == experts
+            ]
+            # Keyed by the groups of every parameter's shards, so that every rank of a group
+            # reduces over it, whichever parameters it counts.
+            parts: Dict[Tuple[dist.ProcessGroup, ...], List[torch.Tensor]] = {
+                shard_groups(gradient(param)): [] for param in params
+            }
+            for param in params:
+                local = local_part(gradient(param))
+                if counted_across_model_parallel_ranks(param) and local.numel() > 0:
+                    parts[shard_groups(gradient(param))].append(local)
+            for groups, tensors in parts.items():
+                part = measure(tensors, device).double()
+                for group in groups:
+                    dist.all_reduce(part, group=group)
+                if experts or first_expert_rank:
+                    total += part
+        for group in self._norm_groups():
+            dist.all_reduce(total, group=group)
+        return total
 
     def _params(self) -> List[torch.Tensor]:
         return [param for group in self.optimizer.param_groups for param in group["params"]]
@@ -379,6 +421,10 @@ def _sum_of_squares(grads: List[torch.Tensor], device: torch.device) -> torch.Te
         norms = _per_tensor_norms(device_grads)
         squares += torch.stack([norm.float() for norm in norms]).square().sum().to(device)
     return squares
+
+
+def _zeros_count(grads: List[torch.Tensor], device: torch.device) -> torch.Tensor:
+    return torch.tensor(float(_count_zeros(grads)), dtype=torch.float64, device=device)
 
 
 def _per_tensor_norms(grads: List[torch.Tensor]) -> List[torch.Tensor]:

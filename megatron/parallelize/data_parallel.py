@@ -13,7 +13,7 @@ one owner). `parallelize` builds it (step 7) and the rest of the run asks it:
 - the memory planner, before any process group exists: `DataParallel.of(config)`,
   `optimizer_shards` and `weights_in_compute_dtype`.
 
-Two modes:
+Three modes:
 - `Replicated`: every rank keeps the whole model and its optimizer state; the gradients are
   averaged by torch DDP, by one all-reduce after the last backward (pipeline, main gradients),
   or not at all (one replica). megatron.parallelize.gradient_sync says which.
@@ -23,6 +23,10 @@ Two modes:
   (megatron.optimizer.distributed_optimizer, which this mode builds over them). In a bf16 or
   fp16 run the weights autocast would cast (`autocast_cast_parameters`) are held in that dtype,
   with fp32 master weights of each rank's shard only, and gathered in it.
+
+- `FullyShard` (`--use-torch-fsdp2`, megatron.parallelize.fully_shard): torch's FSDP2 shards
+  the weights, gradients and optimizer state, and gathers each layer's weights for its forward
+  and backward.
 
 Checkpoints ask the optimizer it built (`MegatronOptimizer.unsharded_view` and
 `state_pieces`), whichever mode built it.
@@ -68,6 +72,10 @@ class DataParallel:
     @staticmethod
     def of(config: Config) -> DataParallel:
         """The mode `config` asks for (no process group is needed to ask)."""
+        if config.parallel.use_torch_fsdp2:
+            from megatron.parallelize.fully_shard import FullyShard
+
+            return FullyShard(config)
         if config.parallel.use_distributed_optimizer:
             return ShardedOptimizerState(config)
         return Replicated(config)
@@ -108,6 +116,12 @@ class DataParallel:
     def weights_in_compute_dtype(self) -> bool:
         """Whether the weights autocast would cast (`autocast_cast_parameters`) are held in the
         compute dtype, with fp32 master weights beside them."""
+        return False
+
+    @property
+    def shards_parameters(self) -> bool:
+        """Whether the parameters are DTensor shards outside their units' forward and backward
+        (FSDP2): nothing may read them then."""
         return False
 
     # ------------------------------------------------------------------------ the model

@@ -82,6 +82,7 @@ NO_REDUCTION = "none"  # one replica
 DDP = "ddp"  # torch DDP, bucketed and overlapped with the last micro-batch's backward
 AFTER_BACKWARD = "after backward"  # one all-reduce after the last backward (pipeline, main grads)
 OPTIMIZER = "optimizer"  # the distributed optimizer's reduce-scatter (megatron.optimizer)
+FULLY_SHARD = "fully shard"  # FSDP2's reduce-scatter in the backward (torch's fully_shard)
 
 
 def gradient_reduction(config: Config) -> str:
@@ -90,6 +91,8 @@ def gradient_reduction(config: Config) -> str:
     assume one forward then one backward per micro-batch; the 1F1B schedules interleave them)
     or with main gradients (megatron.main_grads: DDP reduces `.grad`)."""
     parallel = config.parallel
+    if parallel.use_torch_fsdp2:
+        return FULLY_SHARD
     if parallel.use_distributed_optimizer:
         return OPTIMIZER
     if parallel.data_parallel_size == 1:
@@ -136,7 +139,7 @@ class GradientSync:
         if self.sequence_parallel:
             # Norms saw only this rank's sequence shard: sum their gradients over TP ranks.
             all_reduce_sequence_parallel_grads(model.parameters())
-        if self.expert_parallel and self.reduction != OPTIMIZER:
+        if self.expert_parallel and self.reduction not in (OPTIMIZER, FULLY_SHARD):
             # Expert gradients hold the contributions of the expert-parallel group's tokens;
             # this turns them into the data-parallel average DDP gives the other parameters.
             # (The distributed optimizer reduce-scatters them over the same group itself.)

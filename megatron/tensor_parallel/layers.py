@@ -36,6 +36,7 @@ from torch import nn
 
 from megatron.main_grads import gradient
 from megatron.parallel import parallel_state
+from megatron.parallel.dtensors import local_part
 from megatron.parallel.parameter_swaps import replace_parameter
 from megatron.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
@@ -88,7 +89,7 @@ def all_reduce_sequence_parallel_grads(params: Iterable[torch.Tensor]) -> None:
     if parallel_state.get_tensor_model_parallel_world_size() == 1:
         return
     grads = [
-        gradient(param)
+        local_part(gradient(param))  # under FSDP2 each data-parallel rank's shard: summed alike
         for param in params
         if getattr(param, "sequence_parallel", False) and gradient(param) is not None
     ]

@@ -20,7 +20,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
@@ -34,9 +34,10 @@ FINISHED = "written in the background"
 LOADED = re.compile(r"loaded checkpoint \S+ at iteration (\d+)")
 
 
-def launch(args: List[str]) -> processes.Ranks:
-    """Start pretrain_gpt.py in a process of its own (tests/processes.py)."""
-    return processes.start(args, env=dict(os.environ, OMP_NUM_THREADS="1"))
+def launch(args: List[str], nproc: Optional[int]) -> processes.Ranks:
+    """Start pretrain_gpt.py in a process of its own, or `nproc` ranks as torchrun would
+    (tests/processes.py)."""
+    return processes.start(args, nproc, env=dict(os.environ, OMP_NUM_THREADS="1"))
 
 
 def check_relaunch(lines: List[str], tracked: Optional[int]) -> Optional[str]:
@@ -52,17 +53,26 @@ def check_relaunch(lines: List[str], tracked: Optional[int]) -> Optional[str]:
     return None
 
 
-def run(data_prefix: str, directory: str, kills: int, seed: int, window_s: float) -> int:
+def run(
+    data_prefix: str,
+    directory: str,
+    kills: int,
+    seed: int,
+    window_s: float,
+    nproc: Optional[int] = None,
+    extra: Sequence[str] = (),
+) -> int:
+    """`kills` kills of one process (or of `nproc` ranks run with the flags `extra`)."""
     rng = random.Random(seed)
     save = os.path.join(directory, "checkpoints")
     args = tiny_gpt_args(
         data_prefix, "--save", save, "--load", save, "--save-interval", "1", "--async-save",
-        "--eval-iters", "0", num_layers=4, hidden_size=256, train_iters=10_000,
+        "--eval-iters", "0", *extra, num_layers=4, hidden_size=256, train_iters=10_000,
     )  # fmt: skip
     in_flight, failures = 0, 0
     tracked = None
     for kill in range(kills):
-        with launch(args) as process:
+        with launch(args, nproc) as process:
             while STARTED not in process.stdout() and process.poll() is None:
                 time.sleep(0.01)
             time.sleep(rng.uniform(0.0, window_s))
@@ -85,7 +95,7 @@ def run(data_prefix: str, directory: str, kills: int, seed: int, window_s: float
     # Two iterations past the tracker's checkpoint, and past the 2 warm-up iterations when no
     # kill left one (the learning-rate schedule needs more iterations than it warms up over).
     args[args.index("--train-iters") + 1] = str((tracked or 1) + 2)
-    with launch([*args, "--use-checkpoint-opt_param-scheduler"]) as process:
+    with launch([*args, "--use-checkpoint-opt_param-scheduler"], nproc) as process:
         returncode = process.wait()
         lines = (process.stdout() + process.stderr()).splitlines(keepends=True)
     failure = check_relaunch(lines, tracked) or (None if returncode == 0 else "exit code")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 import pytest
+import torch
 
 from megatron.config import Config, ConfigError, parse_arguments
 from tests.config.command_lines import config, error_message
@@ -37,6 +38,35 @@ from tests.config.command_lines import config, error_message
             {},
             2,
             ["--overlap-param-gather needs", "--overlap-grad-reduce"],
+        ),
+        *(
+            (("--use-torch-fsdp2", *flags), {}, world_size, ["--use-torch-fsdp2", *named])
+            for flags, world_size, named in (
+                (("--use-distributed-optimizer",), 2, ["--use-distributed-optimizer"]),
+                (("--pipeline-model-parallel-size", "2"), 2, ["--pipeline-model-parallel-size"]),
+                (("--fp8-format", "hybrid", "--bf16"), 2, ["--fp8-format"]),
+                (("--use-precision-aware-optimizer",), 2, ["--use-precision-aware-optimizer"]),
+                (("--optimizer-cpu-offload",), 2, ["--optimizer-cpu-offload"]),
+                (("--ckpt-format", "torch"), 2, ["--ckpt-format torch", "torch_dist"]),
+                (("--grad-reduce-in-bf16",), 2, ["--grad-reduce-in-bf16 without --bf16"]),
+                (
+                    "--num-distributed-optimizer-instances 2 --expert-model-parallel-size 2".split(),
+                    4,
+                    ["--num-distributed-optimizer-instances > 1", "--expert-model-parallel-size"],
+                ),
+            )
+        ),
+        (
+            ("--use-torch-fsdp2", "--num-distributed-optimizer-instances", "3"),
+            {},
+            4,
+            ["--num-distributed-optimizer-instances 3", "4 data-parallel ranks"],
+        ),
+        (
+            ("--num-distributed-optimizer-instances", "2"),
+            {},
+            2,
+            ["--num-distributed-optimizer-instances needs --use-torch-fsdp2"],
         ),
         ((), {"seq_length": "64"}, 1, ["--seq-length 64", "--max-position-embeddings 32"]),
         (
@@ -141,6 +171,13 @@ def test_validation_errors_name_the_flags(extra, kwargs, world_size, expected):
     message = error_message(*extra, world_size=world_size, **kwargs)
     for fragment in expected:
         assert fragment in message, f"{fragment!r} missing from {message!r}"
+
+
+def test_fully_shard_names_the_torch_it_needs(monkeypatch):
+    monkeypatch.setattr(torch, "__version__", "2.5.1")
+    message = error_message("--use-torch-fsdp2", world_size=2)
+    assert "--use-torch-fsdp2 needs torch 2.6 or newer" in message
+    assert "this is torch 2.5.1" in message
 
 
 def test_config_error_is_a_value_error():
