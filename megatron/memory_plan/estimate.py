@@ -15,6 +15,14 @@ precision is autocast, megatron.optimizer.optimizer):
   `step_chunk_elements` elements of 4 tensors are transient, during the step only;
 - what the MLP spec adds (megatron.model.mlp.MlpMemory): persistent weight copies, gradients
   held between micro-batches, weight casts per micro-batch.
+Under FSDP2 (`--use-torch-fsdp2`, megatron.parallelize.fully_shard) the parameters are fp32
+shards and the master weights themselves: weights 4, gradients 4 (FSDP2 keeps the sharded
+gradients in the parameters' dtype, whatever the reduce dtype) and the optimizer state, all per
+element of this rank's shard (over the data-parallel ranks, or a hybrid group of them; the
+experts over the expert-data-parallel ranks). During a backward it holds, unsharded, the
+`gathered_weights` and `gathered_gradients` (`_fully_sharded_gathers` says which). A layer
+arrives gathered in the compute dtype, every weight of it, so autocast casts only the weights
+of the root unit (embeddings, final norm, output layer), which is gathered in fp32.
 Activations are megatron.memory_plan.activations' bytes per token times the tokens of the
 micro-batches a stage holds at once; every in-flight micro-batch also keeps autocast's casts
 of the matmul weights it used (2 per element). The peak is the larger of the backward's (all of
@@ -43,13 +51,19 @@ from megatron.memory_plan.activations import (
     output_bytes_per_token,
     recompute_kept_fraction,
 )
-from megatron.memory_plan.parameters import ModelParameterCounts, count_parameters
+from megatron.memory_plan.parameters import (
+    ModelParameterCounts,
+    ParameterCounts,
+    count_parameters,
+)
 from megatron.model import DENSE_MLP, MlpSpec
+from megatron.model.mlp import MlpMemory
 from megatron.parallelize.data_parallel import DataParallel
 from megatron.pipeline.stages import stage_layer_numbers
 
 if TYPE_CHECKING:
     from megatron.config import Config
+    from megatron.parallelize.fully_shard import FullyShard
 
 GIB = 1024**3
 # The caching allocator's reserved memory beyond the peak it allocated, as a fraction of that
@@ -82,6 +96,9 @@ class MemoryEstimate:
     returned_gradients: int = 0
     # The fp32 master weights of this rank's shard of the weights held in the compute dtype.
     master_weights: int = 0
+    # FSDP2's unsharded weights and gradients during a backward (`_fully_sharded_gathers`).
+    gathered_weights: int = 0
+    gathered_gradients: int = 0
     pipeline_rank: int = 0
     device_memory: Optional[int] = None
 
@@ -98,15 +115,21 @@ class MemoryEstimate:
         )
 
     @property
+    def gathered(self) -> int:
+        """FSDP2's unsharded weights and gradients: the most a backward holds at once."""
+        return self.gathered_weights + self.gathered_gradients
+
+    @property
     def backward_peak(self) -> int:
         """Allocated at the start of the last micro-batch's backward."""
-        return self.state + self.held_gradients + self.activations + self.weight_casts + self.logits
+        activations = self.activations + self.weight_casts + self.logits
+        return self.state + self.held_gradients + self.gathered + activations
 
     @property
     def backward_end_peak(self) -> int:
         """Allocated as a micro-batch's backward returns: the activations are freed, its
         self-accumulated gradients all exist beside the held ones."""
-        return self.state + self.held_gradients + self.returned_gradients
+        return self.state + self.held_gradients + self.gathered + self.returned_gradients
 
     @property
     def step_peak(self) -> int:
@@ -154,14 +177,20 @@ def gib(num_bytes: float) -> str:
 def format_estimate_line(estimate: MemoryEstimate) -> str:
     """Megatron-style start-up line: `> estimated peak memory per GPU: X GiB of Y GiB
     (weights A, gradients B, optimizer C, activations D, logits E)`, in GiB; weights include
-    the expert copies and the fp32 masters, gradients the held ones, activations autocast's
-    weight casts."""
+    the expert copies, the fp32 masters and FSDP2's gathered weights, gradients the held and
+    FSDP2's unsharded ones, activations autocast's weight casts."""
     device = "unknown" if estimate.device_memory is None else f"{gib(estimate.device_memory)} GiB"
-    weights = estimate.weights + estimate.expert_weight_copies + estimate.master_weights
+    weights = (
+        estimate.weights
+        + estimate.expert_weight_copies
+        + estimate.master_weights
+        + estimate.gathered_weights
+    )
+    gradients = estimate.gradients + estimate.held_gradients + estimate.gathered_gradients
     return (
         f"> estimated peak memory per GPU: {gib(estimate.total)} GiB of {device} ("
         f"weights {gib(weights)}, "
-        f"gradients {gib(estimate.gradients + estimate.held_gradients)}, "
+        f"gradients {gib(gradients)}, "
         f"optimizer {gib(estimate.optimizer)}, "
         f"activations {gib(estimate.activations + estimate.weight_casts)}, "
         f"logits {gib(estimate.logits)})"
@@ -206,32 +235,29 @@ def _estimate_stage(
     numbers = _stage_layer_numbers(config, pipeline_rank)
     extra = mlp_spec.memory(config, numbers)
 
-    # Replica groups the distributed optimizer shards over.
+    # Replica groups the optimizer state shards over (FSDP2: the parameters too).
     data_parallel = DataParallel.of(config)
     dense_shards, expert_shards = data_parallel.optimizer_shards()
     sharded = -(-counts.dense // dense_shards) + -(-counts.expert // expert_shards)
-    # Weights held in the compute dtype, with fp32 masters of this rank's shard only.
-    held = data_parallel.weights_in_compute_dtype
-    low = counts.compute if held else 0
-    masters = 0
-    if held:
-        masters = 4 * (
-            -(-counts.compute_dense // dense_shards) + -(-counts.compute_expert // expert_shards)
+    low = masters = 0
+    gathered_weights = gathered_gradients = 0
+    if data_parallel.shards_parameters:
+        # The fp32 shards are the parameters and the master weights; their gradients are fp32
+        # shards beside them.
+        weights = gradients = 4 * sharded
+        gathered_weights, gathered_gradients = _fully_sharded_gathers(
+            config, whole, numbers, counts, data_parallel
         )
-
-    low_precision_grads = optimizer.main_grads_dtype == "bf16"
-    grad_bytes = 2 if low_precision_grads else 4
-    gradients = grad_bytes * counts.total
-    if low_precision_grads and counts.total > extra.self_accumulated_weights:
-        # Autograd's fp32 .grad of one parameter at a time, added into its main gradient and
-        # freed by the hook (megatron.main_grads); the word embeddings are the largest.
-        vocab_shard = model.padded_vocab_size // model.tensor_model_parallel_size
-        gradients += 4 * vocab_shard * model.hidden_size
-    # Each shard's reduced gradient; a replica group of one rank reduces in place.
-    gradients += grad_bytes * (
-        (-(-counts.dense // dense_shards) if dense_shards > 1 else 0)
-        + (-(-counts.expert // expert_shards) if expert_shards > 1 else 0)
-    )
+    else:
+        # Weights held in the compute dtype, with fp32 masters of this rank's shard only.
+        if data_parallel.weights_in_compute_dtype:
+            low = counts.compute
+            masters = 4 * (
+                -(-counts.compute_dense // dense_shards)
+                + -(-counts.compute_expert // expert_shards)
+            )
+        weights = 4 * (counts.total - low) + c * low
+        gradients = _replica_gradient_bytes(config, counts, extra, dense_shards, expert_shards)
 
     if optimizer.optimizer == "adam":
         state_bytes = (
@@ -262,7 +288,7 @@ def _estimate_stage(
     fused = config.training.kernels != "reference"
     logits = int(tokens * logits_bytes_per_token(model, c, fused)) if last else 0
     return MemoryEstimate(
-        weights=4 * (counts.total - low) + c * low,
+        weights=weights,
         expert_weight_copies=extra.weight_copies,
         gradients=gradients,
         held_gradients=extra.held_gradients,
@@ -274,8 +300,59 @@ def _estimate_stage(
         activations_worst_case=worst,
         returned_gradients=returned,
         master_weights=masters,
+        gathered_weights=gathered_weights,
+        gathered_gradients=gathered_gradients,
         pipeline_rank=pipeline_rank,
     )
+
+
+def _replica_gradient_bytes(
+    config: Config, counts: ParameterCounts, extra: MlpMemory, dense_shards: int, expert_shards: int
+) -> int:
+    """The gradients of a rank that holds the whole model (DDP, the distributed optimizer):
+    the main gradients of every parameter, and each shard's reduced gradient."""
+    model = config.model
+    low_precision_grads = config.optimizer.main_grads_dtype == "bf16"
+    grad_bytes = 2 if low_precision_grads else 4
+    gradients = grad_bytes * counts.total
+    if low_precision_grads and counts.total > extra.self_accumulated_weights:
+        # Autograd's fp32 .grad of one parameter at a time, added into its main gradient and
+        # freed by the hook (megatron.main_grads); the word embeddings are the largest.
+        vocab_shard = model.padded_vocab_size // model.tensor_model_parallel_size
+        gradients += 4 * vocab_shard * model.hidden_size
+    # Each shard's reduced gradient; a replica group of one rank reduces in place.
+    gradients += grad_bytes * (
+        (-(-counts.dense // dense_shards) if dense_shards > 1 else 0)
+        + (-(-counts.expert // expert_shards) if expert_shards > 1 else 0)
+    )
+    return gradients
+
+
+def _fully_sharded_gathers(
+    config: Config,
+    whole: ModelParameterCounts,
+    numbers: List[int],
+    counts: ParameterCounts,
+    data_parallel: FullyShard,
+) -> Tuple[int, int]:
+    """(weights, gradients) in bytes that FSDP2 holds unsharded during a backward, at most
+    (megatron.parallelize.fully_shard gathers the layers in the compute dtype and the root unit,
+    the embeddings, final norm and output layer, in fp32):
+    - weights: the root unit's, which FSDP2 keeps gathered from the forward to the end of the
+      backward, and two layer units' (the one running and the one prefetched; a layer's
+      experts are in its unit or in a unit inside it);
+    - gradients, in the dtype their weights were gathered in: the root unit's (reduced only as
+      the backward ends) and one layer unit's beside them; and the reduce-scatter input of the
+      larger of the two units in the reduce dtype (FSDP2 copies a unit's gradients into one
+      flat input).
+    """
+    c = config.numerics.compute_bytes
+    reduce_bytes = data_parallel.gradient_reduce_dtype.itemsize
+    largest_layer = max((whole.layers[n].total for n in numbers), default=0)
+    root = counts.total - sum(whole.layers[n].total for n in numbers)
+    weights = 4 * root + c * 2 * largest_layer
+    gradients = 4 * root + c * largest_layer + reduce_bytes * max(root, largest_layer)
+    return weights, gradients
 
 
 def _activation_bytes(

@@ -125,11 +125,16 @@ def count_parameters(config: Config, mlp_spec: MlpSpec) -> ModelParameterCounts:
     if tensor > 1:
         layout = TensorParallelLayout(tensor, 0, model_config.sequence_parallel)
         apply_styles(model, mlp_spec.tensor_parallel_styles(), layout)
-    rules = _Rules(
-        tensor,
-        config.numerics.fp8_format is not None,
-        DataParallel.of(config).weights_in_compute_dtype,
-    )
+    data_parallel = DataParallel.of(config)
+    fp8 = config.numerics.fp8_format is not None
+    rules = layer_rules = _Rules(tensor, fp8, data_parallel.weights_in_compute_dtype)
+    if data_parallel.shards_parameters:
+        # FSDP2 gathers every parameter of a layer in the compute dtype, and the rest
+        # (embeddings, final norm, output layer) in fp32, which autocast casts as in a
+        # replicated run (megatron.parallelize.fully_shard).
+        holds = data_parallel.weights_in_compute_dtype
+        rules = _Rules(tensor, fp8, holds_compute_dtype=False)
+        layer_rules = _Rules(tensor, fp8, holds, all_in_compute_dtype=holds)
     if model.output_layer is not None:
         output_layer = _count(model.output_layer, rules, name="output_layer")
     else:  # tied: a last stage without the table holds a copy (megatron.pipeline.stages)
@@ -141,7 +146,7 @@ def count_parameters(config: Config, mlp_spec: MlpSpec) -> ModelParameterCounts:
         )
     return ModelParameterCounts(
         embedding=_count(model.embedding, rules),
-        layers=tuple(_count(layer, rules) for layer in model.decoder.layers),
+        layers=tuple(_count(layer, layer_rules) for layer in model.decoder.layers),
         final_norm=_count(model.decoder.final_layernorm, rules),
         output_layer=output_layer,
         tied=model.output_layer is None,
@@ -151,11 +156,13 @@ def count_parameters(config: Config, mlp_spec: MlpSpec) -> ModelParameterCounts:
 @dataclass(frozen=True)
 class _Rules:
     """What decides how a parameter is counted: the tensor-parallel size, FP8 projections,
-    and whether the run holds weights in the compute dtype."""
+    whether the run holds weights in the compute dtype, and whether every weight, whatever
+    autocast would do with it, arrives in it (FSDP2's gathers of a layer): then none is cast."""
 
     tensor: int
     fp8: bool
     holds_compute_dtype: bool
+    all_in_compute_dtype: bool = False
 
 
 def _count(module: nn.Module, rules: _Rules, name: str = "") -> ParameterCounts:
@@ -172,7 +179,8 @@ def _count(module: nn.Module, rules: _Rules, name: str = "") -> ParameterCounts:
             else:
                 dense += elements
                 compute_dense += elements if held else 0
-                if isinstance(owner, nn.Linear) and not (held and rules.holds_compute_dtype):
+                cast = not (rules.all_in_compute_dtype or (held and rules.holds_compute_dtype))
+                if isinstance(owner, nn.Linear) and cast:
                     matmul += elements
     return ParameterCounts(dense, expert, matmul, compute_dense, compute_expert)
 

@@ -2,8 +2,9 @@
 
 Tried in order, each alone: a smaller --micro-batch-size (the largest that fits), full
 recomputation, precision-aware optimizer states in bf16, optimizer offload, the distributed
-optimizer (data-parallel > 1), expert parallelism (MoE with data-parallel > 1). When none fits
-alone, they are combined in that order until the combination fits.
+optimizer (data-parallel > 1, replicated runs only), expert parallelism (MoE with
+data-parallel > 1, not under hybrid FSDP2). When none fits alone, they are combined in that
+order until the combination fits.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, List, Optional, Tuple
 
 from megatron.memory_plan.estimate import MemoryEstimate, estimate_memory, gib
+from megatron.parallelize.data_parallel import DataParallel, Replicated
 
 if TYPE_CHECKING:
     from megatron.config import Config
@@ -60,8 +62,15 @@ def _changes(config: Config, mlp_spec: MlpSpec) -> List[Tuple[str, Callable[[Con
                 ),
             )
         )
+    data_parallel = DataParallel.of(config)
+    # FSDP2's DTensor shards take neither the precision-aware optimizer nor the offload.
+    replicas_hold_state = not data_parallel.shards_parameters
     low = {"main_grads_dtype": "bf16", "exp_avg_dtype": "bf16", "exp_avg_sq_dtype": "bf16"}
-    if optimizer.optimizer == "adam" and any(getattr(optimizer, k) != v for k, v in low.items()):
+    if (
+        replicas_hold_state
+        and optimizer.optimizer == "adam"
+        and any(getattr(optimizer, k) != v for k, v in low.items())
+    ):
         changes.append(
             (
                 "--use-precision-aware-optimizer --main-grads-dtype bf16 --exp-avg-dtype bf16 "
@@ -74,8 +83,10 @@ def _changes(config: Config, mlp_spec: MlpSpec) -> List[Tuple[str, Callable[[Con
                 ),
             )
         )
-    if optimizer.optimizer == "adam" and not (
-        optimizer.optimizer_cpu_offload and optimizer.optimizer_offload_fraction == 1.0
+    if (
+        replicas_hold_state
+        and optimizer.optimizer == "adam"
+        and not (optimizer.optimizer_cpu_offload and optimizer.optimizer_offload_fraction == 1.0)
     ):
         changes.append(
             (
@@ -88,7 +99,9 @@ def _changes(config: Config, mlp_spec: MlpSpec) -> List[Tuple[str, Callable[[Con
                 ),
             )
         )
-    if parallel.data_parallel_size > 1 and not parallel.use_distributed_optimizer:
+    # The distributed optimizer replaces replication; FSDP2 shards the optimizer state itself.
+    replicated = isinstance(data_parallel, Replicated)
+    if parallel.data_parallel_size > 1 and replicated:
         changes.append(
             (
                 "--use-distributed-optimizer",
@@ -110,8 +123,11 @@ def _changes(config: Config, mlp_spec: MlpSpec) -> List[Tuple[str, Callable[[Con
 
 def _expert_parallel_size_to_try(config: Config, mlp_spec: MlpSpec) -> Optional[int]:
     """The largest expert-parallel size above the current one that the data-parallel ranks and
-    the model's expert layers allow; None if there is none."""
+    the model's expert layers allow; None if there is none (or under hybrid FSDP2, which
+    expert parallelism does not compose with)."""
     parallel = config.parallel
+    if parallel.num_distributed_optimizer_instances > 1:
+        return None
     sizes = mlp_spec.expert_parallel_sizes(parallel.data_parallel_size)
     larger = [size for size in sizes if size > parallel.expert_model_parallel_size]
     return larger[-1] if larger else None

@@ -20,7 +20,7 @@ from megatron.memory_plan.activations import layer_bytes_per_token, norm_bytes_p
 from megatron.memory_plan.command_line import build_config
 from megatron.memory_plan.suggestions import format_warning, suggest_fits
 from megatron.model import GPTModel
-from megatron.parallelize.data_parallel import autocast_cast_parameters
+from megatron.parallelize.data_parallel import DataParallel, autocast_cast_parameters
 from tests import processes
 from tests.tiny_gpt import sharded_gpt_model
 
@@ -124,6 +124,122 @@ def test_compute_dtype_weights_count_two_bytes_and_a_master_shard(flags):
     replicated_config = config_of(*flags, world_size=2)
     replicated = estimate_memory(replicated_config, GPT_RUN.mlp_spec(replicated_config))
     assert replicated.master_weights == 0 and replicated.weights == 4 * (low + rest)
+
+
+def state_bytes(*flags: str, world_size: int) -> int:
+    """Weights, their masters, gradients and optimizer state of one rank, in bytes."""
+    config = config_of("--global-batch-size", "16", *flags, world_size=world_size)
+    estimate = estimate_memory(config, GPT_RUN.mlp_spec(config))
+    return estimate.weights + estimate.master_weights + estimate.gradients + estimate.optimizer
+
+
+@pytest.mark.parametrize("flags", [(), DMOE], ids=["dense", "dmoe"])
+def test_fully_shard_keeps_a_shard_of_everything(flags):
+    """FSDP2 on 8 ranks keeps 1/8 of DDP's fp32 weights, gradients and Adam state (16 bytes
+    per parameter), with no bf16 weights or fp32 masters beside them as the distributed
+    optimizer has; hybrid sharding in 2 groups of 4 keeps 1/4 (the experts too, which are in
+    their layers' units)."""
+    hybrid_flags = ("--use-torch-fsdp2", "--num-distributed-optimizer-instances", "2")
+    replicated = state_bytes(*flags, world_size=8)
+    fully_shard = state_bytes(*flags, "--use-torch-fsdp2", world_size=8)
+    hybrid = state_bytes(*flags, *hybrid_flags, world_size=8)
+    distributed_optimizer = state_bytes(*flags, "--use-distributed-optimizer", world_size=8)
+    assert fully_shard == pytest.approx(replicated / 8, abs=16 * 8)
+    assert hybrid == pytest.approx(replicated / 4, abs=16 * 8)
+    assert distributed_optimizer > 2 * fully_shard
+    config = config_of("--global-batch-size", "16", *flags, "--use-torch-fsdp2", world_size=8)
+    estimate = estimate_memory(config, GPT_RUN.mlp_spec(config))
+    parameters = sum(p.numel() for p in real_model(config).parameters())
+    assert estimate.master_weights == 0
+    assert estimate.weights == estimate.gradients == pytest.approx(4 * parameters / 8, abs=32)
+    # Without expert parallelism the experts are in their layers' units, sharded as those.
+    hybrid_config = config_of("--global-batch-size", "16", *flags, *hybrid_flags, world_size=8)
+    assert DataParallel.of(hybrid_config).optimizer_shards() == (4, 4)
+
+
+def test_fully_shard_shards_expert_parallel_experts_over_their_replicas():
+    """Under FSDP2 with expert parallelism 2 on 4 ranks each rank holds 2 of the 4 experts,
+    sharded over the 2 ranks that hold them: 1/4 of every expert's state, as the dense
+    weights', where the distributed optimizer keeps its 2 experts' fp32 weights whole."""
+    config = config_of("--global-batch-size", "8", *DMOE, world_size=4)
+    parameters = sum(p.numel() for p in real_model(config).parameters())
+    expert_parallel = ("--expert-model-parallel-size", "2")
+    fully_shard = state_bytes(*DMOE, "--use-torch-fsdp2", *expert_parallel, world_size=4)
+    assert fully_shard == pytest.approx(16 * parameters / 4, abs=16 * 8)
+    zero_one = state_bytes(*DMOE, "--use-distributed-optimizer", *expert_parallel, world_size=4)
+    experts = sum(p.numel() for n, p in real_model(config).named_parameters() if ".experts." in n)
+    assert zero_one - fully_shard > 4 * experts / 2
+
+
+def layer_and_root_parameters(config: Config):
+    """(elements of the largest transformer layer, elements outside the layers)."""
+    model = real_model(config)
+    layers = [sum(p.numel() for p in layer.parameters()) for layer in model.decoder.layers]
+    return max(layers), sum(p.numel() for p in model.parameters()) - sum(layers)
+
+
+def test_fully_shard_gathers_the_root_and_two_layers():
+    """The transient part of FSDP2: the root unit's weights in fp32 (gathered for the whole
+    backward) and two layer units' in bf16; the root's fp32 and one layer's bf16 gradients and
+    the reduce-scatter input of the larger unit (fp32, or bf16 with --grad-reduce-in-bf16).
+    Autocast casts only the root's matmul weight (here the tied table), as under the
+    distributed optimizer; the other modes gather nothing."""
+    config = config_of("--global-batch-size", "16", "--use-torch-fsdp2", world_size=8)
+    layer, root = layer_and_root_parameters(config)
+    estimate = estimate_memory(config, GPT_RUN.mlp_spec(config))
+    assert estimate.gathered_weights == 4 * root + 2 * 2 * layer
+    assert estimate.gathered_gradients == 4 * root + 2 * layer + 4 * max(root, layer)
+    low = config_of(
+        "--global-batch-size", "16", "--use-torch-fsdp2", "--grad-reduce-in-bf16", world_size=8
+    )
+    low_estimate = estimate_memory(low, GPT_RUN.mlp_spec(low))
+    assert estimate.gathered_gradients - low_estimate.gathered_gradients == 2 * max(root, layer)
+    assert low_estimate.gradients == estimate.gradients  # the shards stay fp32
+    estimates = {}
+    for name, flags in (("ddp", ()), ("zero-1", ("--use-distributed-optimizer",))):
+        other = config_of("--global-batch-size", "16", *flags, world_size=8)
+        estimates[name] = estimate_memory(other, GPT_RUN.mlp_spec(other))
+        assert estimates[name].gathered == 0
+    assert 0 < estimate.weight_casts == estimates["zero-1"].weight_casts
+    assert estimate.weight_casts < estimates["ddp"].weight_casts
+    # The start-up line counts the gathered bytes with the weights and the gradients.
+    line = format_estimate_line(estimate)
+    weights = estimate.weights + estimate.gathered_weights
+    gradients = estimate.gradients + estimate.gathered_gradients
+    assert f"weights {weights / GIB:.1f}, gradients {gradients / GIB:.1f}," in line
+
+
+@pytest.mark.parametrize(
+    "flags, gib",
+    [
+        (("--use-torch-fsdp2", "--micro-batch-size", "1"), 9),
+        (("--use-torch-fsdp2", "--num-distributed-optimizer-instances", "2"), 24),
+    ],
+    ids=["fsdp2", "hybrid"],
+)
+def test_suggestions_under_fully_shard_are_flags_it_accepts(flags, gib):
+    """FSDP2 shards the optimizer state itself (the distributed optimizer is refused beside
+    it, and so are the precision-aware optimizer and the offload, which its DTensor shards do
+    not take) and hybrid sharding refuses expert parallelism: none is suggested (at 9 GiB
+    expert parallelism fits FSDP2 at micro-batch 1; at 24 GiB a smaller
+    micro-batch or recomputation fit the hybrid run at 16), and every suggestion builds and
+    gives its estimate again."""
+    argv = [*DMOE_125M, "--micro-batch-size", "16", *flags]
+    config, _ = build_config(GPT_RUN, argv, 8)
+    device = gib * GIB
+    assert estimate_memory(config, GPT_RUN.mlp_spec(config), device).fits is False
+    suggestions = suggest_fits(config, GPT_RUN.mlp_spec, device)
+    assert suggestions
+    for suggestion in suggestions:
+        for refused in (
+            "--use-distributed-optimizer",
+            "--use-precision-aware-optimizer",
+            "offload",
+        ):
+            assert refused not in suggestion.flags
+        changed, _ = build_config(GPT_RUN, [*argv, *suggestion.flags.split()], 8)
+        again = estimate_memory(changed, GPT_RUN.mlp_spec(changed), device)
+        assert again.total == suggestion.estimate.total, suggestion.flags
 
 
 def test_fixed_size_expert_parallel_blocks_plan_their_padding():
