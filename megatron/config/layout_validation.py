@@ -143,9 +143,9 @@ def check_gradient_sync(args: argparse.Namespace) -> None:
         )
 
 
-# fully_shard is public (torch.distributed.fsdp) from torch 2.6, with the DeviceMesh of
-# process groups and the gradient divide factor FullyShard uses; 2.4 and 2.5 hold an earlier
-# private version of it that this project has not been run on.
+# fully_shard is public (torch.distributed.fsdp) from torch 2.6. The private one before it
+# does not do what FullyShard needs: 2.5's runs on CUDA streams only (no gloo run, so no CPU
+# test), 2.4's has no explicit prefetch.
 FULLY_SHARD_TORCH = (2, 6)
 
 

@@ -22,10 +22,12 @@ and hands it to `parallelize`, which returns what the trainer runs. Steps:
 6. Device placement.
 7. Data parallelism: the run's mode (megatron.parallelize.data_parallel.DataParallel, which
    the trainer then asks for the optimizer and the step's reductions and gathers) wraps the
-   model: in torch DDP; or not, when the distributed optimizer reduce-scatters the gradients
-   in its step or, under a pipeline, the trainer all-reduces them after the schedule.
+   model: in torch DDP; in torch's fully_shard units (FSDP2, megatron.parallelize.fully_shard);
+   or not, when the distributed optimizer reduce-scatters the gradients in its step or, under a
+   pipeline, the trainer all-reduces them after the schedule.
 8. Compile (`compile_model`): torch.compile of the whole model on GPUs, or of each layer where
-   the gradients must leave the backward layer by layer (`DataParallel.compiles_by_layer`),
+   the gradients must leave the backward layer by layer or hooks around the layers must stay
+   eager (`DataParallel.compiles_by_layer`),
    unless an extension's training hooks veto it (megatron.training.hooks).
 
 Steps 1 and 2 also work on a model built with real weights (its shards are copied, so a
@@ -226,8 +228,8 @@ def compile_model(
     `veto` the model stays eager and the reason is printed (a graph broken around
     Triton-launched kernels can run slower than eager). `layer_by_layer`: each
     TransformerLayer's forward compiles on its own, in place (the rest, and the layers'
-    forward hooks, stay eager: the distributed optimizer's waits for a layer's parameters run
-    there), and the model is returned."""
+    forward hooks, stay eager: the distributed optimizer's waits for a layer's parameters and
+    FSDP2's gathers run there), and the model is returned."""
     if veto is not None:
         print_rank_0(f"note: {veto}")
         return model
