@@ -31,7 +31,6 @@ from megatron.checkpointing.chunks import (
 )
 from megatron.optimizer.optimizer import MegatronOptimizer
 from megatron.parallel import parallel_state
-from megatron.parallel.dtensors import is_dtensor
 from megatron.pipeline.stages import WORD_EMBEDDINGS_KEY, full_name, holds_stage_chunks
 
 MODEL_PREFIX = "model."
@@ -180,10 +179,8 @@ def optimizer_state_to_load(
             fqn = f"{prefix}{name}.{key}"
             dtype = stored[fqn].properties.dtype
             if prefix == STATE_PREFIX:
-                if is_dtensor(holder.key):  # FSDP2: sharded like its parameter
-                    value = torch.empty_like(holder.key, dtype=dtype)
-                else:
-                    value = torch.empty(holder.key.shape, dtype=dtype, device=holder.key.device)
+                # Shaped, placed and (a DTensor under FSDP2) sharded like its parameter.
+                value = torch.empty_like(holder.key, dtype=dtype)
                 _merge(targets, fqn, holder.chunks(value))
             else:
                 value = torch.empty((), dtype=dtype)

@@ -26,9 +26,10 @@ Meshes, in Megatron-Core's rank order (megatron.parallel.parallel_state):
 
 from __future__ import annotations
 
-from typing import List, Tuple
+from typing import List, Tuple, Union
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from megatron.errors import UserError
@@ -73,7 +74,6 @@ class FullyShard(DataParallel):
         return dense, parallel.data_parallel_size // ep
 
     def apply(self, model: nn.Module, context: DistributedContext) -> nn.Module:
-        import torch.distributed as dist
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         if not dist.is_initialized():
@@ -124,29 +124,44 @@ class FullyShard(DataParallel):
         """The data-parallel ranks as a mesh: 1-D, or (replicate, shard) for hybrid sharding."""
         parallel = self.config.parallel
         replicas = parallel.num_distributed_optimizer_instances
-        shape = (
-            parallel.pipeline_model_parallel_size,
-            replicas,
-            parallel.data_parallel_size // replicas,
-            parallel.tensor_model_parallel_size,
-        )
-        mesh = _world_mesh(device, shape, ("pp", "replicate", "shard", "tp"))
-        dense = mesh["replicate", "shard"] if replicas > 1 else mesh["shard"]
-        _check_ranks(dense, parallel_state.get_data_parallel_group(), "data-parallel")
-        return dense
+        dims = (("replicate", replicas), ("shard", parallel.data_parallel_size // replicas))
+        picked = ("replicate", "shard") if replicas > 1 else "shard"
+        group = parallel_state.get_data_parallel_group()
+        return self._mesh(device, dims, picked, group, "data-parallel")
 
     def _expert_mesh(self, device: str):
         """The expert-data-parallel ranks (those that hold this rank's experts) as a mesh."""
         parallel = self.config.parallel
         ep = parallel.expert_model_parallel_size
+        dims = (("shard", parallel.data_parallel_size // ep), ("ep", ep))
+        group = parallel_state.get_expert_data_parallel_group()
+        return self._mesh(device, dims, "shard", group, "expert-data-parallel")
+
+    def _mesh(
+        self,
+        device: str,
+        dims: Tuple[Tuple[str, int], ...],
+        picked: Union[str, Tuple[str, ...]],
+        group: dist.ProcessGroup,
+        name: str,
+    ):
+        """Every rank as a DeviceMesh (pipeline, *`dims`, tensor), slowest-varying coordinate
+        first (parallel_state's rank order, reversed), sliced to the `picked` dims; checked to
+        hold the ranks of the project's own `group`: one layout, two descriptions."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        parallel = self.config.parallel
+        names = ("pp", *(dim for dim, _ in dims), "tp")
         shape = (
             parallel.pipeline_model_parallel_size,
-            parallel.data_parallel_size // ep,
-            ep,
+            *(size for _, size in dims),
             parallel.tensor_model_parallel_size,
         )
-        mesh = _world_mesh(device, shape, ("pp", "shard", "ep", "tp"))["shard"]
-        _check_ranks(mesh, parallel_state.get_expert_data_parallel_group(), "expert-data-parallel")
+        mesh = init_device_mesh(device, shape, mesh_dim_names=names)[picked]
+        ranks = sorted(mesh.mesh.flatten().tolist())
+        expected = sorted(dist.get_process_group_ranks(group))
+        if ranks != expected:
+            raise RuntimeError(f"the FSDP2 {name} mesh holds ranks {ranks}, the group {expected}")
         return mesh
 
     def after_backwards(self, model: nn.Module) -> None:
@@ -162,21 +177,3 @@ class FullyShard(DataParallel):
     def build_optimizer(self, model: nn.Module) -> MegatronOptimizer:
         self.optimizer = build_optimizer(model, self.config.optimizer, self.config.training)
         return self.optimizer
-
-
-def _world_mesh(device: str, shape: Tuple[int, ...], names: Tuple[str, ...]):
-    """Every rank as a DeviceMesh of `shape`, slowest-varying coordinate first (Megatron-Core's
-    order, reversed: parallel_state.RANK_ORDER)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    return init_device_mesh(device, shape, mesh_dim_names=names)
-
-
-def _check_ranks(mesh, group, name: str) -> None:
-    """The mesh holds the ranks of the project's own group: one layout, two descriptions."""
-    import torch.distributed as dist
-
-    ranks = sorted(mesh.mesh.flatten().tolist())
-    expected = sorted(dist.get_process_group_ranks(group))
-    if ranks != expected:
-        raise RuntimeError(f"the FSDP2 {name} mesh holds ranks {ranks}, the group {expected}")
