@@ -128,6 +128,20 @@ def add_moe_args(parser: argparse.ArgumentParser) -> None:
         "factor stays grown.",
     )
     group.add_argument(
+        "--overlap-moe-expert-parallel-comm",
+        action="store_true",
+        help="(Megatron-core's flag) Hide the expert-parallel all-to-alls behind the experts: "
+        "the fixed-size blocks (--moe-expert-parallel-buffer-factor) are cut into chunks whose "
+        "exchanges run while the other chunks' experts compute, forward and backward.",
+    )
+    group.add_argument(
+        "--moe-expert-parallel-comm-chunks",
+        type=int,
+        default=2,
+        help="Chunks per layer under --overlap-moe-expert-parallel-comm: about 1/K of the "
+        "exchange stays exposed, at K times the launches (docs/moe.md).",
+    )
+    group.add_argument(
         "--moe-shared-expert",
         action="store_true",
         help="Add a dense MLP every token goes through to the experts' output.",

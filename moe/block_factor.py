@@ -1,5 +1,5 @@
 """How large the fixed-size expert-parallel blocks are (--moe-expert-parallel-buffer-factor,
-moe.static_exchange): grown when a step's routing needed more than they hold (the step then
+moe.exchange.fixed_blocks): grown when a step's routing needed more than they hold (the step then
 runs again, moe.training_hooks), shrunk when a long stretch of steps needed much less.
 
 Routing is most uneven in a run's first iterations, so a factor only ever grown stays at what

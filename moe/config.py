@@ -48,8 +48,12 @@ class MoEConfig:
     # Benchmarks only: experts drawn uniformly at random instead of the top-k (moe.router).
     router_force_load_balancing: bool = False
     # Under expert parallelism, exchange fixed-size blocks of this many times the balanced
-    # share instead of exact splits (moe.static_exchange: no host sync); None: exact splits.
+    # share instead of exact splits (moe.exchange.fixed_blocks: no host sync); None: exact
+    # splits.
     expert_parallel_buffer_factor: Optional[float] = None
+    # Chunks the fixed-size blocks are cut into, each one's all-to-alls under the others'
+    # experts (--overlap-moe-expert-parallel-comm); 1: one exchange, no overlap.
+    expert_parallel_chunks: int = 1
     shared_expert: bool = False
     shared_expert_ffn_hidden_size: Optional[int] = None
     memory_optimized_mlp: bool = False
@@ -104,6 +108,9 @@ class MoEConfig:
             router_bias_update_rate=args.moe_router_bias_update_rate,
             router_force_load_balancing=args.moe_router_force_load_balancing,
             expert_parallel_buffer_factor=args.moe_expert_parallel_buffer_factor,
+            expert_parallel_chunks=(
+                args.moe_expert_parallel_comm_chunks if args.overlap_moe_expert_parallel_comm else 1
+            ),
             shared_expert=args.moe_shared_expert,
             shared_expert_ffn_hidden_size=args.moe_shared_expert_ffn_hidden_size,
             memory_optimized_mlp=args.moe_memory_optimized_mlp,
@@ -250,6 +257,34 @@ class MoEConfig:
                 "form; use --moe-impl grouped or sparse, or expert parallel size 1"
             )
 
+    def check_overlap(self, expert_parallel_size: int) -> None:
+        """--overlap-moe-expert-parallel-comm pipelines the dMoE's fixed-size blocks exchange:
+        refused (ConfigError, one line) where there is no such exchange."""
+        if self.expert_parallel_chunks == 1:
+            return
+        if self.expert_parallel_chunks < 1:
+            raise ConfigError(
+                f"--moe-expert-parallel-comm-chunks must be >= 1, got {self.expert_parallel_chunks}"
+            )
+        if expert_parallel_size == 1:
+            raise ConfigError(
+                "--overlap-moe-expert-parallel-comm overlaps the expert-parallel all-to-all, "
+                "and there is none at expert parallel size 1; set "
+                "--expert-model-parallel-size > 1 or drop the flag"
+            )
+        if not self.dropless:
+            raise ConfigError(
+                "--overlap-moe-expert-parallel-comm pipelines the dropless MoE's exchange; the "
+                "capacity MoE (--no-moe-dropless) exchanges its slots in one all-to-all: drop "
+                "the flag"
+            )
+        if self.expert_parallel_buffer_factor is None:
+            raise ConfigError(
+                "--overlap-moe-expert-parallel-comm cuts the fixed-size blocks exchange into "
+                "chunks; add --moe-expert-parallel-buffer-factor (e.g. 1.5) (the exact exchange "
+                "already overlaps its all-to-alls with the rank's own rows)"
+            )
+
 
 def moe_config(args: argparse.Namespace, config: Config) -> Optional[MoEConfig]:
     """The run's MoE config from its resolved flags, for `Config.from_args(extensions=...)`;
@@ -260,6 +295,7 @@ def moe_config(args: argparse.Namespace, config: Config) -> Optional[MoEConfig]:
         return None
     expert_parallel_size = config.parallel.expert_model_parallel_size
     moe.check_expert_parallelism(expert_parallel_size)
+    moe.check_overlap(expert_parallel_size)
     return with_grouped_gemm_for(
         moe,
         config,

@@ -14,7 +14,7 @@ TensorBoard) holds every MoE layer's counts for the whole global batch:
 
 Under expert parallelism each layer also keeps, per training forward, how unevenly its
 expert-parallel group's ranks were loaded: the most rows any rank received over the mean
-(moe.expert_parallel.ExchangeCounts.imbalance; every all-to-all waits for the busiest rank).
+(moe.exchange.primitives.ExchangeCounts.imbalance; every all-to-all waits for the busiest rank).
 `gather_expert_parallel_imbalance` takes the window's mean per layer, the largest over the
 groups.
 """

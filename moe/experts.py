@@ -56,7 +56,7 @@ class Experts(nn.Module):
 
     As built it holds every expert whole. After `place_experts(P, r)` it holds only the E / P
     experts of expert-parallel rank r, experts [r * E/P, (r + 1) * E/P), as [E/P, ...]
-    parameters marked for moe.expert_parallel; local expert i is global expert r * E/P + i.
+    parameters marked for moe.exchange; local expert i is global expert r * E/P + i.
     After `keep_ffn_channels(T, t)` (tensor parallelism) it holds channels
     [t * f/T, (t + 1) * f/T) of each expert's ffn (module docstring), marked with Megatron's
     tensor-parallel attributes so checkpoints and the grad norm treat them as shards.
@@ -333,10 +333,13 @@ class Experts(nn.Module):
         project: Projection,
         row_scale: Optional[torch.Tensor] = None,
         weights: Optional[Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]] = None,
+        valid_rows: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """The expert MLP on x with `project(input, weight)` as the matmul of each projection;
         `row_scale` [rows] multiplies each row's activations before the second projection.
-        `weights`: (w1, v1, w2) as `projection_weights(x.dtype)` gave them, or None to ask."""
+        `weights`: (w1, v1, w2) as `projection_weights(x.dtype)` gave them, or None to ask.
+        `valid_rows`: int32 [1], the rows the products compute (the others are padding, which
+        the scaled activation leaves alone too)."""
         w1, v1, w2 = weights or self.projection_weights(x.dtype)
         hidden = project(x, w1)
         gate_input = project(x, v1) if v1 is not None else None
@@ -345,7 +348,7 @@ class Experts(nn.Module):
             if row_scale is not None and gate_input is None and hidden.dim() == 2:
                 # One op, forward and backward, for the activation, the scaling and the
                 # scaling's gradient (moe.kernels.scaled_activation: the same rounding).
-                scaled = scaled_activation(hidden, row_scale, self.activation_name)
+                scaled = scaled_activation(hidden, row_scale, self.activation_name, valid_rows)
                 return project(scaled, w2)
             intermediate = self.activation(hidden)
             if gate_input is not None:
@@ -410,7 +413,9 @@ class Experts(nn.Module):
                 )
             return grouped_product(inputs, weight, tokens_per_expert, offsets, self.grouped_gemm)
 
-        return self._mlp(x, project, row_scale, weights)
+        # Rows past the groups (expert-parallel padding, moe.exchange.fixed_blocks) are in no
+        # product; the activation skips them too.
+        return self._mlp(x, project, row_scale, weights, valid_rows=offsets[-1:])
 
 
 def _ffn_dim(weight: torch.Tensor, experts: Experts) -> int:

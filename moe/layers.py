@@ -23,8 +23,8 @@ layout), weighting them in the scatter back.
 
 A layer is built whole, as one process runs it; megatron.parallelize.steps's steps then shard it.
 Under expert parallelism (`place_experts`) a layer holds only its rank's block of experts: the
-dMoE moves assignments to the rank of their expert and back by all-to-all (moe.expert_parallel),
-the MoE with capacity moves its fixed-size capacity slots.
+dMoE moves assignments to the rank of their expert and back by all-to-all (moe.exchange: exactly,
+or in fixed-size blocks), the MoE with capacity moves its fixed-size capacity slots.
 Under tensor parallelism (the styles of moe.mlp_spec) each TP rank holds a slice of every
 expert's ffn channels and the layer's tokens enter and leave the experts through
 moe.tensor_parallel's region instead of moe.router.LocalRegion; the two combine.
@@ -44,11 +44,11 @@ from megatron.config import ModelConfig
 from megatron.model.mlp import MLP
 from megatron.parallel import parallel_state
 from moe.config import MoEConfig
-from moe.expert_parallel import run_slots_expert_parallel
+from moe.exchange.capacity_slots import run_capacity_slots
+from moe.exchange.exact import ExactExchange, run_experts_exactly
+from moe.exchange.fixed_blocks import FixedBlockExchange, block_capacity, run_experts_in_blocks
 from moe.experts import Experts
 from moe.kernels import permute, token_rows
-from moe.kernels.grouped_gemm import TORCH
-from moe.overlapped_exchange import OverlappedExchange, run_experts_overlapped
 from moe.reference import reference_moe
 from moe.router import (
     LocalRegion,
@@ -59,7 +59,6 @@ from moe.router import (
     router_z_loss,
     update_expert_bias,
 )
-from moe.static_exchange import StaticExchange, block_capacity, run_experts_static
 
 
 def _compiling() -> bool:
@@ -143,7 +142,7 @@ class MoELayer(nn.Module):
             "window_expert_parallel_imbalance", torch.zeros(2, dtype=torch.float64), False
         )
         self.register_buffer("step_block_need", torch.zeros(2, dtype=torch.float64), False)
-        # The fixed-size exchange's blocks (moe.static_exchange); grown by the training hooks
+        # The fixed-size exchange's blocks (moe.exchange.fixed_blocks); grown by the training hooks
         # when a step's routing needed more, which then run the step again.
         self.expert_parallel_buffer_factor = moe_config.expert_parallel_buffer_factor
 
@@ -271,7 +270,7 @@ class MoE(MoELayer):
         weights = routing.expert_weights.reshape(-1)
         expert_inputs = permute.binned_gather(tokens, indices, bins, capacity, top_k)
         if self.expert_parallel_size > 1:
-            expert_outputs = run_slots_expert_parallel(
+            expert_outputs = run_capacity_slots(
                 expert_inputs,
                 self.expert_parallel_size,
                 parallel_state.get_expert_model_parallel_group(),
@@ -337,9 +336,8 @@ class DroplessMoE(MoELayer):
         """`_run_experts` with the experts sharded over the expert-parallel group: rows sorted
         by global expert (so by destination rank) and their router weights go to the ranks of
         their experts, run there, and come back: in fixed-size blocks with
-        --moe-expert-parallel-buffer-factor (moe.static_exchange), else exactly
-        (moe.expert_parallel), the all-to-alls overlapped with this rank's own rows
-        (moe.overlapped_exchange)."""
+        --moe-expert-parallel-buffer-factor (moe.exchange.fixed_blocks), else exactly, the
+        all-to-alls overlapped with this rank's own rows (moe.exchange.exact)."""
         if self.expert_parallel_buffer_factor is not None:
             return self._run_experts_in_blocks(rows, row_weights, tokens_per_expert)
         return self._run_experts_exactly(rows, row_weights, tokens_per_expert)
@@ -349,9 +347,12 @@ class DroplessMoE(MoELayer):
     ) -> torch.Tensor:
         """Fixed shapes and no host sync: torch.compile traces this with the rest."""
         group = parallel_state.get_expert_model_parallel_group()
-        size = self.expert_parallel_size
-        capacity = block_capacity(rows.shape[0], size, self.expert_parallel_buffer_factor)
-        exchange = StaticExchange.plan(tokens_per_expert, rows.shape[0], capacity, group)
+        size, chunks = self.expert_parallel_size, self.config.expert_parallel_chunks
+        factor = self.expert_parallel_buffer_factor
+        capacity = block_capacity(rows.shape[0], size, factor, chunks)
+        exchange = FixedBlockExchange.plan(
+            tokens_per_expert, rows.shape[0], capacity, group, chunks
+        )
         if self.training and not _in_backward():
             with torch.no_grad():
                 imbalance = exchange.imbalance
@@ -361,11 +362,12 @@ class DroplessMoE(MoELayer):
                 needed = exchange.needed.double()
                 need = torch.stack([needed / capacity, needed * size / rows.shape[0]])
                 self.step_block_need.copy_(torch.maximum(self.step_block_need, need))
-        # torch._grouped_mm computes only its groups: the padding rows need no work there.
-        padded = self.config.mlp_impl != "grouped" or self.config.grouped_gemm != TORCH
+        # The grouped products leave the padding rows out; the block-sparse topology covers
+        # every row, so there they are counted (as zeros) in the last expert.
+        padded = self.config.mlp_impl == "sparse"
         with self.experts.weights_cast_once(rows.dtype):
             run = self._run_local_experts
-            return run_experts_static(rows, row_weights, exchange, run, padded)
+            return run_experts_in_blocks(rows, row_weights, exchange, run, padded)
 
     # The all-to-all split sizes need a host sync, which no traced graph can hold: under
     # torch.compile this method runs eagerly, between graphs (docs/moe.md).
@@ -374,7 +376,7 @@ class DroplessMoE(MoELayer):
         self, rows: torch.Tensor, row_weights: torch.Tensor, tokens_per_expert: torch.Tensor
     ) -> torch.Tensor:
         """The exact exchange: split sizes on the host, one sync."""
-        exchange = OverlappedExchange.plan(
+        exchange = ExactExchange.plan(
             tokens_per_expert, parallel_state.get_expert_model_parallel_group()
         )
         if self.training and not _in_backward():
@@ -382,7 +384,7 @@ class DroplessMoE(MoELayer):
                 self.window_expert_parallel_imbalance[0] += exchange.imbalance
                 self.window_expert_parallel_imbalance[1] += 1
         with self.experts.weights_cast_once(rows.dtype):
-            return run_experts_overlapped(rows, row_weights, exchange, self._run_local_experts)
+            return run_experts_exactly(rows, row_weights, exchange, self._run_local_experts)
 
     def _run_local_experts(
         self,
@@ -392,7 +394,7 @@ class DroplessMoE(MoELayer):
         tokens_per_local_expert: torch.Tensor,
     ) -> torch.Tensor:
         """The local experts on rows in local-expert order (`order` None) or put in that order
-        by `order` (moe.overlapped_exchange.RunExperts); outputs in the rows' order."""
+        by `order` (moe.exchange.primitives.RunExperts); outputs in the rows' order."""
         if order is None:
             return self._run_experts(rows, row_weights, tokens_per_local_expert)
         order = order.long()

@@ -67,7 +67,7 @@ def routed_rows_per_token(moe: MoEConfig, expert_parallel_size: int) -> Tuple[fl
         return float(k), float(moe.num_experts * k)
     factor = moe.expert_parallel_buffer_factor
     if expert_parallel_size > 1 and factor is not None:
-        # Fixed-size blocks (moe.static_exchange): factor x the balanced share, padding rows
+        # Fixed-size blocks (moe.exchange.fixed_blocks): factor x the balanced share, padding rows
         # included, whatever the routing (a step that needs more runs again with more).
         return factor * k, factor * k
     return float(k), float(expert_parallel_size * k)

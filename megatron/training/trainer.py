@@ -384,7 +384,7 @@ class Trainer:
         print_rank_0(format_times_across_ranks({name: times}))
 
 
-# A hook asks for another run only when the first one could not stand (moe.static_exchange's
+# A hook asks for another run only when the first one could not stand (moe.exchange.fixed_blocks's
 # blocks overflowed), and fixes the cause before asking: more than this is a bug.
 MAX_STEP_RERUNS = 3
 

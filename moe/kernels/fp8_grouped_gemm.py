@@ -20,7 +20,7 @@ Recipes (megatron.kernels.fp8_linear.Fp8Recipe.scaling): "rowwise" scales as lis
 outlier spoils only its own row (its own expert's, in the weight gradient, whose per-(expert,
 column) amax is moe.kernels.group_amax's kernel); "tensorwise" one scale per operand: per
 activation or gradient tensor, per expert's weight. Rows after the last group
-(moe.static_exchange's padding) are left out of every product, as torch._grouped_mm does.
+(moe.exchange.fixed_blocks's padding) are left out of every product, as torch._grouped_mm does.
 
 Under tensor parallelism each rank holds a slice of every expert's ffn channels (`TensorShard`:
 w1 split by its output columns, w2 by its input rows); as for the dense projections

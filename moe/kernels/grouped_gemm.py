@@ -65,8 +65,10 @@ def grouped_mm(
 ) -> torch.Tensor:
     """Per-expert matmul of contiguous row groups: `out[bins[e-1]:bins[e]] = x[...] @ weight[e]`.
 
-    x: [N_total, K]; weight: [E, K, N]; tokens_per_expert: integer [E] summing to N_total.
-    Returns [N_total, N] in x's dtype; differentiable w.r.t. x and weight. `tile_sizes` sets
+    x: [N_total, K]; weight: [E, K, N]; tokens_per_expert: integer [E] summing to at most
+    N_total. Returns [N_total, N] in x's dtype; differentiable w.r.t. x and weight. Rows past
+    the groups (expert-parallel padding, moe.exchange.fixed_blocks) are in no product: the kernels
+    leave their outputs and input gradients unwritten (the reference: zeros). `tile_sizes` sets
     the Triton kernels' launch shape (default: `default_tile_sizes`).
     """
     _check_shapes(x, weight, tokens_per_expert)
@@ -78,19 +80,24 @@ def grouped_mm_reference(
 ) -> torch.Tensor:
     """Pure-PyTorch grouped_mm: a loop of torch.matmul over experts (autograd through torch)."""
     _check_shapes(x, weight, tokens_per_expert)
-    row_groups = x.split(tokens_per_expert.tolist(), dim=0)
-    outputs = [rows @ weight[expert] for expert, rows in enumerate(row_groups)]
-    if not outputs:
-        return x.new_empty(x.shape[0], weight.shape[2])
+    row_groups = x.split(_with_rest(tokens_per_expert, x.shape[0]), dim=0)
+    outputs = [rows @ weight[expert] for expert, rows in enumerate(row_groups[:-1])]
+    outputs.append(x.new_zeros(row_groups[-1].shape[0], weight.shape[2]))
     return torch.cat(outputs, dim=0)
+
+
+def _with_rest(tokens_per_expert: torch.Tensor, rows: int) -> list:
+    """The groups' sizes on the host, then the rows past them."""
+    sizes = tokens_per_expert.tolist()
+    return sizes + [rows - sum(sizes)]
 
 
 def _weight_grad_reference(
     x: torch.Tensor, grad_out: torch.Tensor, tokens_per_expert: torch.Tensor
 ) -> torch.Tensor:
     """dweight[e] = x_e^T @ grad_out_e by a loop over experts; zeros for experts without rows."""
-    x_groups = x.split(tokens_per_expert.tolist(), dim=0)
-    grad_groups = grad_out.split(tokens_per_expert.tolist(), dim=0)
+    sizes = _with_rest(tokens_per_expert, x.shape[0])
+    x_groups, grad_groups = x.split(sizes, dim=0)[:-1], grad_out.split(sizes, dim=0)[:-1]
     grads = [rows.t() @ grads for rows, grads in zip(x_groups, grad_groups)]
     return torch.stack(grads) if grads else x.new_empty(0, x.shape[1], grad_out.shape[1])
 
@@ -253,14 +260,18 @@ def _dot_input_precision(dtype: torch.dtype) -> str:
     return "ieee"
 
 
-def _grouped_mm_triton(x, weight, tokens_per_expert, *, transpose_weight, tile_sizes=None):
-    """out_e = x_e @ weight[e] (or @ weight[e]^T) in one launch over all groups."""
+def _grouped_mm_triton(
+    x, weight, tokens_per_expert, *, transpose_weight, tile_sizes=None, out=None
+):
+    """out_e = x_e @ weight[e] (or @ weight[e]^T) in one launch over all groups; `out` (tests:
+    one prefilled to show which rows are never written) defaults to an empty tensor."""
     tile_sizes = tile_sizes or default_tile_sizes(x, weight_grad=False)
     num_experts = weight.shape[0]
     rows = x.shape[0]
     reduce_size = x.shape[1]
     out_cols = weight.shape[1] if transpose_weight else weight.shape[2]
-    out = torch.empty(rows, out_cols, device=x.device, dtype=x.dtype)
+    if out is None:
+        out = torch.empty(rows, out_cols, device=x.device, dtype=x.dtype)
     if num_experts == 0 or rows == 0 or out_cols == 0 or reduce_size == 0:
         if reduce_size == 0:
             out.zero_()

@@ -16,6 +16,10 @@ Rounding follows the eager code it replaces: the activation is rounded to the in
 before the fp32 product, and its gradient is rounded to the input dtype before the activation's
 derivative multiplies it.
 
+Rows past `valid` (a device scalar: the grouped products' last offset) are the expert-parallel
+fixed-size blocks' padding (moe.exchange.fixed_blocks), which no product includes: the kernels
+neither read nor write them, forward or backward, so padding costs no work here.
+
 Like moe.kernels.token_rows these are `torch.library` custom ops with their own autograd; each
 runs its Triton kernel where `use_triton` says so and its pure-PyTorch reference otherwise.
 """
@@ -23,7 +27,7 @@ runs its Triton kernel where `use_triton` says so and its pure-PyTorch reference
 # No `from __future__ import annotations`: torch.library.custom_op reads the ops' signatures from
 # their annotations, and older torch (2.4) does not resolve string annotations.
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -109,14 +113,20 @@ if TRITON_AVAILABLE:
         h_ptr,
         scale_ptr,
         out_ptr,
+        valid_ptr,
         num_rows,
         width,
         ACTIVATION: tl.constexpr,
         BLOCK_ROWS: tl.constexpr,
         BLOCK_W: tl.constexpr,
     ):
-        """out = round(round(act(h)) * scale[row]) on a tile of rows by channels."""
-        rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+        """out = round(round(act(h)) * scale[row]) on a tile of rows by channels, rows below
+        valid only."""
+        num_rows = tl.minimum(num_rows, tl.load(valid_ptr))
+        first = tl.program_id(0) * BLOCK_ROWS
+        if first >= num_rows:
+            return
+        rows = first + tl.arange(0, BLOCK_ROWS)
         cols = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
         row_mask = rows < num_rows
         mask = row_mask[:, None] & (cols[None, :] < width)
@@ -136,6 +146,7 @@ if TRITON_AVAILABLE:
         scale_ptr,
         grad_h_ptr,
         grad_scale_ptr,
+        valid_ptr,
         num_rows,
         width,
         ACTIVATION: tl.constexpr,
@@ -143,8 +154,12 @@ if TRITON_AVAILABLE:
         BLOCK_W: tl.constexpr,
     ):
         """grad_h = act'(h) * round(grad_out * scale[row]); grad_scale[row] = sum over the row
-        of grad_out * round(act(h)), in fp32, over this program's rows."""
-        rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+        of grad_out * round(act(h)), in fp32, over this program's rows below valid."""
+        num_rows = tl.minimum(num_rows, tl.load(valid_ptr))
+        first = tl.program_id(0) * BLOCK_ROWS
+        if first >= num_rows:
+            return
+        rows = first + tl.arange(0, BLOCK_ROWS)
         row_mask = rows < num_rows
         row_starts = rows.to(tl.int64)[:, None] * width
         scale = tl.load(scale_ptr + rows, mask=row_mask, other=0).to(tl.float32)
@@ -171,34 +186,49 @@ def _block_w(width: int, block_w: int) -> int:
     return min(block_w, triton.next_power_of_2(max(width, 16)))
 
 
-def _scaled_activation_triton(h, scale, activation, block_rows=BLOCK_ROWS, block_w=BLOCK_W):
+def _all_rows(h: torch.Tensor) -> torch.Tensor:
+    return torch.full((1,), h.shape[0], dtype=torch.int32, device=h.device)
+
+
+def _scaled_activation_triton(
+    h, scale, activation, valid=None, block_rows=BLOCK_ROWS, block_w=BLOCK_W, out=None
+):
+    """The forward kernel's launch (`valid` None: every row); `out` (tests: one prefilled to
+    show which rows are never written) defaults to an empty tensor."""
     h, scale = h.contiguous(), scale.contiguous()
-    out = torch.empty_like(h)
+    valid = _all_rows(h) if valid is None else valid
+    out = torch.empty_like(h) if out is None else out
     if out.numel() == 0:
         return out
     rows, width = h.shape
     block_w = _block_w(width, block_w)
     grid = (triton.cdiv(rows, block_rows), triton.cdiv(width, block_w))
     _scaled_activation_kernel[grid](
-        h, scale, out, rows, width, ACTIVATION=_activation_code(activation),
+        h, scale, out, valid, rows, width, ACTIVATION=_activation_code(activation),
         BLOCK_ROWS=block_rows, BLOCK_W=block_w,
     )  # fmt: skip
     return out
 
 
 def _scaled_activation_backward_triton(
-    grad_out, h, scale, activation, block_rows=BACKWARD_BLOCK_ROWS, block_w=BLOCK_W
-):
+    grad_out, h, scale, activation, valid=None, block_rows=BACKWARD_BLOCK_ROWS, block_w=BLOCK_W,
+    outputs=None,
+):  # fmt: skip
+    """The backward kernel's launch; `outputs` (grad_h, fp32 grad_scale), tests' prefilled
+    ones, default to empty tensors."""
     grad_out, h, scale = grad_out.contiguous(), h.contiguous(), scale.contiguous()
-    grad_h = torch.empty_like(h)
+    valid = _all_rows(h) if valid is None else valid
     # The row sums in fp32, as autograd accumulates them; cast to the scale's dtype after.
-    grad_scale = torch.empty(scale.shape, device=scale.device, dtype=torch.float32)
+    grad_h, grad_scale = outputs or (
+        torch.empty_like(h),
+        torch.empty(scale.shape, device=scale.device, dtype=torch.float32),
+    )
     if h.numel() == 0:
         return grad_h, grad_scale.zero_().to(scale.dtype)
     rows, width = h.shape
     grid = (triton.cdiv(rows, block_rows),)
     _scaled_activation_backward_kernel[grid](
-        grad_out, h, scale, grad_h, grad_scale, rows, width,
+        grad_out, h, scale, grad_h, grad_scale, valid, rows, width,
         ACTIVATION=_activation_code(activation), BLOCK_ROWS=block_rows,
         BLOCK_W=_block_w(width, block_w),
     )  # fmt: skip
@@ -209,49 +239,57 @@ def _scaled_activation_backward_triton(
 
 
 @torch.library.custom_op("moe::scaled_activation", mutates_args=())
-def _scaled_activation_op(h: torch.Tensor, scale: torch.Tensor, activation: str) -> torch.Tensor:
+def _scaled_activation_op(
+    h: torch.Tensor, scale: torch.Tensor, activation: str, valid: torch.Tensor
+) -> torch.Tensor:
     if use_triton(h, scale):
-        return _scaled_activation_triton(h, scale, activation)
+        return _scaled_activation_triton(h, scale, activation, valid)
     return scaled_activation_reference(h, scale, activation)
 
 
 @_scaled_activation_op.register_fake
-def _(h, scale, activation):
+def _(h, scale, activation, valid):
     return torch.empty_like(h)
 
 
 @torch.library.custom_op("moe::scaled_activation_backward", mutates_args=())
 def _scaled_activation_backward_op(
-    grad_out: torch.Tensor, h: torch.Tensor, scale: torch.Tensor, activation: str
-) -> Tuple[torch.Tensor, torch.Tensor]:
+    grad_out: torch.Tensor, h: torch.Tensor, scale: torch.Tensor, activation: str,
+    valid: torch.Tensor,
+) -> Tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     if use_triton(grad_out, h, scale):
-        return _scaled_activation_backward_triton(grad_out, h, scale, activation)
+        return _scaled_activation_backward_triton(grad_out, h, scale, activation, valid)
     return scaled_activation_backward_reference(grad_out, h, scale, activation)
 
 
 @_scaled_activation_backward_op.register_fake
-def _(grad_out, h, scale, activation):
+def _(grad_out, h, scale, activation, valid):
     return torch.empty_like(h), torch.empty_like(scale)
 
 
 def _setup(ctx, inputs, output):
-    h, scale, activation = inputs
+    h, scale, activation, valid = inputs
     ctx.activation = activation
-    ctx.save_for_backward(h, scale)
+    ctx.save_for_backward(h, scale, valid)
 
 
 def _backward(ctx, grad_out):
-    h, scale = ctx.saved_tensors
-    grad_h, grad_scale = _scaled_activation_backward_op(grad_out, h, scale, ctx.activation)
-    return grad_h, grad_scale, None
+    h, scale, valid = ctx.saved_tensors
+    grad_h, grad_scale = _scaled_activation_backward_op(grad_out, h, scale, ctx.activation, valid)
+    return grad_h, grad_scale, None, None
 
 
 _scaled_activation_op.register_autograd(_backward, setup_context=_setup)
 
 
-def scaled_activation(h: torch.Tensor, scale: torch.Tensor, activation: str) -> torch.Tensor:
+def scaled_activation(
+    h: torch.Tensor, scale: torch.Tensor, activation: str, valid: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """act(h) * scale[:, None] for h [rows, width] and scale [rows]; `activation` one of
-    ACTIVATIONS ("gelu": the tanh approximation). See the module's notes on rounding."""
+    ACTIVATIONS ("gelu": the tanh approximation). See the module's notes on rounding.
+
+    `valid`: int32 [1] on h's device, the rows that count (the first ones); the kernels leave
+    the others unwritten, forward and backward (None: every row)."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
     if h.dim() != 2 or scale.shape != h.shape[:1]:
@@ -259,11 +297,11 @@ def scaled_activation(h: torch.Tensor, scale: torch.Tensor, activation: str) -> 
             f"scaled_activation takes h [rows, width] and scale [rows], got {tuple(h.shape)} "
             f"and {tuple(scale.shape)}"
         )
-    return _scaled_activation_op(h, scale, activation)
+    return _scaled_activation_op(h, scale, activation, _all_rows(h) if valid is None else valid)
 
 
 def _aot_specs(dtype: str) -> list:
-    common = {"scale_ptr": "*fp32", "num_rows": "i32", "width": "i32"}
+    common = {"scale_ptr": "*fp32", "valid_ptr": "*i32", "num_rows": "i32", "width": "i32"}
     return [
         AotSpec(
             kernel=_scaled_activation_kernel,

@@ -18,6 +18,11 @@ the gathered rows at a fraction of the memory bandwidth (docs/benchmark-log.md).
 of tracing into the kernels, and each runs its Triton kernel where `use_triton` says so and its
 pure-PyTorch reference otherwise. For top_k = 1 they are permutations, index_select with its
 inverse as backward, which Inductor fuses into the kernels around them.
+
+`permute_rows(x, index, inverse, valid)` is the permutation of rows whose only real ones are
+the first `valid` of the permuted order (a device scalar, never read on the host): the
+expert-parallel fixed-size blocks put their padding rows last (moe.exchange.fixed_blocks), and
+this op neither reads nor writes them, forward or backward, so padding costs no memory traffic.
 """
 
 # No `from __future__ import annotations`: torch.library.custom_op reads the ops' signatures from
@@ -52,6 +57,15 @@ def sum_rows_reference(rows: torch.Tensor, slot_of: torch.Tensor, top_k: int) ->
     """out[t] = sum_j rows[slot_of[t * top_k + j]], summed in fp32."""
     picked = rows.index_select(0, slot_of).view(-1, top_k, rows.shape[-1]).float()
     return picked.sum(1).to(rows.dtype)
+
+
+def permute_rows_reference(
+    x: torch.Tensor, index: torch.Tensor, valid: torch.Tensor, by_source: bool
+) -> torch.Tensor:
+    """out[i] = x[index[i]] where the row counts (`permute_rows_triton`); zeros elsewhere."""
+    key = index if by_source else torch.arange(index.shape[0], device=index.device)
+    real = (key < valid).unsqueeze(-1)
+    return torch.where(real, x.index_select(0, index), torch.zeros((), dtype=x.dtype))
 
 
 # --- Triton kernels ------------------------------------------------------------------------
@@ -109,6 +123,35 @@ if TRITON_AVAILABLE:
         out_ptrs = out_ptr + tokens.to(tl.int64)[:, None] * hidden + cols[None, :]
         tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
 
+    @triton.jit
+    def _permute_rows_kernel(
+        x_ptr,
+        index_ptr,
+        valid_ptr,
+        out_ptr,
+        num_rows,
+        hidden,
+        BY_SOURCE: tl.constexpr,
+        BLOCK_ROWS: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+    ):
+        """out[i, cols] = x[index[i], cols] for the rows i that count: i < valid, or with
+        BY_SOURCE index[i] < valid. Other rows are neither read nor written."""
+        valid = tl.load(valid_ptr)
+        first = tl.program_id(0) * BLOCK_ROWS
+        if not BY_SOURCE and first >= valid:
+            return
+        rows = first + tl.arange(0, BLOCK_ROWS)
+        cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        in_range = rows < num_rows
+        index = tl.load(index_ptr + rows, mask=in_range, other=0)
+        key = index if BY_SOURCE else rows
+        counted = in_range & (key < valid)
+        mask = counted[:, None] & (cols[None, :] < hidden)
+        values = tl.load(x_ptr + index.to(tl.int64)[:, None] * hidden + cols[None, :], mask=mask)
+        out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * hidden + cols[None, :]
+        tl.store(out_ptrs, values, mask=mask)
+
 
 def _block_h(hidden: int) -> int:
     return min(BLOCK_H, triton.next_power_of_2(max(hidden, 16)))
@@ -143,6 +186,24 @@ def _sum_rows_triton(rows, slot_of, top_k):
     return out
 
 
+def permute_rows_triton(x, index, valid, by_source, out=None):
+    """The kernel's launch; `out` (tests: one prefilled to show what is never written) defaults
+    to an empty tensor."""
+    x = x.contiguous()
+    hidden = x.shape[1]
+    if out is None:
+        out = torch.empty(index.shape[0], hidden, device=x.device, dtype=x.dtype)
+    if out.numel() == 0:
+        return out
+    block_h = _block_h(hidden)
+    grid = (triton.cdiv(index.shape[0], BLOCK_ROWS), triton.cdiv(hidden, block_h))
+    _permute_rows_kernel[grid](
+        x, index, valid, out, index.shape[0], hidden, BY_SOURCE=by_source,
+        BLOCK_ROWS=BLOCK_ROWS, BLOCK_H=block_h,
+    )  # fmt: skip
+    return out
+
+
 # --- the ops -------------------------------------------------------------------------------
 
 
@@ -172,6 +233,38 @@ def _sum_rows_op(
 @_sum_rows_op.register_fake
 def _(rows, order, slot_of, top_k):
     return rows.new_empty(slot_of.shape[0] // top_k, rows.shape[1])
+
+
+@torch.library.custom_op("moe::permute_rows", mutates_args=())
+def _permute_rows_op(
+    x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor, valid: torch.Tensor,
+    by_source: bool,
+) -> torch.Tensor:  # fmt: skip
+    if use_triton(x, index):
+        return permute_rows_triton(x, index, valid, by_source)
+    return permute_rows_reference(x, index, valid, by_source)
+
+
+@_permute_rows_op.register_fake
+def _(x, index, inverse, valid, by_source):
+    return x.new_empty(index.shape[0], x.shape[1])
+
+
+def _permute_rows_setup(ctx, inputs, output):
+    _, index, inverse, valid, by_source = inputs
+    ctx.by_source = by_source
+    ctx.save_for_backward(index, inverse, valid)
+
+
+def _permute_rows_backward(ctx, grad_out):
+    # out[i] = x[index[i]] for counted i; so grad_x[j] = grad_out[inverse[j]], counted where
+    # out's row inverse[j] was: the other side of the same test.
+    index, inverse, valid = ctx.saved_tensors
+    grad_x = _permute_rows_op(grad_out.contiguous(), inverse, index, valid, not ctx.by_source)
+    return grad_x, None, None, None, None
+
+
+_permute_rows_op.register_autograd(_permute_rows_backward, setup_context=_permute_rows_setup)
 
 
 def _permutation_setup(ctx, inputs, output):
@@ -259,6 +352,21 @@ def sum_rows(
     return _sum_rows_op(rows, order, slot_of, top_k)
 
 
+def permute_rows(
+    x: torch.Tensor,
+    index: torch.Tensor,
+    inverse: torch.Tensor,
+    valid: torch.Tensor,
+    by_source: bool = False,
+) -> torch.Tensor:
+    """out[i] = x[index[i]] for a permutation `index` (int64, `inverse` its inverse), for the
+    rows that count: the first `valid` of out (int64 [1] on x's device), or with `by_source`
+    those read from the first `valid` of x. The others are left unwritten (their contents are
+    unspecified), and the backward, the permutation by `inverse` under the mirrored test, writes
+    no gradient for them either."""
+    return _permute_rows_op(x, index, inverse, valid, by_source)
+
+
 def _spec(kernel, signature, constexprs):
     return AotSpec(kernel=kernel, signature=signature, constexprs=constexprs)
 
@@ -278,6 +386,14 @@ def _aot_specs(dtype: str) -> list:
              "num_tokens": "i32", "hidden": "i32"},
             {"TOP_K": 8, **blocks},
         ),
+    ] + [
+        _spec(
+            _permute_rows_kernel,
+            {"x_ptr": f"*{dtype}", "index_ptr": "*i64", "valid_ptr": "*i64",
+             "out_ptr": f"*{dtype}", "num_rows": "i32", "hidden": "i32"},
+            {"BY_SOURCE": by_source, **blocks},
+        )
+        for by_source in (False, True)
     ]  # fmt: skip
 
 

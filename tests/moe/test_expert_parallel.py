@@ -1,4 +1,4 @@
-"""Expert-parallel dMoE (moe.expert_parallel) on gloo against one process holding every expert.
+"""Expert-parallel dMoE (moe.exchange) on gloo against one process holding every expert.
 
 Each rank feeds its own tokens. Data parallelism's answer is the single-process layer on all
 tokens with the loss averaged over ranks; the expert-parallel layer must give the same outputs,
@@ -183,11 +183,13 @@ def test_two_ranks_match_one_process(impl, top_k):
 )
 def test_fixed_size_blocks_match_one_process(impl, grouped_gemm):
     """--moe-expert-parallel-buffer-factor (blocks large enough): the layer's outputs and
-    every gradient are one process's, on each backend (torch._grouped_mm leaves the padding
-    rows out of its groups, the others compute them as zeros)."""
+    every gradient are one process's, on each backend (the grouped products leave the padding
+    rows out of every pass, the block-sparse one computes them as zeros), in one exchange and
+    in chunks (--overlap-moe-expert-parallel-comm)."""
     overrides = {"expert_parallel_buffer_factor": 4.0, "grouped_gemm": grouped_gemm}
     check_against_one_process(impl, 2, world_size=2, ep=2, overrides=overrides)
     targets = [[2, 3, 2, 2, 3, 3], [3, 3, 2, 3, 2, 2]]
+    overrides["expert_parallel_chunks"] = 2
     check_against_one_process(impl, 1, world_size=2, ep=2, targets=targets, overrides=overrides)
 
 
@@ -384,13 +386,17 @@ def test_data_parallel_wrapper_leaves_experts_alone():
         assert torch.all(result["experts_grad"] == float(rank + 1))
 
 
-def _compiled_blocks_step(rank: int, world_size: int, grouped_gemm: str) -> list:
+def _compiled_blocks_step(rank: int, world_size: int, grouped_gemm: str, chunks: int) -> list:
     """The fixed-size-block layer eagerly and compiled as one graph (fullgraph: no break, so no
     host sync), forward and backward, at a first block size and at a grown one (as after an
     overflow, which recompiles): the differences."""
     parallel_state.initialize_model_parallel(expert_model_parallel_size=world_size)
     try:
-        overrides = {"expert_parallel_buffer_factor": 4.0, "grouped_gemm": grouped_gemm}
+        overrides = {
+            "expert_parallel_buffer_factor": 4.0,
+            "grouped_gemm": grouped_gemm,
+            "expert_parallel_chunks": chunks,
+        }
         runs = {}
         for compiled in (False, True):
             layer = make_layer("grouped", 2, world_size, None, **overrides)
@@ -418,11 +424,12 @@ def _compiled_blocks_step(rank: int, world_size: int, grouped_gemm: str) -> list
 
 
 @needs_torch_grouped_mm
-def test_fixed_size_blocks_compile_as_one_graph():
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_fixed_size_blocks_compile_as_one_graph(chunks):
     """With torch._grouped_mm (the grouped GEMM a run on Hopper compiles), the expert-parallel
-    layer in fixed-size blocks traces whole: no graph break, no host sync; the same numbers,
-    also after its blocks grew (a recompile with the new size as a constant:
-    megatron.parallelize.steps.compile_model)."""
-    for errors, load, compiled_load in run_distributed(_compiled_blocks_step, 2, TORCH):
+    layer in fixed-size blocks traces whole, in one exchange or in chunks: no graph break, no
+    host sync; the same numbers, also after its blocks grew (a recompile with the new size as a
+    constant: megatron.parallelize.steps.compile_model)."""
+    for errors, load, compiled_load in run_distributed(_compiled_blocks_step, 2, TORCH, chunks):
         assert max(errors) < 1e-2, errors  # bf16; eager and compiled round alike or nearly
         assert load[1] == compiled_load[1] == 2.0 and load == pytest.approx(compiled_load)

@@ -190,6 +190,22 @@ def test_checkpoint_resumes_at_another_expert_parallel_size(
             "--expert-model-parallel-size 2 --moe-impl reference",
             "--moe-impl reference runs every expert on one rank",
         ),
+        (
+            2,
+            "--expert-model-parallel-size 2 --overlap-moe-expert-parallel-comm",
+            "add --moe-expert-parallel-buffer-factor",
+        ),
+        (
+            2,
+            "--overlap-moe-expert-parallel-comm --moe-expert-parallel-buffer-factor 2",
+            "there is none at expert parallel size 1",
+        ),
+        (
+            2,
+            "--expert-model-parallel-size 2 --moe-expert-parallel-buffer-factor 2 "
+            "--overlap-moe-expert-parallel-comm --no-moe-dropless",
+            "the capacity MoE (--no-moe-dropless) exchanges its slots in one all-to-all",
+        ),
     ],
 )
 def test_bad_expert_parallel_sizes_stop_before_any_work(
@@ -249,3 +265,53 @@ def test_fixed_size_blocks_rerun_under_a_pipeline(
     parallel = run(4, moe_gpt_args(data_prefix, *flags), tmp_path / "tb")
     assert "runs again" in parallel["stdout"]
     assert_same_run(single_and_expert_parallel["single"], parallel)
+
+
+OVERLAP = ["--moe-expert-parallel-buffer-factor", "1", "--overlap-moe-expert-parallel-comm"]
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        "--expert-model-parallel-size 4",
+        "--expert-model-parallel-size 2 --use-distributed-optimizer",
+        "--pipeline-model-parallel-size 2 --expert-model-parallel-size 2",
+        "--tensor-model-parallel-size 2 --expert-model-parallel-size 2",
+    ],
+    ids=["ep4", "ep2_dp2_distributed_optimizer", "pp2_ep2", "tp2_ep2"],
+)
+def test_overlapped_exchange_matches_the_exchange_without_it(
+    single_and_expert_parallel, data_prefix, tmp_path, layout
+):
+    """--overlap-moe-expert-parallel-comm (the fixed-size blocks in two chunks whose all-to-alls
+    run under each other's experts) on four ranks, with blocks too small at first, so that the
+    first steps run again: the single-process run; under tensor parallelism (whose padded
+    vocabulary draws another embedding) the same layout's run with the exact exchange."""
+    flags = layout.split()
+    parallel = run(4, moe_gpt_args(data_prefix, *flags, *OVERLAP), tmp_path / "overlap")
+    assert "runs again" in parallel["stdout"]
+    expected = single_and_expert_parallel["single"]
+    if "--tensor-model-parallel-size" in flags:
+        expected = run(4, moe_gpt_args(data_prefix, *flags), tmp_path / "exact")
+    assert_same_run(expected, parallel)
+
+
+def test_overlapped_exchange_resumes_exactly_and_saves_the_same_checkpoint(
+    single_and_expert_parallel, data_prefix, tmp_path
+):
+    """EP2 with the overlap: a checkpoint holds what the exact exchange's run saves (the same
+    keys, the single-process tensors), and a run resumed from it continues bit for bit, its
+    blocks starting again from the flag's factor (the chunks cut the same rows at any factor)."""
+    flags = ["--expert-model-parallel-size", "2", *OVERLAP]
+    checkpoints = tmp_path / "checkpoints"
+    save = ["--save", str(checkpoints), "--save-interval", "3"]
+    whole = run(2, moe_gpt_args(data_prefix, *flags, *save), tmp_path / "whole")
+    expected = saved_state(single_and_expert_parallel["ep2"]["checkpoints"], 3)
+    saved = saved_state(checkpoints, 3)
+    assert saved["model"].keys() == expected["model"].keys()
+    for name, tensor in expected["model"].items():
+        torch.testing.assert_close(saved["model"][name], tensor, atol=1e-5, rtol=1e-4)
+    (checkpoints / "latest_checkpointed_iteration.txt").write_text("3")
+    resumed = run(2, moe_gpt_args(data_prefix, *flags, "--load", str(checkpoints)), tmp_path / "r")
+    for name in SCALARS:
+        assert [resumed[name][step] for step in (4, 5)] == [whole[name][step] for step in (4, 5)]

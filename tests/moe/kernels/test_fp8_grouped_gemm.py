@@ -16,7 +16,7 @@ from tests.markers import needs_torch_grouped_mm
 pytestmark = needs_torch_grouped_mm
 
 # Groups of sizes that are not multiples of 16, an empty expert, and 3 rows after the last
-# group (moe.static_exchange's padding), which every product leaves out.
+# group (moe.exchange.fixed_blocks's padding), which every product leaves out.
 COUNTS = (5, 0, 37, 18)
 TRAILING = 3
 

@@ -208,3 +208,32 @@ def test_the_width_rule_of_choose_backend_matches_torch(width, accepted):
         assert not accepted, f"torch rejected a width the rule accepts: {error}"
     else:
         assert accepted, "torch accepted a width the rule rejects"
+
+
+def test_rows_past_the_groups_are_in_no_product(triton_only):
+    """Expert-parallel padding (moe.exchange.fixed_blocks): rows past the groups' total change no
+    weight gradient, and the kernels write neither their outputs nor their input gradients
+    (the reference writes zeros there)."""
+    reference = triton_only
+    generator = torch.Generator().manual_seed(11)
+    tokens_per_expert = torch.tensor([5, 0, 9])
+    real, padding = 14, 10
+    x = torch.randn(real + padding, 16, generator=generator)
+    weight = torch.randn(3, 16, 24, generator=generator)
+    grad_out = torch.randn(real + padding, 24, generator=generator)
+    filled = torch.full((real + padding, 24), float("nan"))
+    grouped_gemm._grouped_mm_triton(
+        x, weight, tokens_per_expert, transpose_weight=False, tile_sizes=TILES, out=filled
+    )
+    assert torch.isnan(filled[real:]).all() and not torch.isnan(filled[:real]).any()
+    actual = _run(
+        lambda x, w, t: grouped_gemm.grouped_mm(x, w, t, tile_sizes=TILES),
+        x, weight, tokens_per_expert, grad_out,
+    )  # fmt: skip
+    expected = _run(reference, x, weight, tokens_per_expert, grad_out)
+    without_padding = _run(reference, x[:real], weight, tokens_per_expert, grad_out[:real])
+    _assert_close(actual[0][:real], expected[0][:real], rtol=1e-4)
+    _assert_close(actual[1][:real], expected[1][:real], rtol=1e-4)
+    _assert_close(actual[2], without_padding[2], rtol=1e-4)
+    assert torch.equal(expected[0][real:], torch.zeros(padding, 24))
+    assert torch.equal(expected[1][real:], torch.zeros(padding, 16))

@@ -229,6 +229,43 @@ def test_scaled_activation_kernels_match_the_reference(activation, rows, width):
     assert _relative_error(got_grads[1], want_grads[1]) < 1e-4
 
 
+def test_padding_is_neither_read_nor_written_at_the_layer_sizes():
+    """The expert-parallel blocks' padding (moe.exchange.fixed_blocks) at the dMoE 125M's EP4
+    sizes (65,536 rows per micro-batch at F = 1.5 over 4 ranks, 45,056 of them real; h 768, ffn
+    3072), bf16: permute_rows and the scaled activation give the reference on the real rows and
+    leave the padding rows' prefilled marker, forward and backward."""
+    from moe.kernels import scaled_activation as sa
+    from moe.kernels import token_rows
+
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    rows, real = 98304, 45056
+    valid = torch.tensor([real], device="cuda", dtype=torch.int32)
+    index = torch.randperm(rows, device="cuda", generator=generator)
+    x = torch.randn(rows, 768, device="cuda", generator=generator).bfloat16()
+    for by_source in (False, True):
+        out = torch.full((rows, 768), float("nan"), device="cuda", dtype=torch.bfloat16)
+        token_rows.permute_rows_triton(x, index, valid, by_source, out=out)
+        counted = (index if by_source else torch.arange(rows, device="cuda")) < real
+        assert torch.equal(out[counted], x[index][counted])
+        assert torch.isnan(out[~counted]).all()
+    h = (3 * torch.randn(rows, 3072, device="cuda", generator=generator)).bfloat16()
+    scale = torch.rand(rows, device="cuda", generator=generator)
+    grad = torch.randn(rows, 3072, device="cuda", generator=generator).bfloat16()
+    out = torch.full_like(h, float("nan"))
+    sa._scaled_activation_triton(h, scale, "gelu", valid, out=out)
+    grads = (torch.full_like(h, float("nan")), torch.full_like(scale, float("nan")))
+    sa._scaled_activation_backward_triton(grad, h, scale, "gelu", valid, outputs=grads)
+    want_out = sa.scaled_activation_reference(h[:real], scale[:real], "gelu")
+    want_grads = sa.scaled_activation_backward_reference(
+        grad[:real], h[:real], scale[:real], "gelu"
+    )
+    assert _relative_error(out[:real], want_out) < 5e-3
+    assert _relative_error(grads[0][:real], want_grads[0]) < 5e-3
+    assert _relative_error(grads[1][:real], want_grads[1]) < 1e-4
+    for written in (out, *grads):
+        assert torch.isnan(written[real:]).all()
+
+
 @pytest.mark.parametrize("tokens,experts,k", [(65536, 64, 8), (16384, 64, 2), (8192, 8, 2)])
 def test_router_topk_kernel_matches_the_reference(tokens, experts, k):
     from moe.kernels import router_topk

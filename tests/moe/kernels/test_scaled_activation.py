@@ -67,3 +67,29 @@ def test_bad_shapes_and_activations_are_refused():
         sa.scaled_activation(h, torch.ones(4), "relu")
     with pytest.raises(ValueError, match=r"\(4, 8\) and \(3,\)"):
         sa.scaled_activation(h, torch.ones(3), "gelu")
+
+
+@pytest.mark.skipif(not TRITON_AVAILABLE, reason="Triton is not installed")
+@pytest.mark.usefixtures("triton_kernels")
+def test_kernels_leave_the_rows_past_valid_alone():
+    """Expert-parallel padding: rows from `valid` on are neither written forward nor given a
+    gradient; the rows before it are the reference's."""
+    generator = torch.Generator().manual_seed(4)
+    rows, width, valid = 37, 300, 21
+    h = torch.randn(rows, width, generator=generator)
+    scale = torch.rand(rows, generator=generator)
+    grad = torch.randn(rows, width, generator=generator)
+    count = torch.tensor([valid], dtype=torch.int32)
+    out = torch.full((rows, width), float("nan"))
+    sa._scaled_activation_triton(h, scale, "gelu", count, out=out)
+    assert torch.isnan(out[valid:]).all()
+    want = sa.scaled_activation_reference(h[:valid], scale[:valid], "gelu")
+    torch.testing.assert_close(out[:valid], want, rtol=1e-5, atol=1e-5)
+    got = _run(lambda h, s: sa.scaled_activation(h, s, "gelu", count), h, scale, grad)
+    want = _run(lambda h, s: sa.scaled_activation_reference(h, s, "gelu"), h, scale, grad)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a[:valid], b[:valid], rtol=1e-5, atol=1e-5)
+    outputs = (torch.full((rows, width), float("nan")), torch.full((rows,), float("nan")))
+    sa._scaled_activation_backward_triton(grad, h, scale, "gelu", count, outputs=outputs)
+    for written in outputs:
+        assert torch.isnan(written[valid:]).all() and not torch.isnan(written[:valid]).any()

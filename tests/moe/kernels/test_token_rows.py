@@ -102,3 +102,43 @@ def test_sum_kernel_rounds_bf16_rows_like_the_reference():
     assert got.dtype == torch.bfloat16
     # fp32 sums of the same two rows, rounded once to bf16: equal up to the sum's order.
     torch.testing.assert_close(got.float(), want.float(), rtol=8e-3, atol=1e-6)
+
+
+def _permuted_with_padding(seed: int):
+    """A permutation of 23 rows whose first 15 in the permuted order are real."""
+    generator = torch.Generator().manual_seed(seed)
+    index = torch.randperm(23, generator=generator)
+    return index, token_rows.inverse_permutation(index), torch.tensor([15], dtype=torch.int32)
+
+
+@pytest.mark.parametrize("by_source", [False, True])
+def test_permute_rows_is_the_permutation_on_the_rows_that_count(by_source):
+    index, inverse, valid = _permuted_with_padding(1)
+    x = torch.randn(23, 12, requires_grad=True)
+    out = token_rows.permute_rows(x, index, inverse, valid, by_source)
+    counted = (index if by_source else torch.arange(23)) < 15
+    torch.testing.assert_close(out[counted], x.detach()[index][counted], rtol=0, atol=0)
+    grad = torch.randn(23, 12)
+    out.backward(grad)
+    # Only the counted rows' gradients reach x: each at the row it was read from.
+    want = torch.zeros(23, 12).index_add_(0, index[counted], grad[counted])
+    read = torch.zeros(23, dtype=torch.bool).index_fill_(0, index[counted], True)
+    torch.testing.assert_close(x.grad[read], want[read], rtol=0, atol=0)
+
+
+@pytest.mark.usefixtures("triton_kernels")
+@pytest.mark.skipif(not TRITON_AVAILABLE, reason="Triton is not installed")
+@pytest.mark.parametrize("by_source", [False, True])
+def test_permute_rows_kernel_never_writes_the_rows_that_do_not_count(by_source):
+    index, inverse, valid = _permuted_with_padding(2)
+    x = torch.randn(23, 300)
+    out = torch.full((23, 300), float("nan"))
+    token_rows.permute_rows_triton(x, index, valid, by_source, out=out)
+    counted = (index if by_source else torch.arange(23)) < 15
+    torch.testing.assert_close(out[counted], x[index][counted], rtol=0, atol=0)
+    assert torch.isnan(out[~counted]).all()
+    # The op's backward is the inverse permutation under the mirrored test.
+    x.requires_grad_()
+    token_rows.permute_rows(x, index, inverse, valid, by_source).backward(torch.ones(23, 300))
+    read = torch.zeros(23, dtype=torch.bool).index_fill_(0, index[counted], True)
+    assert torch.equal(x.grad[read], torch.ones(int(read.sum()), 300))

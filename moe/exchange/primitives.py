@@ -1,34 +1,34 @@
-"""Expert parallelism for the dropless MoE: experts sharded over ranks, tokens moved by all-to-all.
+"""What every expert-parallel exchange is made of: all-to-alls, and the count exchange that plans
+them.
 
 With an expert-parallel (EP) group of P ranks and E experts, rank r holds the contiguous block of
 experts [r * E/P, (r + 1) * E/P) (`Experts` draws the full [E, ...] weights and keeps its slice,
-so any P reproduces the P = 1 numbers). A dMoE layer's forward on rank r then runs:
+so any P reproduces the P = 1 numbers). Rows sorted by global expert are also sorted by
+destination rank. The three exchanges built from these pieces (moe.exchange's package docstring)
+differ in what travels: exactly the rows each rank needs (moe.exchange.exact), fixed-size blocks
+of them (moe.exchange.fixed_blocks), or the capacity MoE's slots (moe.exchange.capacity_slots).
 
-1. route its own tokens over all E experts, sort the assignments by expert and gather the rows in
-   that order (moe.kernels.token_rows); rows sorted by global expert are also sorted by
-   destination rank;
-2. `ExpertExchange.plan`: one all-gather of every rank's [E] counts tells every rank how many
-   rows each source sends to each expert; the [P, P] rows between ranks then come to the host
-   (`.tolist()`), the layer's one device-to-host sync: all_to_all_single takes its splits as
-   Python ints, as in Megatron-core and MegaBlocks (the same copy gives the rows each rank
-   receives, the expert-parallel load imbalance);
-3. `dispatch`: all_to_all_single of the rows, and of their router weights, with those variable
-   splits. The received rows are grouped by source rank, then expert; `local_indices` reorders
-   them into local-expert-major order (expert, then source rank) by a permutation whose backward
-   is the opposite permutation (a gather, no atomics);
-4. the local experts run exactly as on one rank (grouped GEMM or block-sparse, each output row
-   scaled by its weight), then the rows go back to source-major order and `combine` returns them
-   with the reverse all-to-all; the origin rank sums each token's rows.
-Backward of each all-to-all is the all-to-all of the gradients with the splits swapped.
-`ExpertExchange` is this plain exchange; the dMoE layer runs the same exchange with its
-all-to-alls overlapped with the rank's own rows (moe.overlapped_exchange), which tests check
-against this one.
+- `all_to_all`: a differentiable all_to_all_single that waits at once; backward sends the
+  gradients back the same way, splits swapped.
+- `start_all_to_all` / `wait_all_to_all`: an exchange whose send and receive totals are equal
+  (fixed-size blocks) cut in two autograd nodes, so that the work issued between them runs
+  while the exchange is in flight, forward and backward. The wait node's backward issues the
+  reverse exchange, whose result has the in-flight buffer's shape and so travels to the start
+  node as its gradient (no state on the side, which torch.compile could not trace); the start
+  node's backward waits for it. Autograd runs the ready node created last in the forward first,
+  so the backward of the work issued between the two nodes in the forward runs while the
+  reverse exchange is in flight. Both are torch's functional collectives (`_c10d_functional`);
+  on GPUs the exchange runs on the communicator's stream and the wait makes the compute stream
+  wait for it, with gloo on CPUs it runs in gloo's thread.
+- `exchange_counts`: one all-gather of every rank's [E] counts (as Megatron-core's dispatcher
+  does) tells every rank how many rows each source sends to each expert (`ExchangeCounts`);
+  `expert_major_order` reorders received rows (grouped by source, then expert) into
+  local-expert-major order.
 
 Routing statistics stay local, as in MegaBlocks: every rank scores all E experts for its own
 tokens, and its load-balancing loss and `tokens_per_expert` count only its own tokens.
-
-Expert parameters are marked as megatron.parallel.expert_parameters describes, which also says how their
-gradients are reduced.
+Expert parameters are marked as megatron.parallel.expert_parameters describes, which also says
+how their gradients are reduced.
 """
 
 from __future__ import annotations
@@ -77,69 +77,78 @@ def all_to_all(
     return _AllToAll.apply(x, output_splits, input_splits, group)
 
 
-def run_slots_expert_parallel(
-    slots: torch.Tensor,
-    size: int,
-    group: Optional[dist.ProcessGroup],
-    forward_batched: Callable[[torch.Tensor], torch.Tensor],
+# run(rows, row_weights, order, tokens_per_local_expert) -> outputs in the rows' order, each
+# scaled by its weight: the local experts, as every exchange calls them. `order` None: the rows
+# are already in local-expert order; else the permutation that puts them there (sorted row i is
+# rows[order[i]]). Rows past the groups' total are padding, which the experts leave alone.
+RunExperts = Callable[
+    [torch.Tensor, torch.Tensor, Optional[torch.Tensor], torch.Tensor], torch.Tensor
+]
+
+
+def group_name(group: Optional[dist.ProcessGroup]) -> str:
+    """The name functional collectives know `group` by (None: the default group)."""
+    return (group if group is not None else dist.group.WORLD).group_name
+
+
+def _issue(x: torch.Tensor, output_splits: List[int], input_splits: List[int], name: str):
+    return torch.ops._c10d_functional.all_to_all_single(
+        x.contiguous(), output_splits, input_splits, name
+    )
+
+
+class _StartAllToAll(torch.autograd.Function):
+    """Issues the exchange; its output is valid only after `_WaitAllToAll`. Backward waits for
+    the reverse exchange that `_WaitAllToAll.backward` issued (its incoming gradient)."""
+
+    @staticmethod
+    def forward(ctx, x, output_splits, input_splits, name):
+        return _issue(x, output_splits, input_splits, name)
+
+    @staticmethod
+    def backward(ctx, reverse_in_flight):
+        return torch.ops._c10d_functional.wait_tensor(reverse_in_flight), None, None, None
+
+
+class _WaitAllToAll(torch.autograd.Function):
+    """Waits for the exchange `_StartAllToAll` issued; backward issues the reverse one."""
+
+    @staticmethod
+    def forward(ctx, in_flight, output_splits, input_splits, name):
+        ctx.splits, ctx.name = (output_splits, input_splits), name
+        return torch.ops._c10d_functional.wait_tensor(in_flight).view_as(in_flight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        output_splits, input_splits = ctx.splits
+        return _issue(grad, input_splits, output_splits, ctx.name), None, None, None
+
+
+def start_all_to_all(
+    x: torch.Tensor,
+    output_splits: List[int],
+    input_splits: List[int],
+    group: Optional[dist.ProcessGroup] = None,
 ) -> torch.Tensor:
-    """The capacity-limited MoE's experts split over `size` ranks: this rank's capacity slots
-    of all E experts [E, C, h] go to the experts' ranks in one all-to-all of equal splits (rank
-    p's experts are the p-th block of E / P), `forward_batched` runs the local experts on the
-    slots of every rank, and the outputs come back the same way."""
-    num_experts, capacity, hidden = slots.shape
-    local = num_experts // size
-    splits = [local * capacity] * size
-    received = all_to_all(slots.reshape(-1, hidden), splits, splits, group)
-    # [source, local expert, C, h] -> [local expert, source * C, h]
-    by_expert = received.view(size, local, capacity, hidden).transpose(0, 1)
-    outputs = forward_batched(by_expert.reshape(local, size * capacity, hidden))
-    outputs = outputs.view(local, size, capacity, hidden).transpose(0, 1).reshape(-1, hidden)
-    returned = all_to_all(outputs, splits, splits, group)
-    return returned.view(num_experts, capacity, hidden)
-
-
-@dataclass
-class ExpertExchange:
-    """How one layer's rows move through an expert-parallel group, planned from the counts.
-
-    send_splits[p]: rows this rank sends to rank p; receive_splits[s]: rows it gets from rank s.
-    The received rows (source-major) reach the local experts through a permutation:
-    `local_indices[i]` is the received row at local-expert-major slot i, and
-    `tokens_per_local_expert` [E/P] the rows of each local expert over all sources.
-    """
-
-    group: Optional[dist.ProcessGroup]
-    send_splits: List[int]
-    receive_splits: List[int]
-    tokens_per_local_expert: torch.Tensor
-    local_indices: torch.Tensor
-
-    @classmethod
-    @torch.no_grad()
-    def plan(
-        cls, tokens_per_expert: torch.Tensor, group: Optional[dist.ProcessGroup]
-    ) -> ExpertExchange:
-        """The exchange for this rank's assignments per expert, tokens_per_expert [E] (all E
-        experts, E divisible by the group size). Collective over `group`; one host sync."""
-        counts = exchange_counts(tokens_per_expert, group)
-        device = tokens_per_expert.device
-        received = counts.received()
-        local_indices = expert_major_order(received, device)
-        tokens_per_local_expert = host_counts([sum(c) for c in zip(*received)], device)
-        return cls(
-            group, counts.send_splits, counts.receive_splits, tokens_per_local_expert, local_indices
+    """Issues all_to_all_single of x's rows; the result is in flight until `wait_all_to_all`
+    with the same splits (module docstring: what runs while it is). The splits must have equal
+    sums (ValueError otherwise)."""
+    if sum(output_splits) != sum(input_splits):
+        raise ValueError(
+            f"start_all_to_all exchanges equal totals; got {sum(input_splits)} rows out and "
+            f"{sum(output_splits)} in (moe.exchange.exact handles unequal ones)"
         )
+    return _StartAllToAll.apply(x, output_splits, input_splits, group_name(group))
 
-    def dispatch(self, rows: torch.Tensor) -> torch.Tensor:
-        """Rows sorted by global expert [sum(send_splits), h] -> the rows for this rank's
-        experts, source-major [sum(receive_splits), h]."""
-        return all_to_all(rows, self.receive_splits, self.send_splits, self.group)
 
-    def combine(self, rows: torch.Tensor) -> torch.Tensor:
-        """Inverse of `dispatch`: expert outputs, source-major, back to the ranks they came
-        from, in the order those ranks sent them."""
-        return all_to_all(rows, self.send_splits, self.receive_splits, self.group)
+def wait_all_to_all(
+    in_flight: torch.Tensor,
+    output_splits: List[int],
+    input_splits: List[int],
+    group: Optional[dist.ProcessGroup] = None,
+) -> torch.Tensor:
+    """The rows of an exchange `start_all_to_all` issued, once they have arrived."""
+    return _WaitAllToAll.apply(in_flight, output_splits, input_splits, group_name(group))
 
 
 @dataclass

@@ -1,22 +1,28 @@
-"""The expert-parallel all-to-all overlapped with computation: the local experts work on this
-rank's own rows while the other ranks' rows are in flight, forward and backward.
+"""The exact expert-parallel exchange: exactly the rows each rank needs, its all-to-alls
+overlapped with computation on the rank's own rows, forward and backward.
 
-Of the rows a rank sends through the expert-parallel exchange (moe.expert_parallel), the block
-for its own experts never needs the network. `run_experts_overlapped` splits that block in two
-halves and orders the work so that each all-to-all has half of it to hide behind:
+A layer's forward on rank r: route its own tokens over all E experts, sort the assignments by
+expert and gather the rows in that order (moe.kernels.token_rows); `ExactExchange.plan` runs the
+count exchange (moe.exchange.primitives.exchange_counts: one all-gather, then the [P, P] rows
+between ranks come to the host, the layer's one device-to-host sync: all_to_all_single takes its
+splits as Python ints, as in Megatron-core and MegaBlocks); the rows go to their experts' ranks
+with variable splits, run there, and come back.
+
+Of the rows a rank sends, the block for its own experts never needs the network.
+`run_experts_exactly` splits that block in two halves and orders the work so that each
+all-to-all has half of it to hide behind:
 
     forward:  start dispatch(remote rows) | own half 1 | wait | remote rows' experts
               start combine(remote outputs) | own half 2 | wait
     backward: start combine's reverse | own half 2 backward | wait | remote rows' backward
               start dispatch's reverse | own half 1 backward | wait
 
-Each all-to-all runs asynchronously (`async_op=True`) between a start and a wait autograd node.
-The backward order follows from how autograd picks among ready nodes of one device: the one
-created last in the forward first. A wait node's backward starts the reverse exchange; the
-matching start node, created before the own half that followed it in the forward, runs after
-that half's backward, so the reverse exchange overlaps it. On GPUs the exchange runs on NCCL's
-stream while the own rows' kernels run on the compute stream; with gloo on CPUs it runs in
-gloo's thread.
+Each all-to-all runs asynchronously (`async_op=True`) between a start and a wait autograd node,
+as moe.exchange.primitives' pair does for exchanges of equal totals; here the splits differ, so
+the reverse exchange cannot travel as the wait node's gradient (its shape is the start node's
+input's) and goes from one backward to the other in an `_InFlight` record. That is eager-only,
+like the host sync this exchange needs anyway. With P ranks 1/P of the rows are a rank's own, so the share
+of the exchange that can hide shrinks as P grows.
 
 The result is the plain exchange's (dispatch, experts, combine) up to the order in which the
 expert weight gradients sum their rows.
@@ -25,19 +31,17 @@ expert weight gradients sum their rows.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
-from moe.expert_parallel import exchange_counts, expert_major_order, host_counts
-
-# run(rows, row_weights, order, tokens_per_local_expert) -> outputs in the rows' order, each
-# scaled by its weight. `order` None: the rows are already in local-expert order; else the
-# permutation that puts them there (sorted row i is rows[order[i]]).
-RunExperts = Callable[
-    [torch.Tensor, torch.Tensor, Optional[torch.Tensor], torch.Tensor], torch.Tensor
-]
+from moe.exchange.primitives import (
+    RunExperts,
+    exchange_counts,
+    expert_major_order,
+    host_counts,
+)
 
 
 @dataclass
@@ -103,7 +107,7 @@ class _WaitAllToAll(torch.autograd.Function):
 
 
 @dataclass
-class OverlappedExchange:
+class ExactExchange:
     """The plan of one layer's overlapped exchange, from this rank's counts (collective)."""
 
     group: Optional[dist.ProcessGroup]
@@ -122,9 +126,10 @@ class OverlappedExchange:
     @torch.no_grad()
     def plan(
         cls, tokens_per_expert: torch.Tensor, group: Optional[dist.ProcessGroup]
-    ) -> OverlappedExchange:
-        """Like ExpertExchange.plan: one all-gather of the counts, one host sync; the plan is
-        worked out on the host and reaches the device in two small copies."""
+    ) -> ExactExchange:
+        """From this rank's assignments per expert [E] (all E experts): one all-gather of the
+        counts, one host sync; the plan is worked out on the host and reaches the device in
+        two small copies."""
         rank = dist.get_rank(group)
         device = tokens_per_expert.device
         counts = exchange_counts(tokens_per_expert, group)
@@ -207,8 +212,8 @@ def _exchange_wait(pending, output_splits, input_splits, group, flight) -> torch
     return _WaitAllToAll.apply(pending, output_splits, input_splits, group, flight)
 
 
-def run_experts_overlapped(
-    rows: torch.Tensor, row_weights: torch.Tensor, exchange: OverlappedExchange, run: RunExperts
+def run_experts_exactly(
+    rows: torch.Tensor, row_weights: torch.Tensor, exchange: ExactExchange, run: RunExperts
 ) -> torch.Tensor:
     """Rows sorted by global expert (this rank's sends, rank-major) and their router weights ->
     the experts' weighted outputs in the same order, the rows of other ranks' experts computed
