@@ -26,6 +26,7 @@ from megatron.parallelize.data_parallel import DataParallel
 from megatron.training.hooks import TrainingHooks
 from moe.block_factor import SHRINK_WINDOW, BlockFactor
 from moe.config import MoEConfig
+from moe.exchange.fixed_blocks import schedule_exchanges_under_compute
 from moe.expert_load import (
     EXPERT_LOAD_TAG,
     format_expert_load_line,
@@ -97,6 +98,8 @@ class MoETrainingHooks(TrainingHooks):
             self.compute_dtype = None
         self.expert_parallel = data_parallel.expert_parallel
         self.device = device
+        if self.moe.expert_parallel_chunks > 1:
+            schedule_exchanges_under_compute()
 
     def before_step(self, model: nn.Module) -> bool:
         if self.moe.expert_parallel_buffer_factor is None:

@@ -46,9 +46,11 @@ def test_fused_expert_gradient_accumulation_equals_autograds(
     data_prefix, tmp_path, world_size, layout
 ):
     # Three micro-batches per rank: one gradient is still held after the last backward.
-    args = moe_gpt_args(data_prefix, "--bf16", "--global-batch-size", "12", *layout)
+    args = moe_gpt_args(
+        data_prefix, "--bf16", "--global-batch-size", "12", *layout, "--train-iters", "3"
+    )
     fused = run(world_size, args, tmp_path / "fused")
     unfused = run(world_size, args + ["--no-gradient-accumulation-fusion"], tmp_path / "unfused")
     for name in ("lm loss", "load balancing loss", "grad-norm"):
-        assert len(fused[name]) == 5
+        assert len(fused[name]) == 3
         assert fused[name] == unfused[name], name

@@ -433,3 +433,68 @@ def test_fixed_size_blocks_compile_as_one_graph(chunks):
     for errors, load, compiled_load in run_distributed(_compiled_blocks_step, 2, TORCH, chunks):
         assert max(errors) < 1e-2, errors  # bf16; eager and compiled round alike or nearly
         assert load[1] == compiled_load[1] == 2.0 and load == pytest.approx(compiled_load)
+
+
+def _inductor_schedule(rank: int, world_size: int) -> list:
+    """The order in which the Inductor-compiled chunked layer (two chunks, torch._grouped_mm)
+    issues its all-to-alls, waits for them and runs its grouped GEMMs: the forward's generated
+    code, then the backward's, each as a list of events."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    from moe.exchange.fixed_blocks import schedule_exchanges_under_compute
+
+    parallel_state.initialize_model_parallel(expert_model_parallel_size=world_size)
+    try:
+        schedule_exchanges_under_compute()  # what the training hooks do under the flag
+        overrides = {"expert_parallel_buffer_factor": 4.0, "grouped_gemm": TORCH}
+        layer = make_layer("grouped", 2, world_size, None, expert_parallel_chunks=2, **overrides)
+        compiled = torch.compile(layer, backend="inductor", fullgraph=True)
+        tokens = make_tokens(world_size, None)[rank : rank + 1].clone().requires_grad_(True)
+
+        def step():
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                output = compiled(tokens).float()
+            (output * probe(world_size)[rank : rank + 1]).sum().backward()
+
+        _, codes = run_and_get_code(step)
+        issue = re.compile(r"\s*(\w+) = torch\.ops\._c10d_functional\.all_to_all_single")
+        wait = re.compile(r"\s*torch\.ops\._c10d_functional\.wait_tensor\.default\((\w+)\)")
+        schedules = []
+        for code in codes:
+            events = []
+            for line in code.splitlines():
+                if issue.match(line):
+                    events.append(("issue", issue.match(line).group(1)))
+                elif wait.match(line):
+                    events.append(("wait", wait.match(line).group(1)))
+                elif "extern_kernels._grouped_mm(" in line:
+                    events.append(("grouped_mm", ""))
+            schedules.append(events)
+        return schedules
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def _hidden_by_products(events: list) -> int:
+    """The all-to-alls with a grouped GEMM between their issue and their wait."""
+    hidden = 0
+    for position, (kind, name) in enumerate(events):
+        if kind == "wait" and ("issue", name) in events[:position]:
+            issued = events.index(("issue", name))
+            hidden += any(kind == "grouped_mm" for kind, _ in events[issued:position])
+    return hidden
+
+
+@needs_torch_grouped_mm
+def test_inductor_keeps_the_chunks_exchanges_under_the_products():
+    """Compiled by Inductor (which, left alone, emits each all-to-all right before its wait: the
+    chunks one after the other), the layer under --overlap-moe-expert-parallel-comm's
+    scheduling issues chunk 1's dispatch (rows and weights) before chunk 0's products and
+    waits after them, and chunk 0's combine under chunk 1's; in the backward the reverse
+    exchanges run under the input- and weight-gradient products."""
+    forward, backward = run_distributed(_inductor_schedule, 2, timeout_s=600)[0]
+    assert sum(kind == "issue" for kind, _ in forward) == 6, forward
+    assert _hidden_by_products(forward) >= 3, forward
+    assert _hidden_by_products(backward) >= 3, backward

@@ -7,7 +7,7 @@ embeddings, norms and the biases added in fp32, stay fp32).
   the model's parameters in those dtypes (a tiny dMoE GPT's optimizer step in 2 gloo ranks).
 - The run is the one the distributed optimizer gave with fp32 weights, which autocast cast to
   bf16 in every forward: pretrain_gpt.py's trainer in gloo processes (tiny GPT and dMoE, bf16
-  autocast on CPU, 20 iterations) gives bit for bit its losses, and its grad norms but for the
+  autocast on CPU, 10 iterations) gives bit for bit its losses, and its grad norms but for the
   order in which fp32 squares are summed (the shards now split the weights by dtype). The
   runs do not clip (--clip-grad 0): a clipped step multiplies its update by that norm, and the
   last bit of fp32 rounding would then grow through Adam's normalisation and the bf16 rounding
@@ -47,8 +47,8 @@ from tests.tiny_gpt import (
     tiny_model_config,
 )
 
-ITERATIONS = 20
-SAVED = 10  # the iteration the reference runs also save, for the resumes
+ITERATIONS = 10
+SAVED = 5  # the iteration the reference runs also save, for the resumes
 GRAD_NORM_TOLERANCE = 1e-6  # relative: fp32 squares summed in another order
 DENSE = ["--num-layers", "2"]
 DMOE = ["--num-layers", "2", *MOE_ARGS]
