@@ -41,8 +41,13 @@ if [ "$lock_python" != "$this_python" ] || [ "$older_torch" = 1 ]; then
     echo "note: requirements/test-lock.txt pins versions for Python $lock_python and torch" \
         "$(pin torch | cut -d= -f3); this is Python $this_python with torch $torch_version:" \
         "installing the newest versions that pyproject.toml's ranges allow instead"
+    # The torch just installed or kept stays: without this, a package whose newest release
+    # wants a newer torch would upgrade it (TORCH_SPEC=torch==2.4.1 ended with torch 2.15).
+    # Its public version: "2.4.1" admits the installed "2.4.1+cu121", which pip cannot find
+    # in an index under its own name.
+    echo "torch==${torch_version%%+*}" > "$constraints"
     if [ "$older_torch" = 1 ]; then
-        printf '%s\n' "numpy<2" "pyarrow<26" "transformers<5" > "$constraints"
+        printf '%s\n' "numpy<2" "pyarrow<26" "transformers<5" >> "$constraints"
     fi
 elif [ "$torch_kept" = 1 ]; then
     echo "keeping the installed torch $torch_version (the lock pins $(pin torch))"
