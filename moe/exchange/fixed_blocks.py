@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as functional
 
-from moe.exchange.primitives import RunExperts, start_all_to_all, wait_all_to_all
+from moe.exchange.primitives import RunExperts, group_name, start_all_to_all, wait_all_to_all
 from moe.kernels import token_rows
 
 
@@ -64,10 +64,6 @@ def schedule_exchanges_under_compute() -> None:
     passes += [name for name in ("sink_waits", "raise_comms") if name not in passes]
     inductor.reorder_for_compute_comm_overlap_passes = passes
     inductor.reorder_for_compute_comm_overlap = True
-
-
-def _group(group: Optional[dist.ProcessGroup]) -> dist.ProcessGroup:
-    return group if group is not None else dist.group.WORLD
 
 
 def block_capacity(rows: int, world_size: int, capacity_factor: float, chunks: int = 1) -> int:
@@ -154,7 +150,7 @@ class FixedBlockExchange:
         # them is what it receives, and the per-rank totals give the load imbalance.
         # all_gather_single is all_gather_tensor's name from torch 2.13 on.
         gather = getattr(functional, "all_gather_single", None) or functional.all_gather_tensor
-        matrix = gather(sends.contiguous(), 0, _group(group))
+        matrix = gather(sends.contiguous(), 0, group_name(group))
         matrix = matrix.reshape(size, size, local)  # [source, destination, expert]
         received = matrix[:, dist.get_rank(group)]  # [source, expert]
         rows_per_rank = matrix.sum((0, 2)).double()
