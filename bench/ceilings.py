@@ -10,7 +10,7 @@ import functools
 
 import torch
 
-from bench.grouped_products import median_ms
+from bench.timing import median_ms
 
 
 def main() -> None:

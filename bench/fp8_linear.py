@@ -8,19 +8,21 @@ FP8 tensor cores' 2x over bf16 survives the quantization around each product.
 Each row times y = x w^T and its backward for one weight [out, in] at `tokens` rows: bf16
 `F.linear` under autocast (the master weight fp32, as in training) against `fp8_linear` with
 each recipe. Compiled by default (torch.compile fuses the amax, scale and cast around each
-product; eager runs them as separate kernels). ms is the median of --repeats timed steps;
-TFLOP/s counts the three products' 6 * tokens * in * out.
+product; eager runs them as separate kernels). ms is the median wall time of --repeats steps
+(bench.timing.median_ms, after 3 warm-up steps); TFLOP/s counts the three products'
+6 * tokens * in * out.
 """
 
 from __future__ import annotations
 
 import argparse
-import time
-from typing import Callable, List, Tuple
+import functools
+from typing import List, Tuple
 
 import torch
 import torch.nn.functional as F
 
+from bench.timing import median_ms
 from megatron.kernels.fp8_linear import FP8_RECIPES, Fp8Recipe, fp8_linear
 
 # (name, tokens, in, out): GPT-2 1.3B (examples/gpt2_1315m_1gpu.sh: hidden 2048, micro batch
@@ -36,22 +38,6 @@ SHAPES: List[Tuple[str, int, int, int]] = [
     ("mixtral fc2", 8192, 14336, 4096),
 ]
 TINY = [("tiny", 64, 32, 48)]
-
-
-def median_ms(step: Callable[..., None], operands, device: torch.device, repeats: int) -> float:
-    """The median wall time of `step(*operands)` in ms, after 3 warm-up calls."""
-    for _ in range(3):
-        step(*operands)
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        step(*operands)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append((time.perf_counter() - start) * 1e3)
-    return sorted(times)[len(times) // 2]
 
 
 def _bf16_step(x: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor) -> None:
@@ -132,7 +118,12 @@ def main() -> None:
             torch._dynamo.reset()
             step = build(weight)
             timed = torch.compile(step, dynamic=False) if args.compile else step
-            times[step_name] = median_ms(timed, (x, weight, grad), device, args.repeats)
+            times[step_name] = median_ms(
+                functools.partial(timed, x, weight, grad),
+                warmup=3,
+                repeats=args.repeats,
+                wall_clock=True,
+            )
         cells = [f"{ms:.3f} ({flops / ms / 1e9:.0f})" for ms in times.values()]
         best_fp8 = min(ms for step_name, ms in times.items() if step_name.startswith("fp8 "))
         speedup = times["bf16"] / best_fp8

@@ -22,23 +22,7 @@ import functools
 import torch
 
 from bench.moe_layer import CONFIGS
-
-
-def median_ms(fn, warmup=5, repeats=20) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
-    return times[len(times) // 2]
-
+from bench.timing import median_ms
 
 # (block_m, block_n, block_k, group_m, num_warps, num_stages) tried by --sweep.
 SWEEP_ROW_TILES = [

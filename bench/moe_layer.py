@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bench.timing import median_step_ms
 from megatron.config import ModelConfig
 from megatron.kernels.dispatch import kernel_mode
 from megatron.kernels.fp8_linear import Fp8Recipe
@@ -134,42 +135,6 @@ def heat_gpu(run, seconds=1.0):
         for _ in range(5):
             run()
         torch.cuda.synchronize()
-
-
-def capture_graph(fn, calls=1, warmup=3):
-    """`calls` calls of `fn` captured as one CUDA graph, after `warmup` calls; its replay. Both
-    run on a side stream, as torch's CUDA graph notes advise."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(warmup):
-            fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        for _ in range(calls):
-            fn()
-    return graph.replay
-
-
-def median_step_ms(run, steps, rounds, idle_s=0.0):
-    """Median over `rounds` of the mean ms per step of `steps` calls of `run` between two
-    events. With steps=1 each step is timed alone, after the host's synchronization left the
-    GPU idle (for `idle_s` more seconds, when given); with more, the steps run back to back,
-    as a training loop runs them."""
-    means = []
-    for _ in range(rounds):
-        if idle_s:
-            time.sleep(idle_s)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(steps):
-            run()
-        end.record()
-        torch.cuda.synchronize()
-        means.append(start.elapsed_time(end) / steps)
-    means.sort()
-    return means[len(means) // 2]
 
 
 def prepare_step(module, x, grad, warmup=3, graphed=False):

@@ -16,13 +16,8 @@ from collections import defaultdict
 
 import torch
 
-from bench.moe_layer import (
-    CONFIGS,
-    DenseSameFlops,
-    build_layer,
-    median_step_ms,
-    prepare_step,
-)
+from bench.moe_layer import CONFIGS, DenseSameFlops, build_layer, prepare_step
+from bench.timing import median_step_ms
 
 
 def clocks() -> str:

@@ -4,20 +4,22 @@ in the same order; where two scores tie the two may name different experts).
 
     python -m bench.router_topk
 
-Each time is the median of CUDA-graph replays of 20 calls (bench.grouped_gemm_tma.median_ms):
-the GPU's time per call.
+Each time is the median of 5 CUDA-graph replays of 20 calls (bench.timing.median_ms): the GPU's
+time per call.
 """
 
 from __future__ import annotations
 
 import torch
 
-from bench.grouped_gemm_tma import median_ms
+from bench.timing import median_ms
 from moe.kernels.router_topk import topk_indices
 
 # (tokens, experts, k): the benchmark configurations' routers (16,384 tokens, 64 experts, top-8;
 # 8,192 tokens, 8 experts, top-2) and a training micro-batch of 64 x 1,024 tokens.
 SHAPES = [(16384, 64, 8), (8192, 8, 2), (65536, 64, 2), (65536, 64, 8)]
+# Timed as launched, the host's work per call, longer than the kernel's, would set the pace.
+REPLAYS = dict(graph_calls=20, repeats=5, warmup=3)
 
 
 def main() -> None:
@@ -28,8 +30,8 @@ def main() -> None:
         scores = torch.randn(tokens, experts, device="cuda").softmax(-1)
         # The same scores chosen, in the same order (indices may differ where scores tie).
         same = torch.equal(scores.gather(1, topk_indices(scores, k)), torch.topk(scores, k).values)
-        torch_ms = median_ms(lambda s=scores, k=k: torch.topk(s, k, dim=-1))
-        ours_ms = median_ms(lambda s=scores, k=k: topk_indices(s, k))
+        torch_ms = median_ms(lambda s=scores, k=k: torch.topk(s, k, dim=-1), **REPLAYS)
+        ours_ms = median_ms(lambda s=scores, k=k: topk_indices(s, k), **REPLAYS)
         print(f"| {tokens}, {experts}, {k} | {torch_ms:.4f} | {ours_ms:.4f} | {same} |")
 
 

@@ -20,8 +20,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from bench.grouped_products import median_ms
-from bench.moe_layer import CONFIGS, capture_graph
+from bench.moe_layer import CONFIGS
+from bench.timing import capture_graph, median_ms
 from moe.kernels import scaled_activation as sa
 
 SWEEP = [(4, 256), (8, 256), (2, 256), (4, 128), (2, 512), (1, 1024)]

@@ -15,20 +15,6 @@ import torch
 ExpertFunction = Callable[[int, torch.Tensor], torch.Tensor]
 
 
-def kept_assignments(
-    expert_indices: torch.Tensor, num_experts: int, capacity: Optional[int] = None
-) -> torch.Tensor:
-    """Bool [T, k]: which assignments an expert accepts; all of them when capacity is None."""
-    flat = expert_indices.reshape(-1)
-    kept = torch.zeros_like(flat, dtype=torch.bool)
-    for expert in range(num_experts):
-        assignments = torch.nonzero(flat == expert).squeeze(1)
-        if capacity is not None:
-            assignments = assignments[:capacity]
-        kept[assignments] = True
-    return kept.view_as(expert_indices)
-
-
 def reference_moe(
     tokens: torch.Tensor,
     expert_weights: torch.Tensor,

@@ -47,7 +47,7 @@ def data_prefix(sample_prefix, tmp_path_factory):
 @pytest.fixture
 def triton_kernels(monkeypatch):
     """Run the public ops through their Triton kernels: the interpreter on CPU tensors, for the
-    kernel-vs-reference tests (megatron/kernels, moe/kernels, bench/kernels)."""
+    kernel-vs-reference tests (megatron/kernels, moe/kernels)."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("these kernel-vs-reference tests use CPU tensors and Triton's CPU interpreter")
     force_kernel_mode(monkeypatch, "triton")

@@ -1,10 +1,9 @@
-"""Megatron's sequential pretraining sampler and the data loader built on it."""
+"""Megatron's sequential pretraining sampler (megatron.data.loader builds the training loop's
+DataLoader on it)."""
 
 from __future__ import annotations
 
 from typing import Iterator, List
-
-import torch
 
 
 class MegatronPretrainingSampler:
@@ -65,28 +64,3 @@ class MegatronPretrainingSampler:
                 batch = []
         if batch and not self.drop_last:
             yield self._rank_slice(batch)
-
-
-def build_pretraining_data_loader(
-    dataset: torch.utils.data.Dataset,
-    consumed_samples: int,
-    micro_batch_size: int,
-    data_parallel_rank: int,
-    data_parallel_size: int,
-    num_workers: int = 2,
-) -> torch.utils.data.DataLoader:
-    """A DataLoader over `dataset` driven by `MegatronPretrainingSampler` (Megatron's 'single')."""
-    sampler = MegatronPretrainingSampler(
-        total_samples=len(dataset),
-        consumed_samples=consumed_samples,
-        micro_batch_size=micro_batch_size,
-        data_parallel_rank=data_parallel_rank,
-        data_parallel_size=data_parallel_size,
-    )
-    return torch.utils.data.DataLoader(
-        dataset,
-        batch_sampler=sampler,
-        num_workers=num_workers,
-        pin_memory=torch.cuda.is_available(),
-        persistent_workers=num_workers > 0,
-    )

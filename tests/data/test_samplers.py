@@ -1,10 +1,8 @@
 """MegatronPretrainingSampler: micro-batch layout across data-parallel ranks and exact resume."""
 
-import numpy as np
 import pytest
-import torch
 
-from megatron.data.samplers import MegatronPretrainingSampler, build_pretraining_data_loader
+from megatron.data.samplers import MegatronPretrainingSampler
 
 
 def rank_batches(total, consumed, micro, rank, size, drop_last=True):
@@ -46,18 +44,3 @@ def test_sampler_errors_name_the_value():
         MegatronPretrainingSampler(10, 0, 1, 2, 2)
     with pytest.raises(ValueError, match="micro_batch_size must be > 0, got 0"):
         MegatronPretrainingSampler(10, 0, 0, 0, 1)
-
-
-class Numbers(torch.utils.data.Dataset):
-    def __len__(self):
-        return 40
-
-    def __getitem__(self, index):
-        return {"text": np.full(3, index, dtype=np.int64)}
-
-
-def test_data_loader_batches_follow_the_sampler():
-    loader = build_pretraining_data_loader(Numbers(), 8, 2, 1, 2, num_workers=0)
-    batches = [batch["text"][:, 0].tolist() for batch in loader]
-    assert batches == rank_batches(40, 8, 2, 1, 2)
-    assert batches[0] == [10, 11]

@@ -1,9 +1,8 @@
 """Every Triton kernel (the AOT_SPECS of megatron/kernels and moe/kernels, through
-tools/compile_kernels.py, and of the benchmarks' bench/kernels, which that tool leaves out)
-compiles for MI300X, MI250X and H100 on this CPU: the `--covering` builds, which build each
-kernel's every argument type and constexpr value for every target and every specialization for
-at least one (megatron.kernels.aot.covering_builds; without `--covering` the tool builds every
-pair).
+tools/compile_kernels.py) compiles for MI300X, MI250X and H100 on this CPU: the `--covering`
+builds, which build each kernel's every argument type and constexpr value for every target and
+every specialization for at least one (megatron.kernels.aot.covering_builds; without
+`--covering` the tool builds every pair).
 
 The compiling runs in a child process without TRITON_INTERPRET: interpreter tests in this session
 set it, and under it `triton.jit` gives functions that cannot be compiled.
@@ -31,8 +30,8 @@ FINAL_STAGE = {"mi300x": "hsaco", "mi250x": "hsaco", "h100": "cubin"}
 ASSEMBLY_STAGE = {"mi300x": "amdgcn", "mi250x": "amdgcn", "h100": "ptx"}
 
 
-# The product's kernels (tools/compile_kernels.py's packages) and the benchmarks'.
-PACKAGES = ["megatron.kernels", "moe.kernels", "bench.kernels"]
+# tools/compile_kernels.py's packages.
+PACKAGES = ["megatron.kernels", "moe.kernels"]
 BUILDING = (
     f"import sys; from megatron.kernels.aot import main; sys.exit(main(sys.argv[1:], {PACKAGES}))"
 )
@@ -56,9 +55,7 @@ def _run(*command: str):
 
 
 # Listed here, building in a child: conftest.py set up the interpreter before collection, so
-# importing the kernel modules now changes nothing for the tests after this one. The
-# benchmarks' list is empty where this Triton has no device-side tensor descriptors
-# (bench/kernels/grouped_gemm_tma.py's available()).
+# importing the kernel modules now changes nothing for the tests after this one.
 SPECS = aot.discover_specs(PACKAGES)
 SPEC_NAMES = [spec.name for spec in SPECS]
 BUILDS = [(spec.name, target) for spec, target in aot.covering_builds(SPECS, list(aot.TARGETS))]
@@ -71,7 +68,7 @@ def report():
 
 def test_the_tool_lists_every_kernel_file():
     tool_names = _run("tools/compile_kernels.py", "--list")
-    assert set(tool_names) == {name for name in SPEC_NAMES if not name.startswith("bench.")}
+    assert set(tool_names) == set(SPEC_NAMES)
     modules = {name.split("._", 1)[0] for name in tool_names}
     assert {
         "moe.kernels.grouped_gemm_kernels",

@@ -13,7 +13,6 @@ from moe.auxiliary_losses import MoEAuxiliaryLosses
 from moe.config import MoEConfig
 from moe.layers import DroplessMoE, MoE, build_moe_layer
 from moe.mlp_spec import MoEMlpSpec
-from moe.reference import kept_assignments
 
 REPO = Path(__file__).resolve().parents[2]
 HIDDEN, FFN = 16, 32
@@ -123,6 +122,16 @@ def test_moe_with_ample_capacity_equals_dmoe(top_k):
     assert isinstance(moe, MoE)
     x = torch.randn(2, 8, HIDDEN)
     assert_same(run(dmoe, x), run(moe, x))
+
+
+def kept_assignments(expert_indices: torch.Tensor, num_experts: int, capacity: int) -> torch.Tensor:
+    """Bool [T, k]: which assignments an expert accepts, each keeping its first `capacity` in
+    assignment order (t * k + j), as moe.reference does."""
+    flat = expert_indices.reshape(-1)
+    kept = torch.zeros_like(flat, dtype=torch.bool)
+    for expert in range(num_experts):
+        kept[torch.nonzero(flat == expert).squeeze(1)[:capacity]] = True
+    return kept.view_as(expert_indices)
 
 
 @pytest.mark.parametrize("top_k", [1, 2])

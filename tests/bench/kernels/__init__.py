@@ -1,1 +1,0 @@
-"""Tests for bench.kernels, the experimental kernels only the benchmarks use."""
