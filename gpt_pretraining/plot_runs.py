@@ -2,8 +2,9 @@
 tools/plot_runs.py (its flags, `parse_arguments`; its entry, `main`).
 
 Panels, top to bottom, all sharing the x axis (--x iterations, tokens or time):
-1. training loss (`lm loss`, solid) and validation loss (`lm loss validation`, dots on a dashed
-   line), one colour per run, labelled by the run directory's name;
+1. training loss (`lm loss`, solid), validation loss (`lm loss validation`, dots on a dashed
+   line) and the test split's loss after training (`lm loss test`, a star, no point of the
+   validation line), one colour per run, labelled by the run directory's name;
 2. throughput, tokens per second per GPU;
 3. for each run with MoE layers, a heatmap of each expert's tokens over its layer's mean
    (experts x logged iterations; 1.0 is perfect balance) for up to --expert-load-layers of its
@@ -26,6 +27,7 @@ import numpy as np
 
 from gpt_pretraining.run_events import (
     LM_LOSS,
+    LM_LOSS_TEST,
     LM_LOSS_VALIDATION,
     TOKENS_PER_SECOND_PER_GPU,
     X_AXES,
@@ -171,12 +173,16 @@ def _draw_lines(loss_axes, throughput_axes, runs: Sequence[RunEvents], x_of, col
             valid = run.series[LM_LOSS_VALIDATION]
             loss_axes.plot(x_of(run, valid.iterations, valid.seconds), valid.values, "o--",
                            color=colour, label=f"{run.name} validation")  # fmt: skip
+        if LM_LOSS_TEST in run.series:
+            test = run.series[LM_LOSS_TEST]
+            loss_axes.plot(x_of(run, test.iterations, test.seconds), test.values, "*",
+                           markersize=12, color=colour, label=f"{run.name} test")  # fmt: skip
         if TOKENS_PER_SECOND_PER_GPU in run.series:
             speed = run.series[TOKENS_PER_SECOND_PER_GPU]
             throughput_axes.plot(x_of(run, speed.iterations, speed.seconds), speed.values,
                                  color=colour, label=run.name)  # fmt: skip
     loss_axes.set_ylabel("lm loss")
-    loss_axes.set_title("training (solid) and validation (dots) loss")
+    loss_axes.set_title("training (solid), validation (dots) and test (star) loss")
     throughput_axes.set_ylabel("tokens / s / GPU")
     throughput_axes.set_title("throughput")
     for panel in (loss_axes, throughput_axes):

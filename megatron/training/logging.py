@@ -118,7 +118,15 @@ def format_validation_block(prefix: str, losses: Dict[str, float]) -> str:
 
 # Megatron's TensorBoard names that gpt_pretraining.run_events reads back.
 TOKENS_PER_SECOND_PER_GPU = "throughput/tokens-per-second-per-gpu"
+# Seconds per iteration of the log window (Megatron's name, which it writes only with
+# --log-timers-to-tensorboard): always written, since summing it is how a run's training time is
+# read back without the time between the jobs of a resumed run (gpt_pretraining.time_to_quality).
+ITERATION_TIME = "iteration-time"
 VALIDATION_SUFFIX = " validation"
+# The test split's loss, evaluated once after training. Megatron logs it under the validation
+# names, at the last iteration, where it would read as one more point of the validation curve;
+# a name of its own keeps the curve the validation split's.
+TEST_SUFFIX = " test"
 SAMPLES_SUFFIX = " vs samples"  # the same scalar against consumed samples instead of iterations
 
 
@@ -134,6 +142,7 @@ def training_scalars(stats: IterationStats) -> Dict[str, float]:
         "learning-rate": stats.learning_rate,
         "batch-size": stats.global_batch_size,
         "loss-scale": stats.loss_scale,
+        ITERATION_TIME: stats.elapsed_ms_per_iteration / 1000.0,
         TOKENS_PER_SECOND_PER_GPU: stats.tokens_per_second_per_gpu,
         "throughput/tflops-per-gpu": stats.tflops_per_gpu,
         **stats.losses,
@@ -144,12 +153,16 @@ def training_scalars(stats: IterationStats) -> Dict[str, float]:
     return scalars
 
 
-def validation_scalars(losses: Dict[str, float]) -> Dict[str, float]:
-    """Megatron's dashboard scalars of one evaluation: `<name> validation` and its perplexity."""
+def validation_scalars(
+    losses: Dict[str, float], split_suffix: str = VALIDATION_SUFFIX
+) -> Dict[str, float]:
+    """Megatron's dashboard scalars of one evaluation: `<name> validation` and its perplexity
+    `<name> validation ppl`; with `split_suffix` TEST_SUFFIX, `<name> test` and
+    `<name> test ppl` for the test split's."""
     scalars = {}
     for name, value in losses.items():
-        scalars[f"{name}{VALIDATION_SUFFIX}"] = value
-        scalars[f"{name}{VALIDATION_SUFFIX} ppl"] = math.exp(min(20.0, value))
+        scalars[f"{name}{split_suffix}"] = value
+        scalars[f"{name}{split_suffix} ppl"] = math.exp(min(20.0, value))
     return scalars
 
 
@@ -165,9 +178,15 @@ class TensorBoardLogger:
         self._write_with_samples(training_scalars(stats), stats.iteration, stats.consumed_samples)
 
     def log_validation(
-        self, losses: Dict[str, float], iteration: int, consumed_samples: int
+        self,
+        losses: Dict[str, float],
+        iteration: int,
+        consumed_samples: int,
+        split_suffix: str = VALIDATION_SUFFIX,
     ) -> None:
-        self._write_with_samples(validation_scalars(losses), iteration, consumed_samples)
+        self._write_with_samples(
+            validation_scalars(losses, split_suffix), iteration, consumed_samples
+        )
 
     def _write_with_samples(
         self, scalars: Dict[str, float], iteration: int, consumed_samples: int

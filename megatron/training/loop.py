@@ -12,8 +12,9 @@ from __future__ import annotations
 import signal
 import time
 from collections import defaultdict
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -26,6 +27,8 @@ from megatron.initialize import DistributedContext, print_rank_0
 from megatron.parallelize.steps import ParallelModel
 from megatron.training.hooks import TrainingHooks
 from megatron.training.logging import (
+    TEST_SUFFIX,
+    VALIDATION_SUFFIX,
     IterationStats,
     format_compile_report,
     format_iteration_line,
@@ -89,7 +92,12 @@ def _throughput(trainer: Trainer, seconds_per_iteration: float) -> Tuple[float, 
 
 
 def _validate(
-    trainer: Trainer, iterator, prefix: str, result: TrainingResult, advance_consumed: bool
+    trainer: Trainer,
+    iterator,
+    prefix: str,
+    result: TrainingResult,
+    advance_consumed: bool,
+    split_suffix: str = VALIDATION_SUFFIX,
 ) -> None:
     config = trainer.config
     losses = trainer.evaluate(iterator, config.training.eval_iters)
@@ -101,7 +109,7 @@ def _validate(
     result.validation.append((prefix, losses))
     if trainer.metric_writers is not None:
         trainer.metric_writers.log_validation(
-            losses, trainer.iteration, trainer.consumed_train_samples
+            losses, trainer.iteration, trainer.consumed_train_samples, split_suffix
         )
 
 
@@ -123,7 +131,9 @@ def train(trainer: Trainer, train_iterator, valid_iterator, result: TrainingResu
 @dataclass
 class _LogWindow:
     """The iterations since the last log line: what Megatron's line reports of them (losses
-    averaged over the iterations that advanced; skipped and non-finite ones counted)."""
+    averaged over the iterations that advanced; skipped and non-finite ones counted) and their
+    time, which leaves out evaluations and checkpoint saves (`paused`), as Megatron stops its
+    interval timer around them: the logged time per iteration is training's alone."""
 
     start: float = field(default_factory=time.time)
     iterations: int = 0
@@ -145,6 +155,15 @@ class _LogWindow:
 
     def seconds_per_iteration(self) -> float:
         return (time.time() - self.start) / self.iterations
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Leave the time spent in the `with` block out of the window."""
+        started = time.time()
+        try:
+            yield
+        finally:
+            self.start += time.time() - started
 
     def mean_losses(self) -> Dict[str, float]:
         return {name: value / max(self.advanced, 1) for name, value in self.loss_sums.items()}
@@ -225,13 +244,14 @@ def _train_loop(
             and training.eval_interval
             and trainer.iteration % training.eval_interval == 0
         ):
-            _validate(
-                trainer,
-                valid_iterator,
-                f"iteration {trainer.iteration}",
-                result,
-                advance_consumed=True,
-            )
+            with window.paused():
+                _validate(
+                    trainer,
+                    valid_iterator,
+                    f"iteration {trainer.iteration}",
+                    result,
+                    advance_consumed=True,
+                )
 
         save_interval = config.checkpoint.save_interval
         if exit_signal.any_rank_received(trainer.context.device):
@@ -242,7 +262,8 @@ def _train_loop(
             result.exit_reason = "signal"
             return
         if config.checkpoint.save and save_interval and trainer.iteration % save_interval == 0:
-            trainer.save()
+            with window.paused():
+                trainer.save()
         if training.exit_duration_in_mins:
             elapsed = torch.tensor(
                 [(time.time() - start_time) / 60.0], device=trainer.context.device
@@ -320,6 +341,7 @@ def pretrain(
             "the end of training for test data",
             result,
             advance_consumed=False,
+            split_suffix=TEST_SUFFIX,
         )
     _close(trainer)
     return result

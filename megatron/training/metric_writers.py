@@ -13,7 +13,7 @@ from typing import Dict, List, Optional, Protocol, Sequence
 import torch
 
 from megatron.config import Config
-from megatron.training.logging import IterationStats, TensorBoardLogger
+from megatron.training.logging import VALIDATION_SUFFIX, IterationStats, TensorBoardLogger
 from megatron.training.wandb_logger import WandbLogger
 
 
@@ -24,7 +24,11 @@ class MetricWriter(Protocol):
     def log_training(self, stats: IterationStats) -> None: ...
 
     def log_validation(
-        self, losses: Dict[str, float], iteration: int, consumed_samples: int
+        self,
+        losses: Dict[str, float],
+        iteration: int,
+        consumed_samples: int,
+        split_suffix: str = VALIDATION_SUFFIX,
     ) -> None: ...
 
     def log_arguments(self, arguments: argparse.Namespace, iteration: int) -> None: ...
@@ -48,11 +52,16 @@ class MetricWriters:
             writer.log_training(stats)
 
     def log_validation(
-        self, losses: Dict[str, float], iteration: int, consumed_samples: int
+        self,
+        losses: Dict[str, float],
+        iteration: int,
+        consumed_samples: int,
+        split_suffix: str = VALIDATION_SUFFIX,
     ) -> None:
-        """One evaluation's losses and perplexities at `iteration`."""
+        """One evaluation's losses and perplexities at `iteration`, named `<loss><split_suffix>`
+        (megatron.training.logging: VALIDATION_SUFFIX, or TEST_SUFFIX for the test split's)."""
         for writer in self.writers:
-            writer.log_validation(losses, iteration, consumed_samples)
+            writer.log_validation(losses, iteration, consumed_samples, split_suffix)
 
     def log_arguments(self, arguments: argparse.Namespace, iteration: int) -> None:
         """The run's arguments, once at start-up."""

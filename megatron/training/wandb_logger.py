@@ -19,7 +19,12 @@ from typing import Any, Dict, Mapping, Optional
 import torch
 
 from megatron.config import LoggingConfig
-from megatron.training.logging import IterationStats, training_scalars, validation_scalars
+from megatron.training.logging import (
+    VALIDATION_SUFFIX,
+    IterationStats,
+    training_scalars,
+    validation_scalars,
+)
 
 RUN_ID_FILE = "wandb_run_id.txt"
 
@@ -93,9 +98,13 @@ class WandbLogger:
         self._run.log(scalars, step=stats.iteration)
 
     def log_validation(
-        self, losses: Dict[str, float], iteration: int, consumed_samples: int
+        self,
+        losses: Dict[str, float],
+        iteration: int,
+        consumed_samples: int,
+        split_suffix: str = VALIDATION_SUFFIX,
     ) -> None:
-        self._run.log(validation_scalars(losses), step=iteration)
+        self._run.log(validation_scalars(losses, split_suffix), step=iteration)
 
     def log_arguments(self, arguments: argparse.Namespace, iteration: int) -> None:
         """Nothing: the run's config already holds the arguments (set when it was opened)."""

@@ -18,6 +18,7 @@ from gpt_pretraining import plot_runs
 from gpt_pretraining.plot_runs import DPI, PANEL_SIZE_INCHES, main, spread_layers
 from gpt_pretraining.run_events import (
     LM_LOSS,
+    LM_LOSS_TEST,
     LM_LOSS_VALIDATION,
     TOKENS_PER_SECOND_PER_GPU,
     read_run,
@@ -34,6 +35,9 @@ ITERATION_LINE = re.compile(
     r" iteration +(\d+)/ +\d+ \| consumed samples: +(\d+) \|.*? lm loss: ([0-9.E+-]+) \|"
 )
 VALIDATION_LINE = re.compile(r" validation loss at iteration (\d+) \| lm loss value: ([0-9.E+-]+)")
+TEST_LINE = re.compile(
+    r" validation loss at the end of training for test data \| lm loss value: (\S+) "
+)
 
 pytestmark = pytest.mark.usefixtures("reference_kernels")
 
@@ -70,12 +74,15 @@ def test_the_losses_read_are_the_iteration_lines(dmoe_run):
     train = run.series[LM_LOSS]
     assert train.iterations.tolist() == [int(i) for i, _, _ in lines]
     assert_printed(train.values, [loss for _, _, loss in lines])
-    # The validation at iteration 2, then the end of training's at 4 (the test split's loss,
-    # logged under the same name after it, is left out).
+    # The validations at iterations 2 and 4 (the one after training, at 4 too, comes after);
+    # the test split's loss under its own name.
     validations = VALIDATION_LINE.findall(output)
     valid = run.series[LM_LOSS_VALIDATION]
     assert valid.iterations.tolist() == [2, ITERATIONS]
     assert_printed(valid.values, [loss for _, loss in validations[:2]])
+    test = run.series[LM_LOSS_TEST]
+    assert test.iterations.tolist() == [ITERATIONS]
+    assert_printed(test.values, TEST_LINE.findall(output))
     assert run.series[TOKENS_PER_SECOND_PER_GPU].values.min() > 0
     assert run.name == "tiny_dmoe" and run.seq_length == SEQ_LENGTH
 

@@ -117,10 +117,11 @@ def test_loss_and_learning_rate_are_the_log_lines(resumed_run, part, iterations)
 
 
 # W&B keeps one value of a name per step, the last logged: at the last iteration, that of the
-# test split's evaluation after the validation split's two (TensorBoard keeps all three).
+# validation split's evaluation after training (TensorBoard keeps both); the test split's, after
+# it, has names of its own.
 @pytest.mark.parametrize(
     "part, iteration, where",
-    [("first", 3, "iteration 3"), ("second", 6, "the end of training for test data")],
+    [("first", 3, "iteration 3"), ("second", 6, "the end of training for val data")],
 )
 def test_validation_loss_and_perplexity_are_logged(resumed_run, part, iteration, where):
     run = resumed_run[part]
@@ -128,6 +129,18 @@ def test_validation_loss_and_perplexity_are_logged(resumed_run, part, iteration,
     logged = run["history"][iteration]
     assert f"{logged['lm loss validation']:.6E}" == printed
     assert logged["lm loss validation ppl"] > 1.0
+
+
+def test_the_test_loss_is_logged_apart_from_the_validation_loss(resumed_run):
+    run = resumed_run["second"]
+    printed = dict(VALIDATION_LINE.findall(run["stdout"]))["the end of training for test data"]
+    logged = run["history"][6]
+    assert f"{logged['lm loss test']:.6E}" == printed
+    assert logged["lm loss test ppl"] > 1.0
+    # Nowhere else: the first part stopped before training's end (--exit-interval).
+    earlier = [row for part in ("first", "second") for step, row in
+               resumed_run[part]["history"].items() if step != 6]  # fmt: skip
+    assert earlier and not any(name.startswith("lm loss test") for row in earlier for name in row)
 
 
 def test_wandb_gets_every_tensorboard_scalar(resumed_run):
