@@ -18,8 +18,8 @@ expert and gather the token rows into that order (moe.kernels.token_rows), run t
 them with each row's output scaled by its router weight (the only place the weights apply;
 moe.experts), sum each token's rows back. What varies is the product: the run's grouped GEMM
 (`MoEConfig.grouped_gemm`, chosen once at setup) or the block-sparse kernels. The MoE with
-capacity sorts the same way and moves rows into capacity slots (moe.kernels.permute's binned
-layout), weighting them in the scatter back.
+capacity sorts the same way and moves rows into capacity slots and back with gathers that
+torch.compile fuses (moe.kernels.capacity_rows), weighting them in the combine.
 
 A layer is built whole, as one process runs it; megatron.parallelize.steps's steps then shard it.
 Under expert parallelism (`place_experts`) a layer holds only its rank's block of experts: the
@@ -48,7 +48,7 @@ from moe.exchange.capacity_slots import run_capacity_slots
 from moe.exchange.exact import ExactExchange, run_experts_exactly
 from moe.exchange.fixed_blocks import FixedBlockExchange, block_capacity, run_experts_in_blocks
 from moe.experts import Experts
-from moe.kernels import permute, token_rows
+from moe.kernels import capacity_rows, permute, token_rows
 from moe.reference import reference_moe
 from moe.router import (
     LocalRegion,
@@ -262,13 +262,14 @@ class MoE(MoELayer):
         capacity = self.expert_capacity(tokens.shape[0])
         if self.config.mlp_impl == "reference":
             return self._reference(tokens, routing, capacity or None)
-        order, _, tokens_per_expert = self._sort(routing)
+        order, slot_of, tokens_per_expert = self._sort(routing)
         if capacity == 0:
             capacity = self._unlimited_capacity(tokens_per_expert)
-        top_k = self.config.top_k
-        indices, bins = order.int(), torch.cumsum(tokens_per_expert, 0).int()
-        weights = routing.expert_weights.reshape(-1)
-        expert_inputs = permute.binned_gather(tokens, indices, bins, capacity, top_k)
+        slots = capacity_rows.capacity_slots(
+            routing.expert_indices, order, slot_of, tokens_per_expert, capacity
+        )
+        expert_inputs = capacity_rows.gather_into_slots(tokens, slots)
+        expert_inputs = expert_inputs.view(self.config.num_experts, capacity, -1)
         if self.expert_parallel_size > 1:
             expert_outputs = run_capacity_slots(
                 expert_inputs,
@@ -278,7 +279,8 @@ class MoE(MoELayer):
             )
         else:
             expert_outputs = self.experts.forward_batched(expert_inputs)
-        output = permute.binned_scatter(expert_outputs, indices, weights, bins, top_k)
+        weights = routing.expert_weights.reshape(-1)
+        output = capacity_rows.combine_from_slots(expert_outputs.flatten(0, 1), weights, slots)
         return output, tokens_per_expert
 
     def _unlimited_capacity(self, tokens_per_expert: torch.Tensor) -> int:

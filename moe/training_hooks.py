@@ -9,9 +9,11 @@
   --tensorboard-dir or --wandb-project.
 - Under expert parallelism, the load imbalance over the expert-parallel ranks: its worst layer
   at the end of each iteration line, every layer in TensorBoard and W&B.
-- The compile choice: only the dropless grouped MoE on torch._grouped_mm (the grouped GEMM a
-  run chooses where it is fast, moe.kernels.grouped_gemm.choose_backend) compiles as one graph;
-  other MoE layers launch Triton kernels from Python and run faster eagerly.
+- The compile choice: the grouped backend compiles as one graph for the MoE with capacity
+  (torch.bmm and plain-PyTorch gathers) and for the dMoE on torch._grouped_mm (the grouped GEMM
+  a run chooses where it is fast, moe.kernels.grouped_gemm.choose_backend); other MoE layers
+  launch Triton kernels from Python and run faster eagerly, and so does a capacity of 0 (the
+  busiest expert's count, a new size, hence a recompile, at every step).
 """
 
 from __future__ import annotations
@@ -44,8 +46,9 @@ from moe.layers import moe_layers
 IMBALANCE_FIELD = "expert-parallel load imbalance"
 
 EAGER_NOTE = (
-    "this MoE model runs without torch.compile (only the dropless grouped backend on "
-    "torch._grouped_mm compiles as one graph: bf16 on NVIDIA Hopper with torch 2.8 or newer)"
+    "this MoE model runs without torch.compile (the grouped backend compiles as one graph: "
+    "the MoE with a capacity factor above 0, and the dMoE on torch._grouped_mm, bf16 on "
+    "NVIDIA Hopper with torch 2.8 or newer)"
 )
 
 
@@ -88,8 +91,11 @@ class MoETrainingHooks(TrainingHooks):
 
     def compile_veto(self, device: torch.device) -> Optional[str]:
         moe = self.moe
-        whole = moe.dropless and moe.mlp_impl == "grouped" and moe.grouped_gemm == TORCH
-        return None if whole else EAGER_NOTE
+        if moe.dropless:
+            whole = moe.grouped_gemm == TORCH
+        else:
+            whole = moe.capacity_factor > 0
+        return None if whole and moe.mlp_impl == "grouped" else EAGER_NOTE
 
     def setup(self, model: nn.Module, data_parallel: DataParallel, device: torch.device) -> None:
         self.grads_in_place = _expert_grads_in_place(data_parallel)
