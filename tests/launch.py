@@ -2,7 +2,8 @@
 
 ``run_distributed`` runs a test function in N forked gloo processes and hands back what each
 rank returned; ``pretrain_ranks`` runs pretrain_gpt.py on N ranks as torchrun would;
-``pretrain_on_gpus`` runs it under torchrun itself on N GPUs (NCCL), for the gpu-marked tests.
+``pretrain_on_gpus`` runs it on N GPUs for the gpu-marked tests (under torchrun itself, NCCL;
+one GPU in this process).
 
 Usage of ``run_distributed``::
 
@@ -26,7 +27,9 @@ Rules for ``fn``:
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import io
 import os
 import subprocess
 import sys
@@ -123,14 +126,26 @@ def pretrain_ranks(
 
 
 def pretrain_on_gpus(nproc: int, args: list, tensorboard_dir: Path, scalars: Iterable[str]) -> dict:
-    """Run pretrain_gpt.py under torchrun on `nproc` GPUs (NCCL, NVLink multicast off, as the
-    lent machines require); its stdout and the per-iteration values of the TensorBoard
-    `scalars` rank 0 logged ({name: {iteration: value}})."""
+    """Run pretrain_gpt.py on `nproc` GPUs; its stdout and the per-iteration values of the
+    TensorBoard `scalars` rank 0 logged ({name: {iteration: value}}).
+
+    Several GPUs: under torchrun (NCCL, NVLink multicast off, as the lent machines require).
+    One GPU: in this process, as torchrun's one rank would run it, so that the runs of a test
+    session share one interpreter's imports and compile caches instead of paying a start and a
+    cold torch.compile each (most of a tiny run's time; `pytest -m gpu` fits one device call
+    this way)."""
+    args = [*args, "--tensorboard-dir", str(tensorboard_dir)]
+    if nproc == 1:
+        import pretrain_gpt
+
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(_Tee(printed, sys.stdout)):
+            pretrain_gpt.main(args)
+        return {"stdout": printed.getvalue(), **tensorboard_scalars(tensorboard_dir, scalars)}
     repo_root = Path(__file__).resolve().parents[1]
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
-        "--nproc_per_node", str(nproc), str(repo_root / "pretrain_gpt.py"),
-        *args, "--tensorboard-dir", str(tensorboard_dir),
+        "--nproc_per_node", str(nproc), str(repo_root / "pretrain_gpt.py"), *args,
     ]  # fmt: skip
     env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
     done = subprocess.run(
@@ -138,3 +153,19 @@ def pretrain_on_gpus(nproc: int, args: list, tensorboard_dir: Path, scalars: Ite
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return {"stdout": done.stdout, **tensorboard_scalars(tensorboard_dir, scalars)}
+
+
+class _Tee(io.TextIOBase):
+    """Writes to both streams: the run's output is kept for the test and still shown."""
+
+    def __init__(self, *streams) -> None:
+        self.streams = streams
+
+    def write(self, text: str) -> int:
+        for stream in self.streams:
+            stream.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        for stream in self.streams:
+            stream.flush()

@@ -5,12 +5,16 @@ bf16 runs either way.
 
 GPU-marked (`pytest -m gpu tests/parallel/test_gpu_fp8.py`); the tests skip cleanly on a machine
 without FP8 units or with fewer GPUs than they need. A tiny GPT (hidden 64: every projection's
-dimensions are multiples of 16, as torch._scaled_mm requires), bf16, 20 iterations.
+dimensions are multiples of 16, as torch._scaled_mm requires), bf16, 20 iterations; each
+distinct run is made once per module and shared by the tests that compare against it.
 """
 
 from __future__ import annotations
 
+import shutil
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Dict, Tuple
 
 import pytest
 import torch
@@ -21,6 +25,11 @@ from tests.launch import pretrain_on_gpus
 from tests.tiny_gpt import tiny_gpt_args
 
 ITERATIONS = 20
+# Every run saves here too, so a later run can resume from any of them (the checkpoint test).
+SAVED_AT = 10
+HYBRID = {recipe: ("--fp8-format", "hybrid", "--fp8-recipe", recipe)
+          for recipe in ("tensorwise", "rowwise")}  # fmt: skip
+DMOE = ("--moe-num-experts", "4", "--moe-top-k", "2")
 
 pytestmark = [
     pytest.mark.gpu,
@@ -31,15 +40,37 @@ pytestmark = [
 ]
 
 
-def run(nproc: int, data_prefix: str, root: Path, *extra: str, stdout: bool = False):
-    """The run's {iteration: lm loss}, on `nproc` GPUs under torchrun (NCCL); with `stdout`,
-    also what it printed."""
+@dataclass(frozen=True)
+class Run:
+    losses: Dict[int, float]  # {iteration: lm loss}
+    stdout: str
+    checkpoints: Path  # saved at SAVED_AT and at the end
+
+
+def run(nproc: int, data_prefix: str, root: Path, *extra: str) -> Run:
+    """One pretraining run on `nproc` GPUs under torchrun (NCCL)."""
+    save = ("--save", str(root / "ckpt"), "--save-interval", str(SAVED_AT))
     args = tiny_gpt_args(
-        data_prefix, "--bf16", "--make-vocab-size-divisible-by", "64", *extra,
+        data_prefix, "--bf16", "--make-vocab-size-divisible-by", "64", *save, *extra,
         train_iters=ITERATIONS, eval_iters=0,
     )  # fmt: skip
     result = pretrain_on_gpus(nproc, args, root / "tb", ["lm loss"])
-    return (result["lm loss"], result["stdout"]) if stdout else result["lm loss"]
+    return Run(result["lm loss"], result["stdout"], root / "ckpt")
+
+
+@pytest.fixture(scope="module")
+def runs(data_prefix, tmp_path_factory) -> Callable[..., Run]:
+    """`runs(nproc, *flags)`: that run, made once per module; the tests share the bf16 and FP8
+    runs they compare against (each run is a torchrun start and a compile)."""
+    done: Dict[Tuple, Run] = {}
+
+    def get(nproc: int, *extra: str) -> Run:
+        key = (nproc, *extra)
+        if key not in done:
+            done[key] = run(nproc, data_prefix, tmp_path_factory.mktemp("run"), *extra)
+        return done[key]
+
+    return get
 
 
 def assert_close(expected: dict, actual: dict, relative: float) -> None:
@@ -49,9 +80,8 @@ def assert_close(expected: dict, actual: dict, relative: float) -> None:
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
-def test_fp8_follows_the_bf16_losses(recipe, data_prefix, tmp_path):
-    bf16 = run(1, data_prefix, tmp_path / "bf16")
-    fp8 = run(1, data_prefix, tmp_path / "fp8", "--fp8-format", "hybrid", "--fp8-recipe", recipe)
+def test_fp8_follows_the_bf16_losses(recipe, runs):
+    bf16, fp8 = runs(1).losses, runs(1, *HYBRID[recipe]).losses
     assert fp8 != bf16  # the products were quantized
     assert_close(bf16, fp8, relative=0.02)
 
@@ -59,31 +89,30 @@ def test_fp8_follows_the_bf16_losses(recipe, data_prefix, tmp_path):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 @pytest.mark.parametrize("recipe", ["rowwise", None], ids=["fp8", "bf16"])
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2_sp"])
-def test_fp8_under_tensor_parallelism_follows_one_gpu(
-    sequence_parallel, recipe, data_prefix, tmp_path
-):
+def test_fp8_under_tensor_parallelism_follows_one_gpu(sequence_parallel, recipe, runs):
     """The ranks quantize with one process's scales (megatron.kernels.fp8_linear.amax_groups):
     the layout changes only the order of sums, so FP8 follows one GPU as closely as bf16 does
     (the bf16 case is the yardstick)."""
-    fp8 = ("--fp8-format", "hybrid", "--fp8-recipe", recipe) if recipe else ()
-    one_gpu = run(1, data_prefix, tmp_path / "one", *fp8)
+    fp8 = HYBRID[recipe] if recipe else ()
     layout = ["--tensor-model-parallel-size", "2"]
     if sequence_parallel:
         layout.append("--sequence-parallel")
-    assert_close(one_gpu, run(2, data_prefix, tmp_path / "tp2", *fp8, *layout), relative=0.01)
+    assert_close(runs(1, *fp8).losses, runs(2, *fp8, *layout).losses, relative=0.01)
 
 
 @pytest.mark.parametrize("first, then", [("fp8", "bf16"), ("bf16", "fp8")])
-def test_a_checkpoint_moves_between_fp8_and_bf16(first, then, data_prefix, tmp_path):
+def test_a_checkpoint_moves_between_fp8_and_bf16(first, then, runs, data_prefix, tmp_path):
     """Saved at iteration 10 by one kind of run, resumed to 20 by the other: the same parameter
     names and dtypes, so the load takes them all, and the losses go on from there."""
-    flags = {"fp8": ("--fp8-format", "e4m3"), "bf16": ()}
-    save = ("--save", str(tmp_path / "ckpt"), "--save-interval", "10")
-    straight = run(1, data_prefix, tmp_path / "straight", *flags[then])
-    run(1, data_prefix, tmp_path / "first", *flags[first], *save, "--exit-interval", "10")
-    resumed = run(1, data_prefix, tmp_path / "then", *flags[then], *save, "--load", save[1])
-    assert min(resumed) == 11
-    later = {step: loss for step, loss in straight.items() if step > 10}
+    flags = {"fp8": HYBRID["tensorwise"], "bf16": ()}
+    saved = tmp_path / "saved"
+    name = f"iter_{SAVED_AT:07d}"
+    shutil.copytree(runs(1, *flags[first]).checkpoints / name, saved / name)
+    (saved / "latest_checkpointed_iteration.txt").write_text(str(SAVED_AT))
+    resumed = run(1, data_prefix, tmp_path / "then", *flags[then], "--load", str(saved)).losses
+    assert min(resumed) == SAVED_AT + 1
+    straight = runs(1, *flags[then]).losses
+    later = {step: loss for step, loss in straight.items() if step > SAVED_AT}
     assert_close(later, resumed, relative=0.05)
 
 
@@ -92,15 +121,10 @@ def test_a_checkpoint_moves_between_fp8_and_bf16(first, then, data_prefix, tmp_p
     reason="FP8 experts need Hopper",
 )
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
-def test_a_dmoe_with_fp8_experts_follows_the_bf16_losses(recipe, data_prefix, tmp_path):
+def test_a_dmoe_with_fp8_experts_follows_the_bf16_losses(recipe, runs):
     """The dMoE's grouped expert GEMMs in FP8 (torch._scaled_grouped_mm, compiled with the
     rest): the run says nothing stays in bf16, and its losses follow the bf16 run's."""
-    moe = ("--moe-num-experts", "4", "--moe-top-k", "2")
-    bf16 = run(1, data_prefix, tmp_path / "bf16", *moe)
-    fp8, printed = run(
-        1, data_prefix, tmp_path / "fp8", *moe, "--fp8-format", "hybrid", "--fp8-recipe", recipe,
-        stdout=True,
-    )  # fmt: skip
-    assert "stays in bf16" not in printed
-    assert fp8 != bf16
-    assert_close(bf16, fp8, relative=0.02)
+    bf16, fp8 = runs(1, *DMOE), runs(1, *DMOE, *HYBRID[recipe])
+    assert "stays in bf16" not in fp8.stdout
+    assert fp8.losses != bf16.losses
+    assert_close(bf16.losses, fp8.losses, relative=0.02)
