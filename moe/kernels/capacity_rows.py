@@ -17,9 +17,10 @@ same numbers on every run, no contention on the many empty slots and dropped ass
   y[slot(t, j)] in fp32, MegaBlocks' weighted scatter; its backward gives y each slot's w *
   grad_out[t] and the weights dot(y[slot(a)], grad_out[t]).
 
-The Triton binned gather and scatter these replace (moe.kernels.permute) were opaque to Dynamo, so
-a model with capacity MoE layers ran eagerly; written in PyTorch the whole model compiles, and
-Inductor fuses these gathers, the experts' activation and the layers' norms and residuals.
+The Triton gather and scatter kernels these replace (once moe.kernels.permute's binned layout)
+were opaque to Dynamo, so a model with capacity MoE layers ran eagerly; written in PyTorch the
+whole model compiles, and Inductor fuses these gathers, the experts' activation and the layers'
+norms and residuals.
 """
 
 from __future__ import annotations

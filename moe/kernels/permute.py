@@ -1,12 +1,11 @@
-"""Rows in expert order into the buffers of padded and binned layouts and back.
+"""Rows in expert order into a padded buffer and back, for the block-sparse products.
 
-The dMoE sorts its rows by expert with moe.kernels.token_rows; two products want a buffer with
-room between the experts. Every op here maps sorted slot i (assignment indices[i], token
-indices[i] // top_k) to a row of such a buffer, in one of two layouts:
-- padded: row = padded start of expert e + rank in e, each expert's rows padded to a whole
-  number of blocks (padded_gather / padded_scatter: the block-sparse products);
-- binned: row = e * capacity + rank in e, dropped when rank >= capacity (binned_*: the MoE with
-  capacity, whose experts are one torch.bmm)
+The dMoE sorts its rows by expert with moe.kernels.token_rows; the block-sparse products want a
+buffer with room between the experts. Every op here maps sorted slot i (assignment indices[i],
+token indices[i] // top_k) to row = padded start of expert e + rank in e, each expert's rows
+padded to a whole number of blocks (padded_gather / padded_scatter). (The capacity MoE's slots,
+a buffer of the same kind, are plain-PyTorch gathers that torch.compile fuses:
+moe.kernels.capacity_rows.)
 One gather kernel writes each buffer row once (zeros where no assignment lands) and one scatter
 kernel sums each token's top_k rows in fp32, so forward and backward of every op are these two
 kernels: gather's backward is a scatter and scatter's backward is a weighted gather that also
@@ -22,7 +21,7 @@ from typing import Optional
 import torch
 
 from megatron.kernels.dispatch import TRITON_AVAILABLE, use_triton
-from moe.kernels.permute_kernels import BINNED, BLOCK_H, INVERT_BLOCK, PADDED
+from moe.kernels.permute_kernels import BLOCK_H, INVERT_BLOCK
 
 if TRITON_AVAILABLE:
     import triton
@@ -34,10 +33,6 @@ if TRITON_AVAILABLE:
     )
 
 __all__ = [
-    "binned_gather",
-    "binned_gather_reference",
-    "binned_scatter",
-    "binned_scatter_reference",
     "padded_bins",
     "padded_gather",
     "padded_gather_reference",
@@ -59,7 +54,7 @@ def _block_e(num_experts: int) -> int:
     return max(triton.next_power_of_2(num_experts), 2)
 
 
-def _gather_launch(src, indices, weights, other, bins, padded_bins, capacity, top_k, layout, rows):
+def _gather_launch(src, indices, weights, other, bins, padded_bins, top_k, rows):
     """Runs _gather_kernel; returns (out [rows, H], grad_weights or None)."""
     src = src.contiguous()
     out = _empty(rows, src.shape[1], like=src)
@@ -76,12 +71,10 @@ def _gather_launch(src, indices, weights, other, bins, padded_bins, capacity, to
         other.contiguous() if other is not None else src,
         grad_weights if grad_weights is not None else src,
         bins,
-        padded_bins if padded_bins is not None else bins,
-        max(capacity, 1),
+        padded_bins,
         bins.numel(),
         src.shape[1],
         top_k,
-        LAYOUT=layout,
         HAS_WEIGHTS=weights is not None,
         WEIGHT_GRAD=other is not None,
         BLOCK_E=_block_e(bins.numel()),
@@ -90,7 +83,7 @@ def _gather_launch(src, indices, weights, other, bins, padded_bins, capacity, to
     return out, grad_weights
 
 
-def _scatter_launch(src, indices, weights, bins, padded_bins, capacity, top_k, layout, tokens):
+def _scatter_launch(src, indices, weights, bins, padded_bins, top_k, tokens):
     """Runs _scatter_kernel; returns out [tokens, H]."""
     src = src.contiguous()
     hidden = src.shape[-1]
@@ -110,12 +103,10 @@ def _scatter_launch(src, indices, weights, bins, padded_bins, capacity, top_k, l
         positions,
         weights if weights is not None else src,
         bins,
-        padded_bins if padded_bins is not None else bins,
-        max(capacity, 1),
+        padded_bins,
         bins.numel(),
         hidden,
         top_k,
-        LAYOUT=layout,
         HAS_WEIGHTS=weights is not None,
         BLOCK_E=_block_e(bins.numel()),
         BLOCK_H=block_h,
@@ -125,37 +116,31 @@ def _scatter_launch(src, indices, weights, bins, padded_bins, capacity, top_k, l
 
 class _Gather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, indices, bins, padded_bins, capacity, top_k, layout, rows):
+    def forward(ctx, x, indices, bins, padded_bins, top_k, rows):
         ctx.save_for_backward(indices, bins, padded_bins)
-        ctx.args = (capacity, top_k, layout, x.shape[0])
-        return _gather_launch(
-            x, indices, None, None, bins, padded_bins, capacity, top_k, layout, rows
-        )[0]
+        ctx.args = (top_k, x.shape[0])
+        return _gather_launch(x, indices, None, None, bins, padded_bins, top_k, rows)[0]
 
     @staticmethod
     def backward(ctx, grad_out):
         indices, bins, padded_bins = ctx.saved_tensors
-        capacity, top_k, layout, tokens = ctx.args
-        grad_x = _scatter_launch(
-            grad_out, indices, None, bins, padded_bins, capacity, top_k, layout, tokens
-        )
-        return grad_x, None, None, None, None, None, None, None
+        top_k, tokens = ctx.args
+        grad_x = _scatter_launch(grad_out, indices, None, bins, padded_bins, top_k, tokens)
+        return grad_x, None, None, None, None, None
 
 
 class _Scatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, y, indices, weights, bins, padded_bins, capacity, top_k, layout):
+    def forward(ctx, y, indices, weights, bins, padded_bins, top_k):
         ctx.save_for_backward(y, indices, weights, bins, padded_bins)
-        ctx.args = (capacity, top_k, layout, y.shape)
+        ctx.args = (top_k, y.shape)
         tokens = indices.numel() // top_k
-        return _scatter_launch(
-            y, indices, weights, bins, padded_bins, capacity, top_k, layout, tokens
-        )
+        return _scatter_launch(y, indices, weights, bins, padded_bins, top_k, tokens)
 
     @staticmethod
     def backward(ctx, grad_out):
         y, indices, weights, bins, padded_bins = ctx.saved_tensors
-        capacity, top_k, layout, y_shape = ctx.args
+        top_k, y_shape = ctx.args
         weight_grad = weights is not None and ctx.needs_input_grad[2]
         rows = y.numel() // y.shape[-1]
         grad_y, grad_weights = _gather_launch(
@@ -165,12 +150,10 @@ class _Scatter(torch.autograd.Function):
             y.reshape(rows, y.shape[-1]) if weight_grad else None,
             bins,
             padded_bins,
-            capacity,
             top_k,
-            layout,
             rows,
         )
-        return grad_y.view(y_shape), None, grad_weights, None, None, None, None, None
+        return grad_y.view(y_shape), None, grad_weights, None, None, None
 
 
 def _ints(*tensors: Optional[torch.Tensor]) -> list[Optional[torch.Tensor]]:
@@ -185,31 +168,27 @@ def _flat(weights: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 # --- references: the same functions with index_select / index_add in plain PyTorch -------------
 
 
-def _rows_reference(bins, padded_bins, capacity, layout):
-    """Buffer row of every sorted slot (-1 where binned drops it), as in the kernels."""
+def _rows_reference(bins, padded_bins):
+    """Buffer row of every sorted slot, as in the kernels."""
     counts = torch.diff(bins.long(), prepend=bins.new_zeros(1).long())
     experts = torch.repeat_interleave(torch.arange(bins.numel(), device=bins.device), counts)
     rank = torch.arange(experts.numel(), device=bins.device) - (bins.long() - counts)[experts]
-    if layout == PADDED:
-        padded = padded_bins.long()
-        return torch.cat([padded.new_zeros(1), padded[:-1]])[experts] + rank
-    return torch.where(rank < capacity, experts * capacity + rank, torch.full_like(rank, -1))
+    padded = padded_bins.long()
+    return torch.cat([padded.new_zeros(1), padded[:-1]])[experts] + rank
 
 
-def _gather_reference(x, indices, bins, padded_bins, capacity, top_k, layout, rows):
-    slot_rows = _rows_reference(bins, padded_bins, capacity, layout)
-    kept = slot_rows >= 0
-    tokens = indices.long()[kept] // top_k
+def _gather_reference(x, indices, bins, padded_bins, top_k, rows):
+    slot_rows = _rows_reference(bins, padded_bins)
+    tokens = indices.long() // top_k
     out = x.new_zeros(rows, x.shape[1])
-    return out.index_copy(0, slot_rows[kept], x.index_select(0, tokens))
+    return out.index_copy(0, slot_rows, x.index_select(0, tokens))
 
 
-def _scatter_reference(y, indices, weights, bins, padded_bins, capacity, top_k, layout):
+def _scatter_reference(y, indices, weights, bins, padded_bins, top_k):
     hidden = y.shape[-1]
-    slot_rows = _rows_reference(bins, padded_bins, capacity, layout)
-    kept = slot_rows >= 0
-    assignments = indices.long()[kept]
-    values = y.reshape(-1, hidden).index_select(0, slot_rows[kept]).float()
+    slot_rows = _rows_reference(bins, padded_bins)
+    assignments = indices.long()
+    values = y.reshape(-1, hidden).index_select(0, slot_rows).float()
     if weights is not None:
         values = values * weights.reshape(-1).index_select(0, assignments).float()[:, None]
     out = torch.zeros(indices.numel() // top_k, hidden, dtype=torch.float32, device=y.device)
@@ -230,7 +209,7 @@ def padded_bins(tokens_per_expert: torch.Tensor, block_size: int) -> torch.Tenso
 def padded_gather_reference(x, indices, bins, padded_bins, top_k: int) -> torch.Tensor:
     """Plain-PyTorch padded_gather."""
     rows = int(padded_bins[-1]) if padded_bins.numel() else 0
-    return _gather_reference(x, indices, bins, padded_bins, 0, top_k, PADDED, rows)
+    return _gather_reference(x, indices, bins, padded_bins, top_k, rows)
 
 
 def padded_gather(x: torch.Tensor, indices, bins, padded_bins, top_k: int) -> torch.Tensor:
@@ -239,12 +218,12 @@ def padded_gather(x: torch.Tensor, indices, bins, padded_bins, top_k: int) -> to
         return padded_gather_reference(x, indices, bins, padded_bins, top_k)
     indices, bins, padded_bins = _ints(indices, bins, padded_bins)
     rows = int(padded_bins[-1]) if padded_bins.numel() else 0
-    return _Gather.apply(x, indices, bins, padded_bins, 0, top_k, PADDED, rows)
+    return _Gather.apply(x, indices, bins, padded_bins, top_k, rows)
 
 
 def padded_scatter_reference(y_padded, indices, weights, bins, padded_bins, top_k: int):
     """Plain-PyTorch padded_scatter."""
-    return _scatter_reference(y_padded, indices, weights, bins, padded_bins, 0, top_k, PADDED)
+    return _scatter_reference(y_padded, indices, weights, bins, padded_bins, top_k)
 
 
 def padded_scatter(
@@ -254,36 +233,4 @@ def padded_scatter(
     if not use_triton(y_padded):
         return padded_scatter_reference(y_padded, indices, weights, bins, padded_bins, top_k)
     indices, bins, padded_bins = _ints(indices, bins, padded_bins)
-    return _Scatter.apply(y_padded, indices, _flat(weights), bins, padded_bins, 0, top_k, PADDED)
-
-
-def binned_gather_reference(x, indices, bins, expert_capacity: int, top_k: int) -> torch.Tensor:
-    """Plain-PyTorch binned_gather."""
-    rows = bins.numel() * expert_capacity
-    out = _gather_reference(x, indices, bins, None, expert_capacity, top_k, BINNED, rows)
-    return out.view(bins.numel(), expert_capacity, x.shape[1])
-
-
-def binned_gather(x: torch.Tensor, indices, bins, expert_capacity: int, top_k: int) -> torch.Tensor:
-    """[E, expert_capacity, H]: each expert's first expert_capacity rows; the rest are dropped."""
-    if not use_triton(x):
-        return binned_gather_reference(x, indices, bins, expert_capacity, top_k)
-    indices, bins = _ints(indices, bins)
-    rows = bins.numel() * expert_capacity
-    out = _Gather.apply(x, indices, bins, None, expert_capacity, top_k, BINNED, rows)
-    return out.view(bins.numel(), expert_capacity, x.shape[1])
-
-
-def binned_scatter_reference(y, indices, weights, bins, top_k: int) -> torch.Tensor:
-    """Plain-PyTorch binned_scatter."""
-    return _scatter_reference(y, indices, weights, bins, None, y.shape[1], top_k, BINNED)
-
-
-def binned_scatter(
-    y: torch.Tensor, indices, weights: Optional[torch.Tensor], bins, top_k: int
-) -> torch.Tensor:
-    """Inverse of binned_gather with top-k weights; dropped assignments add 0. -> [T, H]."""
-    if not use_triton(y):
-        return binned_scatter_reference(y, indices, weights, bins, top_k)
-    indices, bins = _ints(indices, bins)
-    return _Scatter.apply(y, indices, _flat(weights), bins, None, y.shape[1], top_k, BINNED)
+    return _Scatter.apply(y_padded, indices, _flat(weights), bins, padded_bins, top_k)

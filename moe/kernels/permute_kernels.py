@@ -2,8 +2,8 @@
 
 `_gather_kernel` writes each row of an expert-ordered buffer once (zeros where no assignment
 lands), optionally with the routing-weight gradient; `_scatter_kernel` sums each token's top_k
-rows in fp32; `_invert_permutation_kernel` gives each assignment's sorted slot. LAYOUT picks the
-buffer's layout (PADDED or BINNED; see moe.kernels.permute).
+rows in fp32; `_invert_permutation_kernel` gives each assignment's sorted slot. The buffer's
+layout: each expert's rows padded to whole blocks (moe.kernels.permute).
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ if TRITON_AVAILABLE:
 
     from megatron.kernels.aot import AotSpec
 
-PADDED, BINNED = 1, 2
 BLOCK_H = 128
 INVERT_BLOCK = 256
 
@@ -44,11 +43,9 @@ if TRITON_AVAILABLE:
         grad_weights_ptr,
         bins_ptr,
         padded_bins_ptr,
-        capacity,
         num_experts,
         hidden,
         top_k,
-        LAYOUT: tl.constexpr,
         HAS_WEIGHTS: tl.constexpr,
         WEIGHT_GRAD: tl.constexpr,
         BLOCK_E: tl.constexpr,
@@ -59,12 +56,8 @@ if TRITON_AVAILABLE:
         With WEIGHT_GRAD, also grad_weights[a] = dot(src[token], other[row]) (scatter's backward).
         """
         row = tl.program_id(0)
-        if LAYOUT == 1:
-            expert = _expert_of(row, padded_bins_ptr, num_experts, BLOCK_E)
-            rank = row - _start_of(expert, padded_bins_ptr)
-        else:
-            expert = row // capacity
-            rank = row - expert * capacity
+        expert = _expert_of(row, padded_bins_ptr, num_experts, BLOCK_E)
+        rank = row - _start_of(expert, padded_bins_ptr)
         start = _start_of(expert, bins_ptr)
         valid = rank < tl.load(bins_ptr + expert) - start
         position = start + rank
@@ -103,11 +96,9 @@ if TRITON_AVAILABLE:
         weights_ptr,
         bins_ptr,
         padded_bins_ptr,
-        capacity,
         num_experts,
         hidden,
         top_k,
-        LAYOUT: tl.constexpr,
         HAS_WEIGHTS: tl.constexpr,
         BLOCK_E: tl.constexpr,
         BLOCK_H: tl.constexpr,
@@ -123,13 +114,8 @@ if TRITON_AVAILABLE:
             position = tl.load(positions_ptr + assignment)
             expert = _expert_of(position, bins_ptr, num_experts, BLOCK_E)
             rank = position - _start_of(expert, bins_ptr)
-            if LAYOUT == 1:
-                row = _start_of(expert, padded_bins_ptr) + rank
-                valid = rank >= 0
-            else:
-                row = expert * capacity + rank
-                valid = rank < capacity
-            values = tl.load(src_ptr + row.to(tl.int64) * hidden + cols, mask=mask & valid, other=0)
+            row = _start_of(expert, padded_bins_ptr) + rank
+            values = tl.load(src_ptr + row.to(tl.int64) * hidden + cols, mask=mask, other=0)
             values = values.to(tl.float32)
             if HAS_WEIGHTS:
                 values *= tl.load(weights_ptr + assignment).to(tl.float32)
@@ -152,17 +138,16 @@ if TRITON_AVAILABLE:
         tl.store(positions_ptr + assignments, offsets, mask=mask)
 
 
-def _gather_spec(layout: int, dtype: str, has_weights: bool, weight_grad: bool) -> AotSpec:
+def _gather_spec(dtype: str, has_weights: bool, weight_grad: bool) -> AotSpec:
     pointers = ["src_ptr", "out_ptr", "weights_ptr", "other_ptr", "grad_weights_ptr"]
     return AotSpec(
         kernel=_gather_kernel,
         signature={
             **{name: f"*{dtype}" for name in pointers},
             **{name: "*i32" for name in ("indices_ptr", "bins_ptr", "padded_bins_ptr")},
-            **{name: "i32" for name in ("capacity", "num_experts", "hidden", "top_k")},
+            **{name: "i32" for name in ("num_experts", "hidden", "top_k")},
         },
         constexprs={
-            "LAYOUT": layout,
             "HAS_WEIGHTS": has_weights,
             "WEIGHT_GRAD": weight_grad,
             "BLOCK_E": 64,
@@ -171,16 +156,15 @@ def _gather_spec(layout: int, dtype: str, has_weights: bool, weight_grad: bool) 
     )
 
 
-def _scatter_spec(layout: int, dtype: str, has_weights: bool) -> AotSpec:
+def _scatter_spec(dtype: str, has_weights: bool) -> AotSpec:
     return AotSpec(
         kernel=_scatter_kernel,
         signature={
             **{name: f"*{dtype}" for name in ("src_ptr", "out_ptr", "weights_ptr")},
             **{name: "*i32" for name in ("positions_ptr", "bins_ptr", "padded_bins_ptr")},
-            **{name: "i32" for name in ("capacity", "num_experts", "hidden", "top_k")},
+            **{name: "i32" for name in ("num_experts", "hidden", "top_k")},
         },
         constexprs={
-            "LAYOUT": layout,
             "HAS_WEIGHTS": has_weights,
             "BLOCK_E": 64,
             "BLOCK_H": BLOCK_H,
@@ -189,11 +173,9 @@ def _scatter_spec(layout: int, dtype: str, has_weights: bool) -> AotSpec:
 
 
 AOT_SPECS = (
-    [_gather_spec(layout, "bf16", False, False) for layout in (PADDED, BINNED)]
-    + [_gather_spec(BINNED, "bf16", True, True)]
-    + [_gather_spec(PADDED, "fp32", False, False)]
-    + [_scatter_spec(PADDED, dtype, False) for dtype in ("bf16", "fp32")]
-    + [_scatter_spec(BINNED, "bf16", has_weights) for has_weights in (False, True)]
+    # What the block-sparse dMoE launches: top-1 rows without weights, in bf16 and fp32.
+    [_gather_spec(dtype, False, False) for dtype in ("bf16", "fp32")]
+    + [_scatter_spec(dtype, False) for dtype in ("bf16", "fp32")]
     + [
         AotSpec(
             kernel=_invert_permutation_kernel,

@@ -1,4 +1,4 @@
-"""Padded and binned permute kernels (Triton interpreter on CPU) against their PyTorch references and brute-force loops."""
+"""The padded permute kernels (Triton interpreter on CPU) against their PyTorch references and brute-force loops."""
 
 from __future__ import annotations
 
@@ -68,75 +68,59 @@ def test_padded_bins():
     assert permute.padded_bins(counts, 4).tolist() == [0, 8, 16, 20]
 
 
-def _layout_rows(tokens_per_expert, layout, block_size=4, capacity=2):
-    """Brute force: the buffer row of each sorted slot (None = dropped) and the buffer size."""
+def _padded_rows(tokens_per_expert, block_size=4):
+    """Brute force: the buffer row of each sorted slot and the buffer size."""
     rows, start = [], 0
-    for expert, count in enumerate(tokens_per_expert.tolist()):
-        for rank in range(count):
-            if layout == "padded":
-                rows.append(start + rank)
-            else:
-                rows.append(expert * capacity + rank if rank < capacity else None)
+    for count in tokens_per_expert.tolist():
+        rows.extend(start + rank for rank in range(count))
         start += -(-count // block_size) * block_size
-    size = {"padded": start, "binned": len(tokens_per_expert) * capacity}
-    return rows, size[layout]
+    return rows, start
 
 
-def _ops(layout, bins, tokens_per_expert, top_k, reference=False, block_size=4, capacity=2):
-    """(gather(x, indices), scatter(y, indices, weights)) for one layout, kernel or reference."""
+def _ops(bins, tokens_per_expert, top_k, reference=False, block_size=4):
+    """(gather(x, indices), scatter(y, indices, weights)), kernel or reference."""
     suffix = "_reference" if reference else ""
     padded = permute.padded_bins(tokens_per_expert, block_size)
-    if layout == "padded":
-        gather = getattr(permute, "padded_gather" + suffix)
-        scatter = getattr(permute, "padded_scatter" + suffix)
-        return (
-            lambda x, i: gather(x, i, bins, padded, top_k),
-            lambda y, i, w: scatter(y, i, w, bins, padded, top_k),
-        )
-    gather = getattr(permute, "binned_gather" + suffix)
-    scatter = getattr(permute, "binned_scatter" + suffix)
+    gather = getattr(permute, "padded_gather" + suffix)
+    scatter = getattr(permute, "padded_scatter" + suffix)
     return (
-        lambda x, i: gather(x, i, bins, capacity, top_k).flatten(0, 1),
-        lambda y, i, w: scatter(y.view(len(bins), capacity, -1), i, w, bins, top_k),
+        lambda x, i: gather(x, i, bins, padded, top_k),
+        lambda y, i, w: scatter(y, i, w, bins, padded, top_k),
     )
 
 
-@pytest.mark.parametrize("layout", ["padded", "binned"])
 @pytest.mark.parametrize("tokens,top_k,experts,hidden", CASES[:3])
-def test_semantics_match_brute_force(layout, tokens, top_k, experts, hidden):
+def test_semantics_match_brute_force(tokens, top_k, experts, hidden):
     _, tokens_per_expert, indices, bins = _routing(tokens, top_k, experts, seed=1)
     x = torch.randn(tokens, hidden)
-    rows, size = _layout_rows(tokens_per_expert, layout)
+    rows, size = _padded_rows(tokens_per_expert)
     y = torch.randn(size, hidden)
     weights = torch.rand(tokens * top_k)
     for reference in (False, True):
-        gather, scatter = _ops(layout, bins, tokens_per_expert, top_k, reference)
+        gather, scatter = _ops(bins, tokens_per_expert, top_k, reference)
         expected = torch.zeros(size, hidden)
         for slot, row in enumerate(rows):
-            if row is not None:
-                expected[row] = x[int(indices[slot]) // top_k]
+            expected[row] = x[int(indices[slot]) // top_k]
         torch.testing.assert_close(gather(x, indices), expected, rtol=0, atol=0)
         expected = torch.zeros(tokens, hidden)
         for slot, row in enumerate(rows):
-            if row is not None:
-                assignment = int(indices[slot])
-                expected[assignment // top_k] += weights[assignment] * y[row]
+            assignment = int(indices[slot])
+            expected[assignment // top_k] += weights[assignment] * y[row]
         torch.testing.assert_close(scatter(y, indices, weights), expected)
         torch.testing.assert_close(
             scatter(y, indices, None), scatter(y, indices, torch.ones_like(weights))
         )
 
 
-@pytest.mark.parametrize("layout", ["padded", "binned"])
 @pytest.mark.parametrize("tokens,top_k,experts,hidden", CASES)
-def test_kernel_matches_reference_with_gradients(layout, tokens, top_k, experts, hidden, launches):
+def test_kernel_matches_reference_with_gradients(tokens, top_k, experts, hidden, launches):
     _, tokens_per_expert, indices, bins = _routing(tokens, top_k, experts, seed=tokens * top_k)
     generator = torch.Generator().manual_seed(2)
     x = torch.randn(tokens, hidden, generator=generator)
     weights = torch.rand(tokens, top_k, generator=generator)
     results = []
     for reference in (False, True):
-        gather, scatter = _ops(layout, bins, tokens_per_expert, top_k, reference)
+        gather, scatter = _ops(bins, tokens_per_expert, top_k, reference)
         x_leaf = x.clone().requires_grad_()
         weights_leaf = weights.clone().requires_grad_()
         permuted = gather(x_leaf, indices)
@@ -151,8 +135,7 @@ def test_kernel_matches_reference_with_gradients(layout, tokens, top_k, experts,
     assert launches["gather"] == 2 and launches["scatter"] == 2
 
 
-@pytest.mark.parametrize("layout", ["padded", "binned"])
-def test_bf16_accumulates_in_fp32(layout):
+def test_bf16_accumulates_in_fp32():
     """bf16 in and out, sums in fp32: never further from the fp64 result than PyTorch's bf16 path."""
     _, tokens_per_expert, indices, bins = _routing(7, 4, 4, seed=5)
     x = torch.randn(7, 48).bfloat16()
@@ -166,7 +149,7 @@ def test_bf16_accumulates_in_fp32(layout):
     ):
         x_leaf = x.detach().to(dtype).clone().requires_grad_()
         weights_leaf = weights.detach().to(dtype).clone().requires_grad_()
-        gather, scatter = _ops(layout, bins, tokens_per_expert, 4, reference)
+        gather, scatter = _ops(bins, tokens_per_expert, 4, reference)
         out = scatter(gather(x_leaf, indices), indices, weights_leaf)
         out.backward(grad_out.to(dtype))
         runs[name] = (out, x_leaf.grad, weights_leaf.grad)
