@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import io
 import os
 import subprocess
@@ -141,6 +142,10 @@ def pretrain_on_gpus(nproc: int, args: list, tensorboard_dir: Path, scalars: Ite
         printed = io.StringIO()
         with contextlib.redirect_stdout(_Tee(printed, sys.stdout)):
             pretrain_gpt.main(args)
+        # The run's memory back to the driver: torchrun runs of several GPUs may follow on
+        # this GPU in other processes.
+        gc.collect()
+        torch.cuda.empty_cache()
         return {"stdout": printed.getvalue(), **tensorboard_scalars(tensorboard_dir, scalars)}
     repo_root = Path(__file__).resolve().parents[1]
     command = [
