@@ -131,21 +131,17 @@ def pretrain_on_gpus(nproc: int, args: list, tensorboard_dir: Path, scalars: Ite
     TensorBoard `scalars` rank 0 logged ({name: {iteration: value}}).
 
     Several GPUs: under torchrun (NCCL, NVLink multicast off, as the lent machines require).
-    One GPU: in this process, as torchrun's one rank would run it, so that the runs of a test
-    session share one interpreter's imports and compile caches instead of paying a start and a
-    cold torch.compile each (most of a tiny run's time; `pytest -m gpu` fits one device call
-    this way)."""
+    One GPU: in this process, as torchrun's one rank would run it (its environment, a process
+    group of one), so that the runs of a test session share one interpreter's imports and
+    compile caches instead of paying a start and a cold torch.compile each (most of a tiny
+    run's time; `pytest -m gpu` fits one device call this way)."""
     args = [*args, "--tensorboard-dir", str(tensorboard_dir)]
     if nproc == 1:
         import pretrain_gpt
 
         printed = io.StringIO()
-        with contextlib.redirect_stdout(_Tee(printed, sys.stdout)):
+        with _as_torchruns_only_rank(), contextlib.redirect_stdout(_Tee(printed, sys.stdout)):
             pretrain_gpt.main(args)
-        # The run's memory back to the driver: torchrun runs of several GPUs may follow on
-        # this GPU in other processes.
-        gc.collect()
-        torch.cuda.empty_cache()
         return {"stdout": printed.getvalue(), **tensorboard_scalars(tensorboard_dir, scalars)}
     repo_root = Path(__file__).resolve().parents[1]
     command = [
@@ -158,6 +154,29 @@ def pretrain_on_gpus(nproc: int, args: list, tensorboard_dir: Path, scalars: Ite
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return {"stdout": done.stdout, **tensorboard_scalars(tensorboard_dir, scalars)}
+
+
+@contextlib.contextmanager
+def _as_torchruns_only_rank():
+    """The environment `torchrun --nproc_per_node 1` gives its worker, so the run joins a
+    process group of one as it would there (--use-torch-fsdp2 needs one); afterwards the group
+    is destroyed, the environment restored and the run's cached GPU memory given back (torchrun
+    runs of several GPUs may follow on this GPU)."""
+    saved = dict(os.environ)
+    os.environ.update(
+        WORLD_SIZE="1", RANK="0", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+        NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
+    )  # fmt: skip
+    try:
+        yield
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(saved)
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 class _Tee(io.TextIOBase):
