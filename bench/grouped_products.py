@@ -1,7 +1,8 @@
 """The six expert products of one dMoE layer step, each timed alone, next to the dense matmul of
 the same FLOPs: where the grouped layer's GEMM time goes (bench/moe_layer.py times the layer).
 
-    python -m bench.grouped_products [--configs 0 1 2 3] [--triton] [--sweep] [--layouts]
+    python -m bench.grouped_products [--configs 0 1 2 3] [--tokens N] [--triton] [--sweep]
+        [--layouts]
 
 For expert weights w1 [E, h, f] and w2 [E, f, h] and N = tokens * top_k rows sorted by expert:
 forward x @ w1, a @ w2; backward dy @ w2^T, a^T dy (weight gradient), dh @ w1^T, x^T dh. The
@@ -11,7 +12,8 @@ kernels at each launch shape of SWEEP_ROW_TILES / SWEEP_WEIGHT_GRAD_TILES, check
 against torch._grouped_mm, and prints the fastest shape per product. `--layouts` times each
 weight's three products (forward, input gradient, weight gradient) with the weight stored
 [E, K, N] (N contiguous) and [E, N, K] (K contiguous): CUTLASS picks its kernel by operand
-layout, and the two need not be equally fast at one shape.
+layout, and the two need not be equally fast at one shape. `--tokens N` replaces the
+configurations' token count (65536 is the dMoE 125M's micro batch of 64 sequences on one GPU).
 """
 
 from __future__ import annotations
@@ -201,25 +203,30 @@ def main() -> None:
     parser.add_argument("--triton", action="store_true", help="also our Triton grouped GEMM")
     parser.add_argument("--sweep", action="store_true", help="Triton launch shapes, fastest each")
     parser.add_argument("--layouts", action="store_true", help="weights [E,K,N] against [E,N,K]")
+    parser.add_argument("--tokens", type=int, default=None, help="instead of each config's")
     args = parser.parse_args()
+    configs = [
+        CONFIGS[index] if args.tokens is None else (*CONFIGS[index][:4], args.tokens)
+        for index in args.configs
+    ]
     if args.layouts:
         print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, median of 20")
         print("| config | weight | product | [E, K, N] ms | [E, N, K] ms | max abs difference |")
         print("|---|---|---|---|---|---:|")
-        for index in args.configs:
-            for name, product, times, same in layouts(*CONFIGS[index]):
+        for config in configs:
+            for name, product, times, same in layouts(*config):
                 kn = " / ".join(f"{t[0]:.3f}" for t in times)
                 nk = " / ".join(f"{t[1]:.3f}" for t in times)
                 print(
-                    f"| {CONFIGS[index]} | {name} | {product} | {kn} | {nk} | {same:.1e} |",
+                    f"| {config} | {name} | {product} | {kn} | {nk} | {same:.1e} |",
                     flush=True,
                 )
         return
     if args.sweep:
         tables = []
-        for index in args.configs:
-            for row in sweep(*CONFIGS[index]):
-                tables.append((CONFIGS[index], *row))
+        for config in configs:
+            for row in sweep(*config):
+                tables.append((config, *row))
         print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, median of 20")
         print("| config | product | _grouped_mm ms | best Triton ms | Triton / torch | shape "
               "(loads, bm, bn, bk, group, warps, stages) | rel. error |")  # fmt: skip
@@ -232,8 +239,7 @@ def main() -> None:
     print("| config | product | dense ms | _grouped_mm ms | Triton ms | dense TFLOP/s "
           "| grouped TFLOP/s | grouped x dense |")  # fmt: skip
     print("|---|---|---:|---:|---:|---:|---:|---:|")
-    for index in args.configs:
-        config = CONFIGS[index]
+    for config in configs:
         results, flops, weight_bytes = products(*config, use_triton=args.triton)
         total = [0.0, 0.0]
         for name, dense_ms, grouped_ms, triton_ms in results:
