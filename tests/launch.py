@@ -159,9 +159,13 @@ def pretrain_on_gpus(nproc: int, args: list, tensorboard_dir: Path, scalars: Ite
 @contextlib.contextmanager
 def _as_torchruns_only_rank():
     """The environment `torchrun --nproc_per_node 1` gives its worker, so the run joins a
-    process group of one as it would there (--use-torch-fsdp2 needs one); afterwards the group
-    is destroyed, the environment restored and the run's cached GPU memory given back (torchrun
-    runs of several GPUs may follow on this GPU)."""
+    process group of one as it would there (--use-torch-fsdp2 needs one), and Dynamo's state as
+    a fresh process has it (the run reports the graphs and breaks it compiled, from Dynamo's
+    process-wide counters; Inductor's caches stay warm); afterwards the group is destroyed, the
+    environment restored and the run's cached GPU memory given back (torchrun runs of several
+    GPUs may follow on this GPU)."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
     saved = dict(os.environ)
     os.environ.update(
         WORLD_SIZE="1", RANK="0", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
