@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bench.timing import median_step_ms
+from bench.timing import mean_step_ms, median_step_ms
 from megatron.config import ModelConfig
 from megatron.kernels.dispatch import kernel_mode
 from megatron.kernels.fp8_linear import Fp8Recipe
@@ -171,16 +171,11 @@ def profile_steps(module, x, grad, graphed, steps=5):
     profiler) over `steps` steps, launched or replayed as a CUDA graph."""
     run = prepare_step(module, x, grad, graphed=graphed)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(steps):
-            run()
-        end.record()
-        torch.cuda.synchronize()
+        step_ms = mean_step_ms(run, steps)
     cuda = torch.autograd.DeviceType.CUDA
     kernels = [event for event in profile.events() if event.device_type == cuda]
     busy_ms = sum(event.time_range.elapsed_us() for event in kernels) / 1e3 / steps
-    return len(kernels) / steps, busy_ms, start.elapsed_time(end) / steps, profile
+    return len(kernels) / steps, busy_ms, step_ms, profile
 
 
 def check(backend):

@@ -45,15 +45,20 @@ def median_step_ms(
     for _ in range(rounds):
         if idle_s:
             time.sleep(idle_s)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(steps):
-            run()
-        end.record()
-        torch.cuda.synchronize()
-        means.append(start.elapsed_time(end) / steps)
+        means.append(mean_step_ms(run, steps))
     means.sort()
     return means[len(means) // 2]
+
+
+def mean_step_ms(run: Callable[[], object], steps: int) -> float:
+    """The mean ms per step of `steps` calls of `run` back to back, between two CUDA events."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(steps):
+        run()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / steps
 
 
 def median_ms(

@@ -126,21 +126,24 @@ def pretrain_ranks(
     return {"stdout": finished.stdout, **tensorboard_scalars(tensorboard_dir, scalars)}
 
 
+# NVLink multicast off, as the lent GPU machines require.
+NO_NVLINK_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+
+
 def pretrain_on_gpus(nproc: int, args: list, tensorboard_dir: Path, scalars: Iterable[str]) -> dict:
     """Run pretrain_gpt.py on `nproc` GPUs; its stdout and the per-iteration values of the
     TensorBoard `scalars` rank 0 logged ({name: {iteration: value}}).
 
     Several GPUs: under torchrun (NCCL, NVLink multicast off, as the lent machines require).
     One GPU: in this process, as torchrun's one rank would run it (its environment, a process
-    group of one), so that the runs of a test session share one interpreter's imports and
-    compile caches instead of paying a start and a cold torch.compile each (most of a tiny
-    run's time; `pytest -m gpu` fits one device call this way)."""
+    group of one), so that the runs of a test session share one interpreter's imports, CUDA
+    context and Inductor's caches instead of paying a process start each."""
     args = [*args, "--tensorboard-dir", str(tensorboard_dir)]
     if nproc == 1:
         import pretrain_gpt
 
         printed = io.StringIO()
-        with _as_torchruns_only_rank(), contextlib.redirect_stdout(_Tee(printed, sys.stdout)):
+        with _as_torchruns_only_rank(), contextlib.redirect_stdout(printed):
             pretrain_gpt.main(args)
         return {"stdout": printed.getvalue(), **tensorboard_scalars(tensorboard_dir, scalars)}
     repo_root = Path(__file__).resolve().parents[1]
@@ -148,7 +151,7 @@ def pretrain_on_gpus(nproc: int, args: list, tensorboard_dir: Path, scalars: Ite
         sys.executable, "-m", "torch.distributed.run", "--standalone",
         "--nproc_per_node", str(nproc), str(repo_root / "pretrain_gpt.py"), *args,
     ]  # fmt: skip
-    env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
+    env = dict(os.environ, **NO_NVLINK_MULTICAST)
     done = subprocess.run(
         command, cwd=repo_root, env=env, capture_output=True, text=True, timeout=900
     )
@@ -169,8 +172,7 @@ def _as_torchruns_only_rank():
     saved = dict(os.environ)
     os.environ.update(
         WORLD_SIZE="1", RANK="0", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
-        NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), **NO_NVLINK_MULTICAST,
     )  # fmt: skip
     try:
         yield
@@ -181,19 +183,3 @@ def _as_torchruns_only_rank():
         os.environ.update(saved)
         gc.collect()
         torch.cuda.empty_cache()
-
-
-class _Tee(io.TextIOBase):
-    """Writes to both streams: the run's output is kept for the test and still shown."""
-
-    def __init__(self, *streams) -> None:
-        self.streams = streams
-
-    def write(self, text: str) -> int:
-        for stream in self.streams:
-            stream.write(text)
-        return len(text)
-
-    def flush(self) -> None:
-        for stream in self.streams:
-            stream.flush()

@@ -12,6 +12,7 @@ from megatron.parallelize.steps import compile_model
 from moe.config import MoEConfig
 from moe.layers import build_moe_layer
 from tests.launch import run_distributed
+from tests.moe.test_dmoe_compile import assert_gpt_model_is_one_graph
 from tests.moe.test_expert_parallel import make_layer, make_tokens, probe
 
 
@@ -51,22 +52,9 @@ def test_compiled_capacity_moe_is_one_graph_and_matches_eager(top_k, capacity_fa
 
 
 def test_gpt_model_with_capacity_moe_layers_traces_as_one_graph_under_bf16_autocast():
-    from megatron.model.gpt_model import GPTModel
-    from moe.mlp_spec import MoEMlpSpec
-
-    torch._dynamo.reset()
-    config = ModelConfig(
-        num_layers=2, hidden_size=32, num_attention_heads=2, ffn_hidden_size=48, seq_length=16,
-        max_position_embeddings=16, padded_vocab_size=64, init_method_std=0.02,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    moe = MoEConfig(num_experts=4, top_k=2, mlp_impl="grouped", dropless=False)
-    model = GPTModel(config, MoEMlpSpec(moe))
-    token_ids = torch.randint(0, 64, (2, 16))
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        explanation = torch._dynamo.explain(model)(token_ids, labels=token_ids)
-    assert explanation.graph_break_count == 0, explanation.break_reasons
-    assert explanation.graph_count == 1
+    assert_gpt_model_is_one_graph(
+        MoEConfig(num_experts=4, top_k=2, mlp_impl="grouped", dropless=False)
+    )
 
 
 def test_training_compiles_the_capacity_moe_unless_its_capacity_is_unlimited():

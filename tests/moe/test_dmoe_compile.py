@@ -54,10 +54,10 @@ def test_compiled_grouped_dmoe_is_one_graph_and_matches_eager(top_k, mlp_type):
         torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-3)
 
 
-@needs_torch_grouped_mm
-def test_gpt_model_with_dmoe_layers_traces_as_one_graph_under_bf16_autocast():
-    """What training compiles (moe.training_hooks.MoETrainingHooks.compile_veto): no graph
-    break anywhere."""
+def assert_gpt_model_is_one_graph(moe: MoEConfig) -> None:
+    """A two-layer GPT whose MLPs are `moe` layers traces whole under bf16 autocast: what
+    training compiles (moe.training_hooks.MoETrainingHooks.compile_veto), no graph break
+    anywhere."""
     from megatron.model.gpt_model import GPTModel
     from moe.mlp_spec import MoEMlpSpec
 
@@ -67,13 +67,19 @@ def test_gpt_model_with_dmoe_layers_traces_as_one_graph_under_bf16_autocast():
         max_position_embeddings=16, padded_vocab_size=64, init_method_std=0.02,
     )  # fmt: skip
     torch.manual_seed(0)
-    moe = MoEConfig(num_experts=4, top_k=2, mlp_impl="grouped", grouped_gemm=TORCH)
     model = GPTModel(config, MoEMlpSpec(moe))
     token_ids = torch.randint(0, 64, (2, 16))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         explanation = torch._dynamo.explain(model)(token_ids, labels=token_ids)
     assert explanation.graph_break_count == 0, explanation.break_reasons
     assert explanation.graph_count == 1
+
+
+@needs_torch_grouped_mm
+def test_gpt_model_with_dmoe_layers_traces_as_one_graph_under_bf16_autocast():
+    assert_gpt_model_is_one_graph(
+        MoEConfig(num_experts=4, top_k=2, mlp_impl="grouped", grouped_gemm=TORCH)
+    )
 
 
 @needs_torch_grouped_mm
