@@ -202,7 +202,7 @@ class RunMeasures:
     label: str
     curve: ValidationCurve
     test_loss: Optional[float]
-    tokens: float  # trained on, up to the last iteration that logged its time
+    tokens: float  # trained on, to the last logged iteration or the last evaluation's
     training_seconds: float  # up to that iteration
     jobs: int
 
@@ -235,13 +235,17 @@ def measure_run(run: RunEvents, label: str) -> RunMeasures:
         seconds=clock.seconds_at(iterations),
     )
     test = run.series.get(LM_LOSS_TEST)
-    last = clock.iterations[-1:]
+    # The last iteration trained: past the last logged window when --train-iters is not a
+    # multiple of --log-interval (381 at 10), where the final evaluation still reports it; its
+    # time is counted as the crossings past the last window are, at that window's rate.
+    last = np.array([max(clock.iterations[-1], iterations[-1])])
+    seconds = clock.seconds_at(last)
     return RunMeasures(
         label=label,
         curve=curve,
         test_loss=float(test.values[-1]) if test is not None else None,
-        tokens=float(run.x_values(last, clock.seconds[-1:], "tokens")[0]),
-        training_seconds=float(clock.seconds[-1]),
+        tokens=float(run.x_values(last, seconds, "tokens")[0]),
+        training_seconds=float(seconds[0]),
         jobs=clock.jobs,
     )
 

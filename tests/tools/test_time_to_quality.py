@@ -55,7 +55,8 @@ def write_job(
 ) -> None:
     """One job's event file in run_directory/tensorboard, by the trainer's writer: a log window
     ending at each iteration of `seconds_per_iteration`, the validation losses after the windows
-    at theirs, and the test split's loss after the last."""
+    at theirs (or later, as the final evaluation of --train-iters past the last window), and the
+    test split's loss after the last."""
     writer = TensorBoardLogger(str(run_directory / "tensorboard"))
     first = min(seconds_per_iteration)
     writer.log_arguments(argparse.Namespace(seq_length=SEQ_LENGTH), first - 1)
@@ -73,8 +74,11 @@ def write_job(
         )  # fmt: skip
         if iteration in validation:
             writer.log_validation({LM_LOSS: validation[iteration]}, iteration, consumed)
+    last = max(seconds_per_iteration)
+    for iteration in sorted(i for i in validation if i > last):  # after a window-less stretch
+        writer.log_validation({LM_LOSS: validation[iteration]}, iteration, iteration * GLOBAL_BATCH)
+        last = iteration
     if test is not None:
-        last = max(seconds_per_iteration)
         writer.log_validation({LM_LOSS: test}, last, last * GLOBAL_BATCH, TEST_SUFFIX)
     writer.close()
 
@@ -116,6 +120,17 @@ def test_the_target_is_interpolated_between_the_evaluations_around_it(reference_
     assert first_crossing(measures.curve, 2.9) is None
     assert measures.final_validation_loss == 3.0 and measures.test_loss is None
     assert measures.tokens == 20 * TOKENS_PER_ITERATION and measures.training_seconds == 17.5
+
+
+def test_the_totals_reach_the_last_evaluation_past_the_last_logged_window(tmp_path):
+    """--train-iters 22 at --log-interval 5: the windows end at 20, the final evaluation is at
+    22; the run trained 22 iterations, the last two at the last window's 1 s each."""
+    run = tmp_path / "run"
+    write_job(run, REFERENCE_TIMES, {**REFERENCE_VALIDATION, 22: 2.5})
+    measures = measure_run(read_run(str(run)), "run")
+    assert measures.tokens == 22 * TOKENS_PER_ITERATION
+    assert measures.training_seconds == pytest.approx(19.5)
+    assert measures.curve.seconds[-1] == pytest.approx(19.5)
 
 
 def test_a_run_in_two_jobs_counts_each_iteration_once(tmp_path):
