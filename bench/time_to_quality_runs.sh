@@ -9,8 +9,8 @@
 # Environment: TRAIN_ITERS (381), EXTRA_ARGS (more pretrain_gpt.py flags, as common.sh reads them).
 # Then: python tools/time_to_quality.py OUT_ROOT/gpt2_125m_1gpu OUT_ROOT/dmoe_125m_1gpu ...
 #
-# A run that does not fit a session (a machine lent for minutes) can be made in pieces: add
-# --save DIR --load DIR --exit-duration-in-mins N to EXTRA_ARGS and run the same command again; the tool
+# A run that must stop before its end (a machine held for a limited time) can be made in pieces:
+# add --save DIR --load DIR --exit-duration-in-mins N to EXTRA_ARGS and run the same command again; the tool
 # counts the training time of the pieces without the gaps. BENCHMARKS.md, "Time to quality",
 # has the Gutenberg dataset's numbers and how the data reaches a GPU machine.
 set -euo pipefail

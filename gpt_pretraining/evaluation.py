@@ -45,7 +45,7 @@ from megatron.data.dataset_splits import get_train_valid_test_split
 from megatron.data.gpt_dataset import SPLIT_NAMES, GPTDataset
 from megatron.data.indexed_dataset import IndexedDatasetError, MMapIndexedDataset
 from megatron.data.samplers import MegatronPretrainingSampler
-from megatron.errors import UserError
+from megatron.errors import UserError, traceback_asked
 
 # Megatron's --split default, for a checkpoint whose run gave none (separate data paths).
 DEFAULT_SPLIT = "969,30,1"
@@ -388,7 +388,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         evaluation = evaluate_checkpoint(args)
     except UserError as error:
-        if os.environ.get("MEGATRON_TRACEBACK", "0") not in ("", "0"):
+        if traceback_asked():
             raise
         print(f"error: {error}", file=sys.stderr, flush=True)
         return 1

@@ -18,7 +18,6 @@ backend, so no display is needed.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 from typing import Callable, List, Optional, Sequence, Tuple
@@ -35,7 +34,7 @@ from gpt_pretraining.run_events import (
     RunEventsError,
     read_run,
 )
-from megatron.errors import UserError
+from megatron.errors import UserError, traceback_asked
 
 # In the current directory, not a run's: a picture of several runs belongs to none of them.
 DEFAULT_OUTPUT = "runs_plot.png"
@@ -206,7 +205,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         runs = [read_run(directory, args.seq_length) for directory in args.run_directories]
         draw(runs, args.x, args.output, args.expert_load_layers)
     except UserError as error:
-        if os.environ.get("MEGATRON_TRACEBACK", "0") not in ("", "0"):
+        if traceback_asked():
             raise
         print(f"error: {error}", file=sys.stderr, flush=True)
         return 1

@@ -4,7 +4,6 @@ megatron.training.loop.pretrain; errors a user can fix end in one line and a non
 
 from __future__ import annotations
 
-import os
 import sys
 from typing import List, Optional
 
@@ -18,7 +17,7 @@ from megatron.checkpointing.directories import (
 from megatron.checkpointing.layout import resume_advice
 from megatron.composition.datasets import build_datasets
 from megatron.config import Config, ConfigError, format_arguments_block
-from megatron.errors import UserError
+from megatron.errors import UserError, traceback_asked
 from megatron.initialize import (
     DistributedContext,
     barrier,
@@ -72,12 +71,12 @@ def main(argv: Optional[List[str]] = None) -> TrainingResult:
         except UserError as error:
             # A problem with a checkpoint, a dataset or a directory: the message says what to
             # do, and a traceback would only bury it (MEGATRON_TRACEBACK=1 shows it).
-            if _traceback_asked():
+            if traceback_asked():
                 raise
             print(f"error: {error}", file=sys.stderr, flush=True)
             raise SystemExit(1) from None
         except RuntimeError as error:
-            if context.progress is None or not is_collective_timeout(error) or _traceback_asked():
+            if context.progress is None or not is_collective_timeout(error) or traceback_asked():
                 raise
             try:
                 explained = context.progress.explain_timeout(error)
@@ -89,11 +88,6 @@ def main(argv: Optional[List[str]] = None) -> TrainingResult:
         finally:
             # Later runs in this process (tests) start from fresh groups.
             destroy_model_parallel()
-
-
-def _traceback_asked() -> bool:
-    """MEGATRON_TRACEBACK=1: errors the entry point reports in one line raise instead."""
-    return os.environ.get("MEGATRON_TRACEBACK", "0") not in ("", "0")
 
 
 def _setup_and_train(

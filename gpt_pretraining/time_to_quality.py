@@ -44,7 +44,6 @@ matplotlib is an optional extra (`pip install -e '.[plot]'`); --no-plot prints t
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,7 +60,7 @@ from gpt_pretraining.run_events import (
     RunEventsError,
     read_run,
 )
-from megatron.errors import UserError
+from megatron.errors import UserError, traceback_asked
 
 # In the current directory, not a run's: a comparison of several runs belongs to none of them.
 DEFAULT_OUTPUT = "time_to_quality.png"
@@ -375,7 +374,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if not args.no_plot:
             draw(measures, crossings, target, args.output)
     except UserError as error:
-        if os.environ.get("MEGATRON_TRACEBACK", "0") not in ("", "0"):
+        if traceback_asked():
             raise
         print(f"error: {error}", file=sys.stderr, flush=True)
         return 1

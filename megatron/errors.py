@@ -9,6 +9,8 @@ exits 1 instead of showing a traceback (MEGATRON_TRACEBACK=1 shows it).
 
 from __future__ import annotations
 
+import os
+
 
 class UserError(Exception):
     """A run cannot go on because of its inputs; the message says what, where and what to do."""
@@ -17,3 +19,8 @@ class UserError(Exception):
 class TrainingDiverged(UserError):
     """A non-finite loss, gradient norm or weight (--check-for-nan-in-loss-and-grad): the run
     stops at that iteration, before anything of it is saved."""
+
+
+def traceback_asked() -> bool:
+    """MEGATRON_TRACEBACK=1: the errors an entry point reports in one line raise instead."""
+    return os.environ.get("MEGATRON_TRACEBACK", "0") not in ("", "0")

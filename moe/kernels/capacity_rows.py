@@ -100,9 +100,7 @@ class _CombineFromSlots(torch.autograd.Function):
         ctx.save_for_backward(y, weights, slot_of_assignment, assignment_of_slot)
         ctx.top_k = top_k
         weighted = _rows(y, slot_of_assignment).float() * weights.float().unsqueeze(-1)
-        if top_k > 1:
-            weighted = weighted.view(-1, top_k, y.shape[-1]).sum(1)
-        return weighted.to(y.dtype)
+        return _sum_over_choices(weighted, top_k).to(y.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):

@@ -48,7 +48,8 @@ class Run:
 
 
 def run(nproc: int, data_prefix: str, root: Path, *extra: str) -> Run:
-    """One pretraining run on `nproc` GPUs under torchrun (NCCL)."""
+    """One pretraining run on `nproc` GPUs (tests.launch.pretrain_on_gpus: one GPU in this
+    process, several under torchrun)."""
     save = ("--save", str(root / "ckpt"), "--save-interval", str(SAVED_AT))
     args = tiny_gpt_args(
         data_prefix, "--bf16", "--make-vocab-size-divisible-by", "64", *save, *extra,
@@ -61,7 +62,7 @@ def run(nproc: int, data_prefix: str, root: Path, *extra: str) -> Run:
 @pytest.fixture(scope="module")
 def runs(data_prefix, tmp_path_factory) -> Callable[..., Run]:
     """`runs(nproc, *flags)`: that run, made once per module; the tests share the bf16 and FP8
-    runs they compare against (each run is a torchrun start and a compile)."""
+    runs they compare against (each run compiles a model of its own)."""
     done: Dict[Tuple, Run] = {}
 
     def get(nproc: int, *extra: str) -> Run:
