@@ -47,7 +47,7 @@ import argparse
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -61,6 +61,9 @@ from gpt_pretraining.run_events import (
     read_run,
 )
 from megatron.errors import UserError, traceback_asked
+
+if TYPE_CHECKING:  # matplotlib is an optional extra, imported where the picture is drawn
+    from matplotlib.figure import Figure
 
 # In the current directory, not a run's: a comparison of several runs belongs to none of them.
 DEFAULT_OUTPUT = "time_to_quality.png"
@@ -302,22 +305,18 @@ def loss_axis_limits(curves: Sequence[ValidationCurve], target: float) -> Tuple[
     return lowest - margin, highest + margin
 
 
-def draw(
-    measures: Sequence[RunMeasures],
-    crossings: Sequence[Optional[Crossing]],
-    target: float,
-    output: str,
-) -> None:
-    """Validation loss against tokens and training time (module docstring), saved at `output`."""
+def time_to_quality_figure(
+    measures: Sequence[RunMeasures], crossings: Sequence[Optional[Crossing]], target: float
+) -> Figure:
+    """Validation loss against tokens (left) and training time (right), the target and each
+    run's crossing of it (module docstring): the figure `draw` saves, unsaved. It is no pyplot
+    figure, so it needs no closing and no display."""
     import matplotlib
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    figure, (by_tokens, by_time) = plt.subplots(
-        1, 2, figsize=FIGURE_SIZE_INCHES, dpi=DPI, sharey=True
-    )
+    colours = matplotlib.rcParams["axes.prop_cycle"].by_key()["color"]
+    figure = Figure(figsize=FIGURE_SIZE_INCHES, dpi=DPI)
+    by_tokens, by_time = figure.subplots(1, 2, sharey=True)
     divisor, unit = time_unit(max(measure.curve.seconds[-1] for measure in measures))
     for index, (measure, crossing) in enumerate(zip(measures, crossings)):
         colour, curve = colours[index % len(colours)], measure.curve
@@ -337,8 +336,17 @@ def draw(
     by_tokens.legend(fontsize="small")
     figure.suptitle("time to quality: validation loss, the target crossed at x")
     figure.tight_layout()
-    figure.savefig(output, dpi=DPI)
-    plt.close(figure)
+    return figure
+
+
+def draw(
+    measures: Sequence[RunMeasures],
+    crossings: Sequence[Optional[Crossing]],
+    target: float,
+    output: str,
+) -> None:
+    """The picture (`time_to_quality_figure`) saved as a PNG at `output`."""
+    time_to_quality_figure(measures, crossings, target).savefig(output, dpi=DPI)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -396,5 +404,6 @@ __all__ = [
     "markdown_table",
     "measure_run",
     "parse_arguments",
+    "time_to_quality_figure",
     "training_clock",
 ]

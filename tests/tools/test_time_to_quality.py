@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import numpy as np
 import pytest
@@ -208,15 +208,67 @@ def test_the_table_with_the_first_runs_final_loss_as_the_target(reference_run, t
     assert rows["c"]["time to target"] != NOT_REACHED  # 3.2 is below 3.25
 
 
-def test_the_picture(reference_run, tmp_path):
+def test_the_picture(tmp_path, monkeypatch):
+    """Two runs whose first evaluation (iteration 1, 64 tokens, before a tenth of the first run's
+    1280) is the untrained loss: the loss axis spans the later evaluations alone, from the
+    second run's 2.0 to the first's 4.0 widened by 5% of that range (0.1) either way, and leaves
+    the 10.0 and 11.0 above it. The first run trains at 3 s per iteration, the second at 10 s
+    (200 s in all: the time axis is in minutes). The target is the first run's final loss, 3.0:
+    the first reaches it at its last evaluation, the second half way from 3.5 at iteration 10
+    to 2.5 at 15 (800 tokens, 125 s)."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    windows = (1, 5, 10, 15, 20)  # each job's first window counts at its others' median
+    write_job(first, dict.fromkeys(windows, 3.0), {1: 10.0, 10: 4.0, 20: 3.0})
+    write_job(second, dict.fromkeys(windows, 10.0), {1: 11.0, 10: 3.5, 15: 2.5, 20: 2.0})
+    build_figure, built = time_to_quality.time_to_quality_figure, []
+
+    def build_and_keep(*args):
+        """The figure main saves, kept to be read back."""
+        built.append(build_figure(*args))
+        return built[-1]
+
+    monkeypatch.setattr(time_to_quality, "time_to_quality_figure", build_and_keep)
+    output = tmp_path / "ttq.png"
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main([str(first), str(second), "--output", str(output)]) == 0
     import matplotlib.image
 
-    output = tmp_path / "ttq.png"
-    assert main([str(reference_run), str(reference_run), "--output", str(output)]) == 0
     pixels = matplotlib.image.imread(str(output))
     width, height = FIGURE_SIZE_INCHES
     assert pixels.shape[:2] == (round(height * DPI), round(width * DPI))
-    assert len(np.unique(pixels.reshape(-1, pixels.shape[-1]), axis=0)) > 20
+
+    (figure,) = built
+    by_tokens, by_time = figure.axes
+    curves = [measure_run(read_run(str(run)), run.name).curve for run in (first, second)]
+    limits = loss_axis_limits(curves, target=3.0)
+    assert by_tokens.get_ylim() == by_time.get_ylim() == limits
+    assert limits == pytest.approx((1.9, 4.1))
+    assert limits[1] < min(curve.losses[0] for curve in curves)  # the untrained losses above
+
+    def drawn(panel, marker: str) -> Tuple[list, list]:
+        """The x- and the y-data of the panel's lines drawn with `marker`, in drawing order."""
+        lines = [line for line in panel.get_lines() if line.get_marker() == marker]
+        x_data = [list(line.get_xdata()) for line in lines]
+        return x_data, [list(line.get_ydata()) for line in lines]
+
+    losses = [curve.losses.tolist() for curve in curves]
+    tokens, tokens_losses = drawn(by_tokens, "o")
+    assert tokens == [curve.tokens.tolist() for curve in curves] and tokens_losses == losses
+    assert tokens == [[64.0, 640.0, 1280.0], [64.0, 640.0, 960.0, 1280.0]]
+    minutes, minutes_losses = drawn(by_time, "o")
+    assert by_time.get_xlabel().startswith("training time (minutes;")
+    assert minutes == [(curve.seconds / 60.0).tolist() for curve in curves]
+    assert minutes_losses == losses
+    assert minutes[0] == pytest.approx([0.05, 0.5, 1.0])
+    assert minutes[1] == pytest.approx([10 / 60, 100 / 60, 150 / 60, 200 / 60])
+    # Each run's cross on the target, which is a dashed line across both panels.
+    assert drawn(by_tokens, "x") == ([[1280.0], [800.0]], [[3.0], [3.0]])
+    crosses_minutes, crosses_losses = drawn(by_time, "x")
+    assert sum(crosses_minutes, []) == pytest.approx([1.0, 125 / 60])
+    assert crosses_losses == [[3.0], [3.0]]
+    for panel in (by_tokens, by_time):
+        dashed = [line for line in panel.get_lines() if line.get_linestyle() == "--"]
+        assert [list(line.get_ydata()) for line in dashed] == [[3.0, 3.0]]
 
 
 def test_the_loss_axis_leaves_out_the_initial_drop():
