@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from moe.config import MLP_IMPLS, MLP_TYPES, ROUTER_SCORES
+from moe.config import DEFAULT_EXCHANGE_CHUNKS, MLP_IMPLS, MLP_TYPES, ROUTER_SCORES
 
 # The flags (namespace attributes) that define an MoE model, which a checkpoint's saved
 # arguments are compared on when it is loaded (megatron.checkpointing.model_arguments).
@@ -137,7 +137,7 @@ def add_moe_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--moe-expert-parallel-comm-chunks",
         type=int,
-        default=2,
+        default=DEFAULT_EXCHANGE_CHUNKS,
         help="Chunks per layer under --overlap-moe-expert-parallel-comm: about 1/K of the "
         "exchange stays exposed, at K times the launches (docs/moe.md).",
     )

@@ -202,9 +202,55 @@ def test_checkpoint_resumes_at_another_expert_parallel_size(
         ),
         (
             2,
-            "--expert-model-parallel-size 2 --moe-expert-parallel-buffer-factor 2 "
-            "--overlap-moe-expert-parallel-comm --no-moe-dropless",
+            "--expert-model-parallel-size 2 --overlap-moe-expert-parallel-comm --no-moe-dropless",
             "the capacity MoE (--no-moe-dropless) exchanges its slots in one all-to-all",
+        ),
+        # NaN and inf compare false with any bound: the planner once crashed on both ranks.
+        *(
+            (
+                2,
+                f"--expert-model-parallel-size 2 --moe-expert-parallel-buffer-factor {value}",
+                f"--moe-expert-parallel-buffer-factor must be a finite number >= 1 (blocks of at least the balanced share), got {value}",
+            )
+            for value in ("nan", "inf")
+        ),
+        # Flags that would do nothing in the layout.
+        (
+            2,
+            "--moe-expert-parallel-buffer-factor 1.5",
+            "--moe-expert-parallel-buffer-factor 1.5 sizes the blocks of the expert-parallel "
+            "exchange, and there is none at expert parallel size 1",
+        ),
+        (
+            2,
+            "--expert-model-parallel-size 2 --moe-expert-parallel-buffer-factor 1.5 "
+            "--no-moe-dropless",
+            "the capacity MoE (--no-moe-dropless) exchanges its fixed slots already",
+        ),
+        (
+            2,
+            "--expert-model-parallel-size 2 --moe-expert-parallel-buffer-factor 1.5 "
+            "--moe-expert-parallel-comm-chunks 4",
+            "--moe-expert-parallel-comm-chunks 4 takes effect only under "
+            "--overlap-moe-expert-parallel-comm",
+        ),
+        *(
+            (
+                2,
+                f"{layout} --overlap-moe-expert-parallel-comm --moe-expert-parallel-comm-chunks 1",
+                "one chunk leaves nothing to overlap",
+            )
+            for layout in (
+                "",
+                "--expert-model-parallel-size 2 --moe-expert-parallel-buffer-factor 2",
+            )
+        ),
+        # 128 routed rows per rank (64 tokens, top-2), 64 per block at factor 1: 8 chunks at most.
+        (
+            2,
+            "--expert-model-parallel-size 2 --moe-expert-parallel-buffer-factor 1 "
+            "--overlap-moe-expert-parallel-comm --moe-expert-parallel-comm-chunks 4096",
+            "--moe-expert-parallel-comm-chunks 4096 cuts each expert-parallel block of 64 rows",
         ),
     ],
 )
