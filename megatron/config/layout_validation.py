@@ -122,12 +122,14 @@ def check_pipeline_parallel(args: argparse.Namespace) -> None:
     args.virtual_pipeline_model_parallel_size = per_stage // per_virtual_stage
 
 
-def check_gradient_sync(args: argparse.Namespace) -> None:
+def check_gradient_sync(args: argparse.Namespace, notes: List[str]) -> None:
     """The distributed optimizer's overlaps build on each other, as in Megatron; FSDP2 takes
-    the place of both data-parallel modes and composes with none of what it cannot."""
+    the place of both data-parallel modes, composes with none of what it cannot, and says which
+    of their flags it does without."""
     instances = args.num_distributed_optimizer_instances
     if args.use_torch_fsdp2:
         _check_fully_shard(args)
+        _drop_what_fully_shard_does_itself(args, notes)
     elif instances != 1 or args.grad_reduce_in_bf16:
         flag = (
             "--grad-reduce-in-bf16" if instances == 1 else "--num-distributed-optimizer-instances"
@@ -147,6 +149,35 @@ def check_gradient_sync(args: argparse.Namespace) -> None:
 # does not do what FullyShard needs: 2.5's runs on CUDA streams only (no gloo run, so no CPU
 # test), 2.4's has no explicit prefetch.
 FULLY_SHARD_TORCH = (2, 6)
+
+
+def _drop_what_fully_shard_does_itself(args: argparse.Namespace, notes: List[str]) -> None:
+    """The other modes' flags for what FSDP2 always does, or does not use: a note each, and
+    the flag reset so that nothing downstream reads it."""
+    ignored = [
+        (
+            "overlap_grad_reduce",
+            False,
+            "--overlap-grad-reduce has no effect under --use-torch-fsdp2: FSDP2 reduce-scatters "
+            "each layer's gradients during the backward anyway",
+        ),
+        (
+            "overlap_param_gather",
+            False,
+            "--overlap-param-gather has no effect under --use-torch-fsdp2: FSDP2 gathers each "
+            "layer's weights just before its forward, prefetching the next layer's, anyway",
+        ),
+        (
+            "DDP_impl",
+            "local",
+            "--DDP-impl torch has no effect under --use-torch-fsdp2: FSDP2 reduces the "
+            "gradients, not torch DDP",
+        ),
+    ]
+    for name, unused, note in ignored:
+        if getattr(args, name) != unused:
+            setattr(args, name, unused)
+            notes.append(f"{note}; drop the flag")
 
 
 def _check_fully_shard(args: argparse.Namespace) -> None:

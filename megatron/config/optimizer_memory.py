@@ -16,6 +16,19 @@ def check_optimizer_memory(args: argparse.Namespace) -> None:
         for name in ("main_grads_dtype", "exp_avg_dtype", "exp_avg_sq_dtype")
         if getattr(args, name) != "fp32"
     ]
+    if lowered and args.use_torch_fsdp2:
+        # Not "add --use-precision-aware-optimizer": FSDP2 refuses that too.
+        flag = flag_name(lowered[0])
+        also = (
+            "; to reduce the gradients in bf16, use --grad-reduce-in-bf16"
+            if lowered[0] == "main_grads_dtype"
+            else ""
+        )
+        raise ConfigError(
+            f"{flag} {getattr(args, lowered[0])} lowers the distributed optimizer's state "
+            "(--use-precision-aware-optimizer), and --use-torch-fsdp2 keeps its own fp32 "
+            f"gradient and Adam shards: drop {flag}{also}"
+        )
     if lowered and not args.use_precision_aware_optimizer:
         raise ConfigError(
             f"{flag_name(lowered[0])} {getattr(args, lowered[0])} needs "

@@ -74,7 +74,7 @@ def resolve_arguments_with_notes(
     _resolve_model_shape(args, notes)
     check_tensor_parallel(args, notes)
     check_pipeline_parallel(args)
-    check_gradient_sync(args)
+    check_gradient_sync(args, notes)
     _resolve_recompute(args, notes)
     _check_data(args, notes)
     _check_checkpointing(args, notes)

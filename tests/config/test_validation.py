@@ -180,6 +180,45 @@ def test_fully_shard_names_the_torch_it_needs(monkeypatch):
     assert "this is torch 2.5.1" in message
 
 
+@pytest.mark.parametrize(
+    "flag, advice",
+    [
+        ("--main-grads-dtype", "drop --main-grads-dtype; to reduce the gradients in bf16, use "
+         "--grad-reduce-in-bf16"),
+        ("--exp-avg-dtype", "drop --exp-avg-dtype"),
+    ],
+)  # fmt: skip
+def test_fully_shard_refuses_the_optimizer_dtypes_without_sending_to_a_flag_it_refuses(
+    flag, advice
+):
+    """Not "add --use-precision-aware-optimizer", which --use-torch-fsdp2 refuses in turn."""
+    message = error_message("--use-torch-fsdp2", "--bf16", flag, "bf16", world_size=2)
+    assert message.startswith(f"{flag} bf16 lowers the distributed optimizer's state")
+    assert message.endswith(advice) and "add --use-precision-aware-optimizer" not in message
+
+
+@pytest.mark.parametrize(
+    "flags, name, default",
+    [
+        (("--overlap-grad-reduce",), "overlap_grad_reduce", False),
+        (("--overlap-param-gather",), "overlap_param_gather", False),
+        (("--DDP-impl", "torch"), "ddp_impl", "local"),
+    ],
+)
+def test_fully_shard_notes_the_other_modes_flags_it_does_without(flags, name, default):
+    """Each in one note saying so (and to drop it), reset so that nothing reads it; before, the
+    first two passed without a word and --overlap-param-gather was refused with "add
+    --use-distributed-optimizer", which FSDP2 refuses."""
+    cfg = config("--use-torch-fsdp2", *flags, world_size=2)
+    noted = [note for note in cfg.notes if note.startswith(f"{flags[0]} ")]
+    assert len(noted) == 1, cfg.notes
+    assert "has no effect under --use-torch-fsdp2" in noted[0] and noted[0].endswith(
+        "drop the flag"
+    )
+    assert getattr(cfg.parallel, name) == default
+    assert not any("no effect" in note for note in config("--use-torch-fsdp2", world_size=2).notes)
+
+
 def test_config_error_is_a_value_error():
     assert issubclass(ConfigError, ValueError)
 
