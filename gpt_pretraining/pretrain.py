@@ -121,7 +121,7 @@ def _setup_and_train(
     with torch.device("meta"):  # no memory yet: parallelize keeps this rank's shards only
         whole_model = GPT_RUN.model(config)
     hooks = GPT_RUN.training_hooks(config)
-    model = parallelize(whole_model, config, context, hooks.compile_veto)
+    model = parallelize(whole_model, config, context, hooks.compile_choice)
     del whole_model  # under a pipeline this rank's chunks hold their part of it
     check_checkpoint_directories(
         config.checkpoint,

@@ -13,7 +13,10 @@
   (torch.bmm and plain-PyTorch gathers) and for the dMoE on torch._grouped_mm (the grouped GEMM
   a run chooses where it is fast, moe.kernels.grouped_gemm.choose_backend); other MoE layers
   launch Triton kernels from Python and run faster eagerly, and so does a capacity of 0 (the
-  busiest expert's count, a new size, hence a recompile, at every step).
+  busiest expert's count, a new size, hence a recompile, at every step). Under
+  --overlap-moe-expert-parallel-comm the chunks' all-to-alls are meant to run under the other
+  chunks' experts, which Inductor keeps only with its communication passes
+  (megatron.parallelize.steps.COLLECTIVES_UNDER_COMPUTE).
 """
 
 from __future__ import annotations
@@ -25,10 +28,10 @@ from torch import nn
 
 from megatron.initialize import print_rank_0
 from megatron.parallelize.data_parallel import DataParallel
+from megatron.parallelize.steps import CompileChoice
 from megatron.training.hooks import TrainingHooks
 from moe.block_factor import SHRINK_WINDOW, BlockFactor
 from moe.config import MoEConfig
-from moe.exchange.fixed_blocks import schedule_exchanges_under_compute
 from moe.expert_load import (
     EXPERT_LOAD_TAG,
     format_expert_load_line,
@@ -89,13 +92,16 @@ class MoETrainingHooks(TrainingHooks):
         self.refresh_by_layer = False
         self.stale_copies: Set[int] = set()
 
-    def compile_veto(self, device: torch.device) -> Optional[str]:
+    def compile_choice(self, device: torch.device) -> CompileChoice:
         moe = self.moe
         if moe.dropless:
             whole = moe.grouped_gemm == TORCH
         else:
             whole = moe.capacity_factor > 0
-        return None if whole and moe.mlp_impl == "grouped" else EAGER_NOTE
+        return CompileChoice(
+            veto=None if whole and moe.mlp_impl == "grouped" else EAGER_NOTE,
+            overlap_collectives=moe.expert_parallel_chunks > 1,
+        )
 
     def setup(self, model: nn.Module, data_parallel: DataParallel, device: torch.device) -> None:
         self.grads_in_place = _expert_grads_in_place(data_parallel)
@@ -104,8 +110,6 @@ class MoETrainingHooks(TrainingHooks):
             self.compute_dtype = None
         self.expert_parallel = data_parallel.expert_parallel
         self.device = device
-        if self.moe.expert_parallel_chunks > 1:
-            schedule_exchanges_under_compute()
 
     def before_step(self, model: nn.Module) -> bool:
         if self.moe.expert_parallel_buffer_factor is None:

@@ -27,8 +27,9 @@ and hands it to `parallelize`, which returns what the trainer runs. Steps:
    pipeline, the trainer all-reduces them after the schedule.
 8. Compile (`compile_model`): torch.compile of the whole model on GPUs, or of each layer where
    the gradients must leave the backward layer by layer or hooks around the layers must stay
-   eager (`DataParallel.compiles_by_layer`),
-   unless an extension's training hooks veto it (megatron.training.hooks).
+   eager (`DataParallel.compiles_by_layer`), as an extension's training hooks choose
+   (`CompileChoice`, megatron.training.hooks): eager when they veto it, and with Inductor's
+   passes that keep collectives under the computation when their layers overlap the two.
 
 Steps 1 and 2 also work on a model built with real weights (its shards are copied, so a
 world-size-1 model and its parallel form hold the same numbers). Modules of an extension
@@ -39,7 +40,7 @@ world-size-1 model and its parallel form hold the same numbers). Modules of an e
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, List, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
 
 import torch
 from torch import nn
@@ -59,6 +60,29 @@ from megatron.pipeline.stages import stage_layer_numbers
 
 if TYPE_CHECKING:
     from megatron.config import Config, ModelConfig, ParallelConfig
+
+
+@dataclass(frozen=True)
+class CompileChoice:
+    """How a run's model is compiled, as the extension's training hooks choose
+    (megatron.training.hooks.TrainingHooks.compile_choice). `veto`: why it stays eager (printed
+    as a note), None when it compiles. `overlap_collectives`: its layers issue collectives meant
+    to run under their computation (the expert-parallel chunks'), which Inductor's
+    communication passes keep there (`COLLECTIVES_UNDER_COMPUTE`)."""
+
+    veto: Optional[str] = None
+    overlap_collectives: bool = False
+
+
+# Inductor, left alone, emits each collective just before its wait, where its result is first
+# used, so collectives meant to overlap run one after the other, exposed. Its communication
+# passes move each collective up to where its input is ready (raise_comms) and each wait down
+# to where its result is needed (sink_waits), forward and backward. Given as torch.compile's
+# options, they hold for that model's graphs only, not for the process.
+COLLECTIVES_UNDER_COMPUTE: Dict[str, Any] = {
+    "reorder_for_compute_comm_overlap": True,
+    "reorder_for_compute_comm_overlap_passes": ["sink_waits", "raise_comms"],
+}
 
 
 @dataclass
@@ -87,7 +111,7 @@ def parallelize(
     model: GPTModel,
     config: Config,
     context: DistributedContext,
-    compile_veto: Callable[[torch.device], Optional[str]] = lambda device: None,
+    compile_choice: Callable[[torch.device], CompileChoice] = lambda device: CompileChoice(),
 ) -> ParallelModel:
     """Apply the steps of the module docstring to the whole `model`, in order; prints
     Megatron's parameter-count line for this rank's share of the whole model."""
@@ -107,8 +131,8 @@ def parallelize(
     unwrapped = unwrapped.to(context.device)
     module = data_parallel.apply(unwrapped, context)
     if config.training.torch_compile and context.device.type == "cuda" and not pipeline:
-        veto = compile_veto(context.device)
-        module = compile_model(module, veto, data_parallel.compiles_by_layer)
+        choice = compile_choice(context.device)
+        module = compile_model(module, choice, data_parallel.compiles_by_layer)
     return ParallelModel(unwrapped, module, data_parallel, config.parallel)
 
 
@@ -221,18 +245,21 @@ def apply_activation_recomputation(model: nn.Module, model_config: ModelConfig) 
 
 
 def compile_model(
-    model: nn.Module, veto: Optional[str], layer_by_layer: bool = False, **options
+    model: nn.Module, choice: CompileChoice, layer_by_layer: bool = False, **options
 ) -> nn.Module:
     """torch.compile(`model`) (with torch.compile's `options`), which fuses the elementwise
-    work (norms, GELU, dropout, the loss) around the matmuls, saying so in one line; with a
-    `veto` the model stays eager and the reason is printed (a graph broken around
-    Triton-launched kernels can run slower than eager). `layer_by_layer`: each
-    TransformerLayer's forward compiles on its own, in place (the rest, and the layers'
-    forward hooks, stay eager: the distributed optimizer's waits for a layer's parameters and
-    FSDP2's gathers run there), and the model is returned."""
-    if veto is not None:
-        print_rank_0(f"note: {veto}")
+    work (norms, GELU, dropout, the loss) around the matmuls, saying so in one line, as
+    `choice` says: with a veto the model stays eager and the reason is printed (a graph broken
+    around Triton-launched kernels can run slower than eager); with overlapped collectives
+    Inductor compiles it with `COLLECTIVES_UNDER_COMPUTE` (another backend has no such passes).
+    `layer_by_layer`: each TransformerLayer's forward compiles on its own, in place (the rest,
+    and the layers' forward hooks, stay eager: the distributed optimizer's waits for a layer's
+    parameters and FSDP2's gathers run there), and the model is returned."""
+    if choice.veto is not None:
+        print_rank_0(f"note: {choice.veto}")
         return model
+    if choice.overlap_collectives and options.get("backend", "inductor") == "inductor":
+        options["options"] = {**options.get("options", {}), **COLLECTIVES_UNDER_COMPUTE}
     # Static shapes: a run's shapes are fixed, and a number that changes between steps (the
     # expert-parallel block size, grown after an overflow) recompiles as a new constant
     # instead of becoming a symbol; a buffer size derived from a symbolic float cannot be

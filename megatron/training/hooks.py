@@ -14,19 +14,21 @@ import torch
 from torch import nn
 
 from megatron.parallelize.data_parallel import DataParallel
+from megatron.parallelize.steps import CompileChoice
 
 
 class TrainingHooks:
-    """Called by the trainer on every rank, in this order: `compile_veto` once, `setup` once,
+    """Called by the trainer on every rank, in this order: `compile_choice` once, `setup` once,
     then per step `before_step`, `before_forwards` ... forwards (`before_layer_forward` in them,
     after `weights_arrive_by_layer`) and backwards ...
     `after_backwards`, `rerun_step` (the step may run again from `before_forwards`), and
     `iteration_fields` and `log` at each --log-interval."""
 
-    def compile_veto(self, device: torch.device) -> Optional[str]:
-        """None when torch.compile may capture the whole model on `device`; otherwise why not
-        (printed as a note, and the model runs eagerly)."""
-        return None
+    def compile_choice(self, device: torch.device) -> CompileChoice:
+        """How torch.compile compiles the model on `device`
+        (megatron.parallelize.steps.CompileChoice): whether it may at all, and with which of the
+        compile step's options."""
+        return CompileChoice()
 
     def setup(self, model: nn.Module, data_parallel: DataParallel, device: torch.device) -> None:
         """Once, with the unwrapped model on `device` and the run's data-parallel mode

@@ -50,22 +50,6 @@ from moe.exchange.primitives import RunExperts, group_name, start_all_to_all, wa
 from moe.kernels import token_rows
 
 
-def schedule_exchanges_under_compute() -> None:
-    """Have torch.compile keep the chunks' order. Inductor otherwise emits each collective just
-    before its wait, where its result is first used, which runs the chunks one after the other
-    with every all-to-all exposed; its communication passes move each all-to-all up to where
-    its input is ready (raise_comms) and each wait down to where its result is needed
-    (sink_waits), which gives the order above, and in the backward moves the reverse dispatches
-    under the weight-gradient products too. Set for the process: every graph compiled after
-    this gets them (the dense layers' collectives too, which they can only help)."""
-    import torch._inductor.config as inductor
-
-    passes = list(inductor.reorder_for_compute_comm_overlap_passes)
-    passes += [name for name in ("sink_waits", "raise_comms") if name not in passes]
-    inductor.reorder_for_compute_comm_overlap_passes = passes
-    inductor.reorder_for_compute_comm_overlap = True
-
-
 def block_capacity(rows: int, world_size: int, capacity_factor: float, chunks: int = 1) -> int:
     """Rows per source-to-destination block: capacity_factor times the balanced share of this
     rank's `rows`, rounded up to a multiple of 8 per chunk (and at least that)."""

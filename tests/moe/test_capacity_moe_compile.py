@@ -1,14 +1,14 @@
 """The compiled MoE with capacity (--no-moe-dropless): its layer traces as one graph on one rank
 and under expert parallelism (fullgraph=True fails on a break) with the eager layer's numbers,
 a GPT model of such layers has no graph break, and training compiles it unless the capacity is
-unlimited (moe.training_hooks.MoETrainingHooks.compile_veto)."""
+unlimited (moe.training_hooks.MoETrainingHooks.compile_choice)."""
 
 import pytest
 import torch
 
 from megatron.config import ModelConfig
 from megatron.parallel import parallel_state
-from megatron.parallelize.steps import compile_model
+from megatron.parallelize.steps import CompileChoice, compile_model
 from moe.config import MoEConfig
 from moe.layers import build_moe_layer
 from tests.launch import run_distributed
@@ -67,7 +67,7 @@ def test_training_compiles_the_capacity_moe_unless_its_capacity_is_unlimited():
             capacity_factor=capacity_factor,
         )  # fmt: skip
         hooks = MoETrainingHooks(moe, torch.bfloat16, num_layers=2, writes_metrics=False)
-        assert (hooks.compile_veto(torch.device("cuda")) is None) == compiles, moe
+        assert (hooks.compile_choice(torch.device("cuda")).veto is None) == compiles, moe
 
 
 def _compiled_expert_parallel_step(rank: int, world_size: int) -> list:
@@ -79,7 +79,7 @@ def _compiled_expert_parallel_step(rank: int, world_size: int) -> list:
         for compiled in (False, True):
             torch._dynamo.reset()
             layer = make_layer("grouped", 2, world_size, None, dropless=False)
-            run = compile_model(layer, None, backend="aot_eager", fullgraph=True)
+            run = compile_model(layer, CompileChoice(), backend="aot_eager", fullgraph=True)
             tokens = make_tokens(world_size, None)[rank : rank + 1].clone().requires_grad_(True)
             output = (run if compiled else layer)(tokens)
             (output * probe(world_size)[rank : rank + 1]).sum().backward()

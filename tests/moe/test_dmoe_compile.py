@@ -56,7 +56,7 @@ def test_compiled_grouped_dmoe_is_one_graph_and_matches_eager(top_k, mlp_type):
 
 def assert_gpt_model_is_one_graph(moe: MoEConfig) -> None:
     """A two-layer GPT whose MLPs are `moe` layers traces whole under bf16 autocast: what
-    training compiles (moe.training_hooks.MoETrainingHooks.compile_veto), no graph break
+    training compiles (moe.training_hooks.MoETrainingHooks.compile_choice), no graph break
     anywhere."""
     from megatron.model.gpt_model import GPTModel
     from moe.mlp_spec import MoEMlpSpec
@@ -136,7 +136,7 @@ def test_on_the_projects_grouped_gemm_the_compiled_layer_breaks_and_is_not_compi
     the run's grouped GEMM is moe.kernels.grouped_gemm's op, Triton launches from Python
     (here their references): the compiled layer breaks the graph around them with the eager
     layer's results, and training does not compile the MoE model
-    (moe.training_hooks.MoETrainingHooks.compile_veto)."""
+    (moe.training_hooks.MoETrainingHooks.compile_choice)."""
     from moe.training_hooks import MoETrainingHooks
 
     torch._dynamo.reset()
@@ -158,7 +158,7 @@ def test_on_the_projects_grouped_gemm_the_compiled_layer_breaks_and_is_not_compi
     for backend, veto in ((MOE, True), (TORCH, False)):
         moe = MoEConfig(num_experts=4, top_k=2, mlp_impl="grouped", grouped_gemm=backend)
         hooks = MoETrainingHooks(moe, torch.bfloat16, num_layers=2, writes_metrics=False)
-        said = hooks.compile_veto(torch.device("cuda"))
+        said = hooks.compile_choice(torch.device("cuda")).veto
         assert (said is not None and "without torch.compile" in said) == veto
 
 

@@ -8,6 +8,7 @@ input gradients, and (after the non-expert gradients are averaged over data para
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import pytest
@@ -29,7 +30,7 @@ from megatron.parallel.expert_parameters import (
     reduce_expert_gradients,
 )
 from megatron.parallelize.gradient_sync import data_parallel_ignored_names, wrap_data_parallel
-from megatron.parallelize.steps import compile_model, place_experts
+from megatron.parallelize.steps import CompileChoice, compile_model, place_experts
 from moe.config import MoEConfig
 from moe.kernels.grouped_gemm import MOE as MOE_GEMM
 from moe.kernels.grouped_gemm import TORCH
@@ -400,7 +401,7 @@ def _compiled_blocks_step(rank: int, world_size: int, grouped_gemm: str, chunks:
         runs = {}
         for compiled in (False, True):
             layer = make_layer("grouped", 2, world_size, None, **overrides)
-            run = compile_model(layer, None, backend="aot_eager", fullgraph=True)
+            run = compile_model(layer, CompileChoice(), backend="aot_eager", fullgraph=True)
             run = run if compiled else layer
             runs[compiled] = []
             for factor in (4.0, 4.4):
@@ -435,22 +436,35 @@ def test_fixed_size_blocks_compile_as_one_graph(chunks):
         assert load[1] == compiled_load[1] == 2.0 and load == pytest.approx(compiled_load)
 
 
-def _inductor_schedule(rank: int, world_size: int) -> list:
-    """The order in which the Inductor-compiled chunked layer (two chunks, torch._grouped_mm)
-    issues its all-to-alls, waits for them and runs its grouped GEMMs: the forward's generated
-    code, then the backward's, each as a list of events."""
+def _inductor_schedule(rank: int, world_size: int, flags: tuple) -> tuple:
+    """The order in which the Inductor-compiled layer (torch._grouped_mm) of a run with `flags`
+    at EP `world_size` issues its all-to-alls, waits for them and runs its grouped GEMMs: the
+    forward's generated code, then the backward's, each as a list of events; and whether the
+    process's own Inductor config was left alone. The layer's chunks and how it is compiled
+    come from the flags, as pretrain_gpt.py has them: the run's config, its MoE training hooks'
+    compile choice, and the compile step (megatron.parallelize.steps.compile_model)."""
     import re
 
+    import torch._inductor.config as inductor
     from torch._inductor.utils import run_and_get_code
 
-    from moe.exchange.fixed_blocks import schedule_exchanges_under_compute
+    from gpt_pretraining import GPT_RUN
+    from tests.config.command_lines import argv
 
     parallel_state.initialize_model_parallel(expert_model_parallel_size=world_size)
     try:
-        schedule_exchanges_under_compute()  # what the training hooks do under the flag
+        args, notes = GPT_RUN.resolve(argv("--moe-num-experts", str(EXPERTS), *flags), world_size)
+        config = GPT_RUN.config(args, notes, 64)
+        # The grouped GEMM a Hopper GPU's run chooses, with which the layer compiles whole.
+        moe = dataclasses.replace(config.extension(MoEConfig), grouped_gemm=TORCH)
+        config = dataclasses.replace(config, extensions=(moe,))
+        choice = GPT_RUN.training_hooks(config).compile_choice(torch.device("cpu"))
         overrides = {"expert_parallel_buffer_factor": 4.0, "grouped_gemm": TORCH}
-        layer = make_layer("grouped", 2, world_size, None, expert_parallel_chunks=2, **overrides)
-        compiled = torch.compile(layer, backend="inductor", fullgraph=True)
+        layer = make_layer(
+            "grouped", 2, world_size, None, expert_parallel_chunks=moe.expert_parallel_chunks,
+            **overrides,
+        )  # fmt: skip
+        compiled = compile_model(layer, choice, fullgraph=True)
         tokens = make_tokens(world_size, None)[rank : rank + 1].clone().requires_grad_(True)
 
         def step():
@@ -472,7 +486,8 @@ def _inductor_schedule(rank: int, world_size: int) -> list:
                 elif "extern_kernels._grouped_mm(" in line:
                     events.append(("grouped_mm", ""))
             schedules.append(events)
-        return schedules
+        untouched = not inductor.reorder_for_compute_comm_overlap
+        return schedules, untouched
     finally:
         parallel_state.destroy_model_parallel()
 
@@ -490,11 +505,16 @@ def _hidden_by_products(events: list) -> int:
 @needs_torch_grouped_mm
 def test_inductor_keeps_the_chunks_exchanges_under_the_products():
     """Compiled by Inductor (which, left alone, emits each all-to-all right before its wait: the
-    chunks one after the other), the layer under --overlap-moe-expert-parallel-comm's
-    scheduling issues chunk 1's dispatch (rows and weights) before chunk 0's products and
-    waits after them, and chunk 0's combine under chunk 1's; in the backward the reverse
-    exchanges run under the input- and weight-gradient products."""
-    forward, backward = run_distributed(_inductor_schedule, 2, timeout_s=600)[0]
+    chunks one after the other), the layer of a run with --overlap-moe-expert-parallel-comm
+    issues chunk 1's dispatch (rows and weights) before chunk 0's products and waits after
+    them, and chunk 0's combine under chunk 1's; in the backward the reverse exchanges run under
+    the input- and weight-gradient products. The passes that do it come from the flag through
+    the run's hooks to the compile step, for this model's graphs only, not for the process."""
+    flags = ("--expert-model-parallel-size", "2", "--moe-expert-parallel-buffer-factor", "4")
+    (forward, backward), untouched = run_distributed(
+        _inductor_schedule, 2, (*flags, "--overlap-moe-expert-parallel-comm"), timeout_s=600
+    )[0]
     assert sum(kind == "issue" for kind, _ in forward) == 6, forward
     assert _hidden_by_products(forward) >= 3, forward
     assert _hidden_by_products(backward) >= 3, backward
+    assert untouched

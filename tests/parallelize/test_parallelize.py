@@ -20,7 +20,12 @@ from megatron.model.gpt_model import OutputHead
 from megatron.model.transformer import TransformerLayer
 from megatron.parallel.expert_parameters import is_expert_parameter
 from megatron.parallel.parameter_swaps import materialize, replace_parameter
-from megatron.parallelize.steps import compile_model, materialize_weights, shard_model
+from megatron.parallelize.steps import (
+    CompileChoice,
+    compile_model,
+    materialize_weights,
+    shard_model,
+)
 from megatron.tensor_parallel import (
     ColumnParallelLinear,
     PerRankRandom,
@@ -139,11 +144,11 @@ def test_swapped_parameters_keep_their_marks_and_sharing():
 
 def test_compile_says_what_it_compiles_or_why_not(capsys):
     model = build(*MODELS["dense"])
-    assert compile_model(model, "a reason to stay eager") is model
+    assert compile_model(model, CompileChoice(veto="a reason to stay eager")) is model
     assert capsys.readouterr().out == "note: a reason to stay eager\n"
-    compiled = compile_model(model, None, backend="eager")
+    compiled = compile_model(model, CompileChoice(), backend="eager")
     assert compiled is not model and capsys.readouterr().out == "> torch.compile: the whole model\n"
-    compile_model(model, None, layer_by_layer=True, backend="eager")
+    compile_model(model, CompileChoice(), layer_by_layer=True, backend="eager")
     assert capsys.readouterr().out == "> torch.compile: each transformer layer's forward\n"
 
 
@@ -155,7 +160,7 @@ def test_layer_by_layer_compile_keeps_the_layers_forward_hooks_eager():
     model = build(*MODELS["dense"])
     names = list(model.state_dict())
     counter = torch._dynamo.testing.CompileCounter()
-    assert compile_model(model, None, layer_by_layer=True, backend=counter) is model
+    assert compile_model(model, CompileChoice(), layer_by_layer=True, backend=counter) is model
     tracing = []
     for layer in model.modules():
         if isinstance(layer, TransformerLayer):
