@@ -9,6 +9,10 @@ the same treatment: a state tensor shaped like its sharded parameter (Adam's exp
 exp_avg_sq, SGD's momentum) is gathered and cut like the parameter; scalars such as Adam's
 `step` are kept as they are.
 
+A rank's part of a full tensor is cut by the rule torch_dist loads by
+(megatron.checkpointing.chunks): its tensor-parallel blocks, its experts, and under FSDP2
+(`--use-torch-fsdp2`, whose parameters and optimizer state are DTensors) its rows of those.
+
 Which tensors are shards is read from the parameters' attributes: `tensor_model_parallel`,
 `partition_dim` and `partition_stride`, set by the parallel layers, and
 `expert_model_parallel` (megatron.parallel.expert_parameters), whose [E/P, ...] slices are experts
@@ -17,18 +21,17 @@ Which tensors are shards is read from the parameters' attributes: `tensor_model_
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, Iterable, List
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatron.checkpointing.chunks import chunks_like
 from megatron.parallel import parallel_state
+from megatron.parallel.dtensors import is_dtensor
 from megatron.parallel.expert_parameters import is_expert_parameter
-from megatron.tensor_parallel import (
-    gather_tensor_model_parallel_weight,
-    shard_tensor_model_parallel_weight,
-)
+from megatron.tensor_parallel import gather_tensor_model_parallel_weight
 
 
 def _is_tensor_parallel_shard(tensor: torch.Tensor) -> bool:
@@ -36,18 +39,27 @@ def _is_tensor_parallel_shard(tensor: torch.Tensor) -> bool:
 
 
 def _is_shard(tensor: torch.Tensor) -> bool:
-    return _is_tensor_parallel_shard(tensor) or is_expert_parameter(tensor)
+    return _is_tensor_parallel_shard(tensor) or is_expert_parameter(tensor) or is_dtensor(tensor)
 
 
 def _sharded_layout() -> bool:
-    """Whether any parameter can be a shard: otherwise state dicts pass through unchanged."""
+    """Whether any parameter can be a tensor- or expert-parallel shard: otherwise a save's
+    state dicts pass through unchanged (a load's also hold none of FSDP2's, `_holds_shards`)."""
     return (
         parallel_state.get_tensor_model_parallel_world_size() > 1
         or parallel_state.get_expert_model_parallel_world_size() > 1
     )
 
 
+def _holds_shards(tensors: Iterable[torch.Tensor]) -> bool:
+    """Whether any of `tensors` (a model's, an optimizer's parameters) can be a shard: in a
+    tensor- or expert-parallel layout, or a DTensor (FSDP2's rows over the data-parallel
+    ranks). Otherwise a full state loads as it is."""
+    return _sharded_layout() or any(is_dtensor(tensor) for tensor in tensors)
+
+
 def _full_shape(shard: torch.Tensor) -> torch.Size:
+    # A DTensor's shape is already whole over the data-parallel ranks.
     shape = list(shard.shape)
     if _is_tensor_parallel_shard(shard):
         shape[shard.partition_dim] *= parallel_state.get_tensor_model_parallel_world_size()
@@ -76,11 +88,12 @@ def load_full_model_state_dict(model: nn.Module, full_state: Dict[str, torch.Ten
 
     Raises RuntimeError naming the key when a saved tensor does not have the full shape.
     """
-    if not _sharded_layout():
+    state = model.state_dict(keep_vars=True)
+    if not _holds_shards(state.values()):
         model.load_state_dict(full_state, strict=True)
         return
     local_state = {}
-    for name, tensor in model.state_dict(keep_vars=True).items():
+    for name, tensor in state.items():
         saved = full_state[name]
         if _is_shard(tensor):
             if saved.shape != _full_shape(tensor):
@@ -105,7 +118,7 @@ def full_optimizer_state_dict(optimizer: Any) -> Dict[str, Any]:
 
 def load_full_optimizer_state_dict(optimizer: Any, full_state: Dict[str, Any]) -> None:
     """Load a full optimizer state (saved in any layout), keeping this rank's shards."""
-    if _sharded_layout():
+    if _holds_shards(param for group in optimizer.param_groups for param in group["params"]):
         full_state = _map_sharded_states(optimizer, full_state, _shard_like, _full_shape)
     optimizer.load_state_dict(full_state)
 
@@ -124,18 +137,17 @@ def _gather_like(shard: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
 
 
 def _shard_like(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """This rank's part of `full`, split like `param`."""
-    if is_expert_parameter(param):
-        size = parallel_state.get_expert_model_parallel_world_size()
-        block = full.shape[0] // size
-        first = parallel_state.get_expert_model_parallel_rank() * block
-        # A copy: a view would keep the whole [E, ...] tensor alive behind the optimizer state.
-        full = full.narrow(0, first, block).clone()
-    if _is_tensor_parallel_shard(param):
-        full = shard_tensor_model_parallel_weight(
-            full, param.partition_dim, stride=param.partition_stride
-        )
-    return full
+    """This rank's part of `full`, split like `param`: a new tensor (so that it keeps no view
+    of `full` alive) shaped and split like `param`, a DTensor when `param` is one, holding the
+    chunks a torch_dist load would read into it."""
+    # A DTensor's part lives on its mesh's device; a plain one stays beside `full` until
+    # load_state_dict moves it, as the whole tensors do.
+    device = None if is_dtensor(param) else full.device
+    part = torch.empty_like(param, dtype=full.dtype, device=device)
+    for offsets, view in chunks_like(param, part).chunks:
+        rows = tuple(slice(start, start + size) for start, size in zip(offsets, view.shape))
+        view.copy_(full[rows])
+    return part
 
 
 def _gather_expert_blocks(block: torch.Tensor) -> torch.Tensor:

@@ -122,16 +122,25 @@ RESUMES = {
     "fsdp2-ep2 -> one process": ("dmoe", "dmoe-ep2", 1, ()),
     "zero1-tp2 -> fsdp2": ("dense", "zero1-tp2", 2, FSDP2),
     "one process -> fsdp2-ep2": ("dmoe", "one process", 4, (*FSDP2, *EP2)),
+    # --ckpt-format torch: the whole tensors, model and optimizer state, of which each rank
+    # keeps its rows.
+    "zero1, torch -> fsdp2": ("dmoe", "zero1, torch", 2, FSDP2),
+    "zero1, torch -> fsdp2-ep2": ("dmoe", "zero1, torch", 4, (*FSDP2, *EP2)),
 }
-SAVERS = {"zero1-tp2": (4, (*TP2, "--use-distributed-optimizer")), "one process": (1, ())}
+SAVERS = {
+    "zero1-tp2": (4, (*TP2, "--use-distributed-optimizer")),
+    "one process": (1, ()),
+    "zero1, torch": (2, ("--use-distributed-optimizer", "--ckpt-format", "torch")),
+}
 
 
 @pytest.mark.parametrize("case", RESUMES)
 def test_fully_shard_checkpoints_resume_in_other_layouts(
     data_prefix, tmp_path, tmp_path_factory, case
 ):
-    """Saved at iteration 10 in one layout (torch_dist: each rank writes its rows), resumed in
-    another: it continues the uninterrupted one-process run."""
+    """Saved at iteration 10 in one layout (torch_dist: each rank writes its rows; or
+    --ckpt-format torch: the whole tensors, each rank keeping its rows), resumed in another:
+    it continues the uninterrupted one-process run."""
     model, saver, world_size, flags = RESUMES[case]
     single = run_once(1, model_args(data_prefix, model), tmp_path_factory)
     saved_world, saved_flags = LAYOUTS[saver][1:] if saver in LAYOUTS else SAVERS[saver]
