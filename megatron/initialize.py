@@ -8,7 +8,7 @@ import os
 import random
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Tuple, TypeVar
 
 import numpy as np
 import torch
@@ -17,6 +17,8 @@ import torch.distributed as dist
 from megatron.parallel import parallel_state
 from megatron.tensor_parallel import model_parallel_manual_seed
 from megatron.training.progress_board import ProgressBoard
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -180,6 +182,21 @@ def print_rank_0(message: str) -> None:
     """Print once per job, from global rank 0."""
     if is_global_rank_zero():
         print(message, flush=True)
+
+
+def first_from_any_rank(value: Optional[T]) -> Optional[Tuple[int, T]]:
+    """(rank, value) of the lowest global rank whose `value` is not None, the same answer on
+    every rank; None when no rank has one. A collective over the world (alone: this process's
+    own). So that every rank acts on what one rank found, e.g. all refuse a checkpoint together
+    instead of one stopping while the others go on into their next collective."""
+    values = [value]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        values = [None] * dist.get_world_size()
+        dist.all_gather_object(values, value)
+    for rank, found in enumerate(values):
+        if found is not None:
+            return rank, found
+    return None
 
 
 def broadcast_from(value: Any, src: int = 0, group: Optional[dist.ProcessGroup] = None) -> Any:

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from megatron.checkpointing.checksums import CHECKSUMS_FILENAME
 from megatron.checkpointing.layout import CheckpointError, Iteration, earlier_checkpoint_advice
+from megatron.initialize import first_from_any_rank
 
 
 def optimizer_tensors(
@@ -48,15 +49,12 @@ def first_non_finite(named: Iterable[Tuple[str, torch.Tensor]]) -> Optional[str]
 def agreed_first_non_finite(named: Iterable[Tuple[str, torch.Tensor]]) -> Optional[str]:
     """`first_non_finite` over every rank's tensors (a collective over all ranks): the same
     answer on each, naming the rank that found it."""
-    found = first_non_finite(named)
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return found
-    answers: list = [None] * dist.get_world_size()
-    dist.all_gather_object(answers, found)
-    for rank, answer in enumerate(answers):
-        if answer is not None:
-            return f"{answer} on rank {rank}"
-    return None
+    found = first_from_any_rank(first_non_finite(named))
+    if found is None:
+        return None
+    rank, answer = found
+    alone = not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1
+    return answer if alone else f"{answer} on rank {rank}"
 
 
 def unverified_note(checkpoint: Any, checked: str) -> str:

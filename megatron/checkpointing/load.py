@@ -45,6 +45,7 @@ from megatron.checkpointing.pipeline_state import (
 )
 from megatron.checkpointing.rng import (
     data_parallel_rank,
+    missing_rng_state,
     restore_rng_state,
     saved_rng_state_index,
 )
@@ -66,7 +67,12 @@ from megatron.checkpointing.torch_dist import (
     read_sharded_tensors,
     read_tensor_metadata,
 )
-from megatron.initialize import broadcast_from, is_global_rank_zero, print_rank_0
+from megatron.initialize import (
+    broadcast_from,
+    first_from_any_rank,
+    is_global_rank_zero,
+    print_rank_0,
+)
 from megatron.optimizer.optimizer import MegatronOptimizer
 from megatron.parallel import parallel_state
 from megatron.pipeline.stages import stage_to_full_names
@@ -158,10 +164,12 @@ def load_checkpoint(
         index, seeded_streams = saved_rng_state_index(
             rng_states, data_parallel_rank(data_parallel_group)
         )
-        try:
-            restore_rng_state(rng_states, index, path, keep_seeded=seeded_streams)
-        except ValueError as error:
-            raise CheckpointError(str(error)) from None
+        # Refused on every rank when one has no state: a rank that went on would report the
+        # load and then wait in its next collective for the rank that stopped.
+        refused = first_from_any_rank(missing_rng_state(rng_states, index, path))
+        if refused is not None:
+            raise CheckpointError(refused[1])
+        restore_rng_state(rng_states, index, path, keep_seeded=seeded_streams)
         if seeded_streams:
             # Only a changed TP size leaves the model-parallel stream as seeded.
             changed = "tensor" if MODEL_PARALLEL_RNG in seeded_streams else "expert"

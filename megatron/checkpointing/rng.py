@@ -9,7 +9,7 @@ expert-parallel stream per expert-parallel rank too (megatron.tensor_parallel.ra
 from __future__ import annotations
 
 import random
-from typing import Any, Collection, Dict, List, Tuple
+from typing import Any, Collection, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -86,6 +86,17 @@ def saved_rng_state_index(
     return rank, ()
 
 
+def missing_rng_state(rng_states: List[Dict[str, Any]], rank: int, path: str) -> Optional[str]:
+    """Why `rng_states`, read from checkpoint `path`, cannot restore saved entry `rank`
+    (`saved_rng_state_index`'s); None when it can."""
+    if rank < len(rng_states):
+        return None
+    return (
+        f"{path} holds RNG states for {len(rng_states)} data-parallel ranks, none for rank "
+        f"{rank}; resuming on more data-parallel ranks than were saved needs --no-load-rng"
+    )
+
+
 def restore_rng_state(
     rng_states: List[Dict[str, Any]], rank: int, path: str, keep_seeded: Collection[str] = ()
 ) -> None:
@@ -95,12 +106,9 @@ def restore_rng_state(
     A checkpoint saved on a GPU restores on CPU without its CUDA state; one saved on CPU leaves
     the CUDA generator as seeded.
     """
-    if rank >= len(rng_states):
-        raise ValueError(
-            f"{path} holds RNG states for {len(rng_states)} data-parallel ranks, but this is "
-            f"rank {rank}; resuming on more data-parallel ranks than were saved needs "
-            "--no-load-rng"
-        )
+    refusal = missing_rng_state(rng_states, rank, path)
+    if refusal is not None:
+        raise ValueError(refusal)
     state = rng_states[rank]
     random.setstate(state["random_rng_state"])
     np.random.set_state(state["np_rng_state"])

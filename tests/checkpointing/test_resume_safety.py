@@ -209,6 +209,30 @@ def test_a_failed_save_says_why_and_keeps_the_previous_checkpoint(
     assert sorted(os.listdir(checkpoints)) == ["iter_0000005", "latest_checkpointed_iteration.txt"]
 
 
+def test_more_data_parallel_ranks_than_saved_rng_states_are_refused_by_every_rank(
+    sample_prefix, checkpoints
+):
+    """The one-process checkpoint holds one RNG state: resumed on two data-parallel ranks
+    without --no-load-rng, rank 1 has none. Every rank refuses before any reports the load
+    (rank 0 had printed `loaded checkpoint ...` and then died in a barrier with gloo's
+    traceback, while rank 1 stopped)."""
+    args = save_args(
+        sample_prefix, checkpoints, "--load", str(checkpoints),
+        "--use-checkpoint-opt_param-scheduler", train_iters=12,
+    )  # fmt: skip
+    completed = processes.run(args, nproc=2, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert completed.returncode == 1, completed.stderr[-3000:]
+    assert "loaded checkpoint" not in completed.stdout
+    assert "Traceback" not in completed.stderr, completed.stderr[-3000:]
+    errors = [line for line in completed.stderr.splitlines() if line.startswith("error: ")]
+    assert errors and all(line == errors[0] for line in errors), completed.stderr[-3000:]
+    assert errors[0] == (
+        f"error: {checkpoints / 'iter_0000010'} holds RNG states for 1 data-parallel ranks, "
+        "none for rank 1; resuming on more data-parallel ranks than were saved needs "
+        "--no-load-rng"
+    )
+
+
 def test_a_checkpoint_of_another_shape_names_the_flags(sample_prefix, checkpoints, capsys):
     args = save_args(sample_prefix, checkpoints, "--load", str(checkpoints), train_iters=15)
     args[args.index("--hidden-size") + 1] = "32"
