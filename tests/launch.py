@@ -2,8 +2,9 @@
 
 ``run_distributed`` runs a test function in N forked gloo processes and hands back what each
 rank returned; ``pretrain_ranks`` runs pretrain_gpt.py on N ranks as torchrun would;
-``pretrain_on_gpus`` runs it on N GPUs for the gpu-marked tests (under torchrun itself, NCCL;
-one GPU in this process).
+``pretrain_on_gpus`` runs it for the gpu-marked tests on N GPUs under torchrun itself (NCCL),
+or as torchrun's one rank in this process, on the device torch sees (a GPU; the CPU on gloo in
+tests/test_launch.py).
 
 Usage of ``run_distributed``::
 
@@ -135,9 +136,10 @@ def pretrain_on_gpus(nproc: int, args: list, tensorboard_dir: Path, scalars: Ite
     TensorBoard `scalars` rank 0 logged ({name: {iteration: value}}).
 
     Several GPUs: under torchrun (NCCL, NVLink multicast off, as the lent machines require).
-    One GPU: in this process, as torchrun's one rank would run it (its environment, a process
-    group of one), so that the runs of a test session share one interpreter's imports, CUDA
-    context and Inductor's caches instead of paying a process start each."""
+    One: in this process, as torchrun's one rank would run it (its environment, a process
+    group of one), on the device torch sees (a GPU, or the CPU on gloo), so that the runs of a
+    test session share one interpreter's imports, CUDA context and Inductor's caches instead of
+    paying a process start each."""
     args = [*args, "--tensorboard-dir", str(tensorboard_dir)]
     if nproc == 1:
         import pretrain_gpt
