@@ -8,12 +8,14 @@ embeddings, norms and the biases added in fp32, stay fp32).
 - The run is the one the distributed optimizer gave with fp32 weights, which autocast cast to
   bf16 in every forward: pretrain_gpt.py's trainer in gloo processes (tiny GPT and dMoE, bf16
   autocast on CPU, 10 iterations) gives bit for bit its losses, and its grad norms but for the
-  order in which fp32 squares are summed (the shards now split the weights by dtype). The
-  runs do not clip (--clip-grad 0): a clipped step multiplies its update by that norm, and the
-  last bit of fp32 rounding would then grow through Adam's normalisation and the bf16 rounding
-  of the weights into 1e-5 to 1e-4 of the loss over 20 iterations (dMoE routing flips make it
-  up to 2e-3 of the grad norm). The gradient buckets are the default size (one per dtype
-  here): 4 gloo ranks sum a gradient in an order that depends on where it lies in its bucket.
+  order in which fp32 squares are summed (the shards now split the weights by dtype); also
+  where a group is of one rank (one process; the experts of EP2 on 2 ranks), which rounds its
+  master weights into the model's without gathering them. The runs do not clip (--clip-grad
+  0): a clipped step multiplies its update by that norm, and the last bit of fp32 rounding
+  would then grow through Adam's normalisation and the bf16 rounding of the weights into 1e-5
+  to 1e-4 of the loss over 20 iterations (dMoE routing flips make it up to 2e-3 of the grad
+  norm). The gradient buckets are the default size (one per dtype here): 4 gloo ranks sum a
+  gradient in an order that depends on where it lies in its bucket.
 """
 
 from __future__ import annotations
@@ -54,9 +56,11 @@ DENSE = ["--num-layers", "2"]
 DMOE = ["--num-layers", "2", *MOE_ARGS]
 OVERLAP = ["--overlap-grad-reduce", "--overlap-param-gather"]
 LAYOUTS = {
+    "dmoe_one_process": (1, DMOE),
     "dense_dp2": (2, DENSE),
     "dmoe_dp2": (2, DMOE),
     "dmoe_ep2_dp2": (4, [*DMOE, "--expert-model-parallel-size", "2"]),
+    "dmoe_ep2_expert_dp1": (2, [*DMOE, "--expert-model-parallel-size", "2"]),
     "tp2_dp2": (4, [*DENSE, "--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     "pp2_dp2": (4, [*DENSE, "--pipeline-model-parallel-size", "2"]),
 }
@@ -111,33 +115,35 @@ def test_the_step_gathers_the_weights_the_products_read_in_bf16():
 
 
 def _pretrain(rank: int, world_size: int, args: List[str], fp32_weights: bool) -> Dict:
-    """pretrain_gpt.main in this forked rank; the dtypes every parameter all-gather moved.
-    `fp32_weights`: the distributed optimizer as it was before the model's weights were held in
-    the compute dtype (no parameter is, so every buffer is fp32 and its own master)."""
+    """pretrain_gpt.main in this forked rank; the dtypes of the parameter buffers its steps
+    brought up to date (`start_all_gather`: the master shard rounded into the buffer, then
+    gathered in a group of more than one rank). `fp32_weights`: the distributed optimizer as
+    it was before the model's weights were held in the compute dtype (no parameter is, so
+    every buffer is fp32 and its own master)."""
     os.environ.update(
         WORLD_SIZE=str(world_size), RANK=str(rank), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1"
     )
-    gathered: List[str] = []
+    updated: List[str] = []
     start = ShardedBuffer.start_all_gather
 
     def recorded(self):
-        if self.size > 1:
-            gathered.append(str(self.param_buffer.dtype))
+        updated.append(str(self.param_buffer.dtype))
         return start(self)
 
     ShardedBuffer.start_all_gather = recorded  # in this forked rank only
     if fp32_weights:
         data_parallel.autocast_cast_parameters = lambda model: []
     pretrain_gpt.main(args)
-    return {"gathered": sorted(set(gathered))}
+    return {"updated": sorted(set(updated))}
 
 
 def train(world_size: int, args: List[str], directory: Path, fp32_weights: bool) -> Dict:
-    """{scalar: {iteration: value}} of rank 0's TensorBoard, and the dtypes rank 0 gathered."""
+    """{scalar: {iteration: value}} of rank 0's TensorBoard, and the dtypes of the parameter
+    buffers rank 0 updated."""
     args = [*args, "--tensorboard-dir", str(directory / "tb")]
     records = run_distributed(_pretrain, world_size, args, fp32_weights, timeout_s=300.0)
     scalars = tensorboard_scalars(directory / "tb", ("lm loss", "grad-norm"))
-    return {**scalars, "gathered": records[0]["gathered"]}
+    return {**scalars, "updated": records[0]["updated"]}
 
 
 def _args(data_prefix: str, layout: str, *extra: str) -> List[str]:
@@ -189,8 +195,8 @@ def _data_parallel_size(world_size: int, extra: List[str]) -> int:
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_compute_dtype_weights_give_the_fp32_weights_run(runs, layout, overlap):
     before, after = runs(layout, overlap, True), runs(layout, overlap, False)
-    assert before["gathered"] == ["torch.float32"]
-    assert after["gathered"] == ["torch.bfloat16", "torch.float32"]
+    assert before["updated"] == ["torch.float32"]
+    assert after["updated"] == ["torch.bfloat16", "torch.float32"]
     iterations = list(range(1, ITERATIONS + 1))
     assert sorted(after["lm loss"]) == iterations
     assert after["lm loss"] == before["lm loss"]
