@@ -17,6 +17,7 @@ from megatron.checkpointing.directories import (
 from megatron.checkpointing.layout import resume_advice
 from megatron.composition.datasets import build_datasets
 from megatron.config import Config, ConfigError, format_arguments_block
+from megatron.console import print_line
 from megatron.errors import UserError, traceback_asked
 from megatron.initialize import (
     DistributedContext,
@@ -47,7 +48,7 @@ def main(argv: Optional[List[str]] = None) -> TrainingResult:
         config, tokenizer = GPT_RUN.config_from_argv(argv, world_size, tokenizer_lines.append)
         tokenizer_lines.insert(0, f"> building {config.arguments['tokenizer_type']} tokenizer ...")
     except ConfigError as error:
-        print(f"error: {error}", file=sys.stderr)
+        print_line(f"error: {error}", sys.stderr)
         raise SystemExit(2) from None
     parallel = config.parallel
     tensor_parallel_size = parallel.tensor_model_parallel_size
@@ -73,7 +74,7 @@ def main(argv: Optional[List[str]] = None) -> TrainingResult:
             # do, and a traceback would only bury it (MEGATRON_TRACEBACK=1 shows it).
             if traceback_asked():
                 raise
-            print(f"error: {error}", file=sys.stderr, flush=True)
+            print_line(f"error: {error}", sys.stderr)
             raise SystemExit(1) from None
         except RuntimeError as error:
             if context.progress is None or not is_collective_timeout(error) or traceback_asked():
@@ -83,7 +84,7 @@ def main(argv: Optional[List[str]] = None) -> TrainingResult:
             except Exception:  # the store is gone too: torch's own error says what it can
                 raise error from None
             advice = resume_advice(config.checkpoint.save)
-            print(f"error: {explained}; {advice}", file=sys.stderr, flush=True)
+            print_line(f"error: {explained}; {advice}", sys.stderr)
             raise SystemExit(1) from None
         finally:
             # Later runs in this process (tests) start from fresh groups.
@@ -113,7 +114,7 @@ def _setup_and_train(
         for line in memory_plan_lines(
             config, GPT_RUN.mlp_spec, device_memory_bytes(context.device)
         ):
-            print(line, flush=True)
+            print_line(line)
     print_rank_0(f"> setting random seeds to {config.training.seed} ...")
     set_random_seed(config.training.seed)
 

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron.console import print_line
 from megatron.parallel import parallel_state
 from megatron.tensor_parallel import model_parallel_manual_seed
 from megatron.training.progress_board import ProgressBoard
@@ -181,7 +182,7 @@ def is_global_rank_zero() -> bool:
 def print_rank_0(message: str) -> None:
     """Print once per job, from global rank 0."""
     if is_global_rank_zero():
-        print(message, flush=True)
+        print_line(message)
 
 
 def first_from_any_rank(value: Optional[T]) -> Optional[Tuple[int, T]]:

@@ -34,6 +34,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from megatron.console import print_line
 from megatron.data.errors import DatasetError
 from megatron.data.index_helpers import SEPARATE_LAST_EPOCH_THRESHOLD, EpochPlan, GPTIndices
 from megatron.data.indexed_dataset import MMapIndexedDataset, data_file_path, index_file_path
@@ -303,9 +304,9 @@ def load_or_build(
     if is_global_rank_zero:
         try:
             cached = cache.load()
-            print(f" > loading {what} from cache {cache.name}: {summary}", flush=True)
+            print_line(f" > loading {what} from cache {cache.name}: {summary}")
         except CacheUnusable as problem:
-            print(f" > building {what} (cache {cache.name}: {problem}): {summary}", flush=True)
+            print_line(f" > building {what} (cache {cache.name}: {problem}): {summary}")
             indices, max_token_id = build()
             try:
                 cache.save(indices, max_token_id)

@@ -15,6 +15,7 @@ from contextlib import ExitStack
 import torch
 
 from megatron.config import LoggingConfig
+from megatron.console import print_line
 
 TABLE_ROWS = 40
 
@@ -79,11 +80,10 @@ class StepProfiler:
         self._profiler.stop()  # writes the trace through on_trace_ready
         path = self._write_table(self._profiler)
         self._profiler = None
-        print(
+        print_line(
             f"[Rank {self.rank}] profiled iterations {self.config.profile_step_start + 1}-"
             f"{self.config.profile_step_end}: trace in {self.config.tensorboard_dir}, "
-            f"table in {path}",
-            flush=True,
+            f"table in {path}"
         )
 
     def _write_table(self, profiler: torch.profiler.profile) -> str:

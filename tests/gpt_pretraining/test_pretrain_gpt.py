@@ -308,3 +308,38 @@ def test_sigterm_saves_and_exits(data_prefix, tmp_path):
     assert match, output[-3000:]
     assert (save_dir / "latest_checkpointed_iteration.txt").read_text().strip() == match.group(1)
     assert list((tmp_path / "tb").glob("events.out.tfevents.*")), "no TensorBoard event file"
+
+
+class _Writes(io.StringIO):
+    """A stream that keeps each write's text, as an unbuffered stream (python -u) turns each
+    write into one system call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes = []
+
+    def write(self, text: str) -> int:
+        self.writes.append(text)
+        return super().write(text)
+
+
+def test_every_line_is_written_whole(data_prefix, tmp_path, monkeypatch):
+    """Each line a run prints goes out with its newline in one write, so that under torchrun,
+    with unbuffered streams, another rank's line cannot land inside it (`... at iteration
+    6error: ...`, when print wrote the text and the newline apart): the log lines of a run that
+    trains, evaluates, saves and resumes, and the error line of one that stops."""
+    stdout, stderr = _Writes(), _Writes()
+    monkeypatch.setattr(sys, "stdout", stdout)
+    monkeypatch.setattr(sys, "stderr", stderr)
+    save = tmp_path / "ckpt"
+    saving = ["--save", str(save), "--save-interval", "2", "--eval-interval", "2"]
+    pretrain_gpt.main(tiny_gpt_args(data_prefix, *saving, "--exit-interval", "2", train_iters=4))
+    pretrain_gpt.main(tiny_gpt_args(data_prefix, *saving, "--load", str(save), train_iters=4))
+    (save / "latest_checkpointed_iteration.txt").write_text("6")  # no such checkpoint
+    with pytest.raises(SystemExit):
+        pretrain_gpt.main(tiny_gpt_args(data_prefix, "--load", str(save), train_iters=8))
+    assert any("loaded checkpoint" in text for text in stdout.writes)
+    assert [text for text in stderr.writes if text.startswith("error: ")]
+    for stream in (stdout, stderr):
+        torn = [text for text in stream.writes if not text.endswith("\n")]
+        assert not torn, torn[:5]
