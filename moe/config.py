@@ -330,7 +330,8 @@ def _exchange_chunks(args: argparse.Namespace) -> int:
     if chunks < 2:
         raise ConfigError(
             f"--moe-expert-parallel-comm-chunks {chunks} under --overlap-moe-expert-parallel-comm: "
-            "one chunk leaves nothing to overlap; use 2 or more, or drop the overlap flag"
+            "it needs 2 or more (one chunk leaves nothing to overlap); raise it or drop the "
+            "overlap flag"
         )
     return chunks
 
