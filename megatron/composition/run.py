@@ -100,7 +100,10 @@ class RunComposition:
 
     def config_from_saved(self, args: argparse.Namespace) -> Config:
         """The Config of a checkpoint's saved arguments (resolved when saved, with the padded
-        vocabulary size)."""
+        vocabulary size). A flag added since the checkpoint was saved has no attribute there:
+        it takes its default, as the run that saved it behaved."""
+        defaults = vars(self.parse_arguments([]))
+        args = argparse.Namespace(**{**defaults, **vars(args)})
         return self.config(args, [], args.padded_vocab_size)
 
     def notes(self, config: Config) -> List[str]:
