@@ -80,6 +80,13 @@ def _child(
 ) -> None:
     # Several ranks share two cores: one intra-op thread each avoids oversubscription stalls.
     torch.set_num_threads(1)
+    # A forked rank inherits the parent's Inductor compile thread pool without its threads
+    # (Inductor resets only its process pool after a fork), so a kernel compiled there would
+    # wait forever for a thread that is gone: compile in this process instead. A parent that
+    # never imported Inductor has no pool to inherit.
+    inductor_config = sys.modules.get("torch._inductor.config")
+    if inductor_config is not None:
+        inductor_config.compile_threads = 1
     dist.init_process_group(
         "gloo",
         init_method=f"tcp://127.0.0.1:{port}",

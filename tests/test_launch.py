@@ -1,4 +1,9 @@
-"""tests/launch.py's in-process launcher on the CPU: `pretrain_on_gpus(1, ...)` runs
+"""tests/launch.py's launchers on the CPU.
+
+`run_distributed`'s forked ranks compile with Inductor after the parent used its compile
+thread pool, whose threads do not survive the fork.
+
+The in-process launcher: `pretrain_on_gpus(1, ...)` runs
 pretrain_gpt.py in this process as torchrun's one rank would (a gloo process group of one
 here, which --use-torch-fsdp2 needs), then leaves no group and the environment as it found it,
 so a run after it starts afresh. Its other callers are GPU-marked: this is the test CI runs.
@@ -13,11 +18,15 @@ reach the losses."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch.distributed as dist
 
 from tests.launch import pretrain_on_gpus
+from tests.sample_data import REPO
 from tests.tiny_gpt import tiny_gpt_args
 
 ITERATIONS = 4
@@ -56,3 +65,32 @@ def test_one_rank_runs_in_this_process_as_torchruns_only_rank(data_prefix, tmp_p
         assert sharded["grad-norm"][step] == pytest.approx(
             plain["grad-norm"][step], rel=GRAD_NORM_TOLERANCE
         ), step
+
+
+# In a process of its own, so that a rank waiting forever fails the test at the timeout instead
+# of holding the suite: the parent's compile pool gets an idle thread, then two forked ranks
+# compile a kernel of a constant no earlier run compiled (a fresh C++ build, not a cache hit).
+INHERITED_POOL = textwrap.dedent(
+    """
+    import random, torch
+    from torch._inductor.async_compile import AsyncCompile
+    from tests.launch import run_distributed
+
+    def compile_in_rank(rank, world_size, constant):
+        return torch.compile(lambda x: (x * constant).sin() + x.cos())(torch.ones(4)).tolist()
+
+    assert AsyncCompile.pool().submit(lambda: 1).result() == 1
+    first, second = run_distributed(compile_in_rank, 2, 2.0 + random.random())
+    assert first == second, (first, second)
+    """
+)
+
+
+def test_forked_ranks_compile_after_the_parent_used_inductors_pool():
+    """Without compiling in the rank itself, the rank hands its C++ build to the inherited pool,
+    whose thread is gone, and waits forever (the compiled-layer tests hung so under xdist)."""
+    finished = subprocess.run(
+        [sys.executable, "-c", INHERITED_POOL], cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)),
+        capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert finished.returncode == 0, finished.stderr[-3000:]
