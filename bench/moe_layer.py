@@ -101,9 +101,8 @@ def drop_kept_losses(module):
     on the default stream and reused in a graph capture on a side stream makes the capture fail
     ("operation would make the legacy stream depend on a capturing blocking stream")."""
     for layer in module.modules():
-        for name in ("load_balancing_loss", "router_z_loss"):
-            if getattr(layer, name, None) is not None:
-                setattr(layer, name, None)
+        if getattr(layer, "auxiliary_losses", None) is not None:
+            layer.auxiliary_losses = None
 
 
 def time_fwd_bwd(module, x, grad, warmup=3, repeats=10, graphed=False):

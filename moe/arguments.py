@@ -7,7 +7,14 @@ from __future__ import annotations
 
 import argparse
 
-from moe.config import DEFAULT_EXCHANGE_CHUNKS, MLP_IMPLS, MLP_TYPES, ROUTER_SCORES
+from moe.config import (
+    DEFAULT_EXCHANGE_CHUNKS,
+    LOAD_BALANCING_TYPES,
+    MLP_IMPLS,
+    MLP_TYPES,
+    ROUTER_DTYPES,
+    ROUTER_SCORES,
+)
 
 # The flags (namespace attributes) that define an MoE model, which a checkpoint's saved
 # arguments are compared on when it is loaded (megatron.checkpointing.model_arguments).
@@ -21,6 +28,8 @@ MOE_MODEL_ARGUMENTS = (
     "mlp_type",
     "moe_router_score",
     "moe_router_bias_update_rate",
+    "moe_router_pre_softmax",
+    "moe_router_topk_scaling_factor",
     "moe_shared_expert",
     "moe_shared_expert_ffn_hidden_size",
 )
@@ -109,6 +118,36 @@ def add_moe_args(parser: argparse.ArgumentParser) -> None:
         help="DeepSeek-V3 auxiliary-loss-free balancing: a per-expert bias added to the "
         "scores for expert selection only, moved by this rate toward balance after each "
         "micro-batch. 0: off.",
+    )
+    group.add_argument(
+        "--moe-router-load-balancing-type",
+        default="aux_loss",
+        help="(Megatron-Core's flag) What the load-balancing loss balances: aux_loss, each "
+        "micro-batch's assignments (MegaBlocks'; default); seq_aux_loss, each sequence's "
+        "(DeepSeek-V2's); global_aux_loss, the step's over all micro-batches and data-parallel "
+        f"ranks (Qwen's global-batch balancing); none, no loss. One of {LOAD_BALANCING_TYPES}.",
+    )
+    group.add_argument(
+        "--moe-router-dtype",
+        default=None,
+        help=f"(Megatron-Core's flag) Compute the gate's logits and the routing weights in this "
+        f"precision, one of {ROUTER_DTYPES}; default: the run's compute dtype (MegaBlocks').",
+    )
+    group.add_argument(
+        "--moe-router-pre-softmax",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="(Megatron-Core's flag, another default) Weight each chosen expert by its softmax "
+        "score over all experts (MegaBlocks' and Switch's rule; on by default here). "
+        "--no-moe-router-pre-softmax takes the softmax over the chosen experts' logits alone "
+        "(Megatron-Core's default, Mixtral's weights; at top-1 every weight is 1).",
+    )
+    group.add_argument(
+        "--moe-router-topk-scaling-factor",
+        type=float,
+        default=None,
+        help="(Megatron-Core's flag) Multiply the routing weights by this factor (after "
+        "--moe-normalize-expert-weights); default: no scaling.",
     )
     group.add_argument(
         "--moe-router-force-load-balancing",

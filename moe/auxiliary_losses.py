@@ -14,9 +14,11 @@ from moe.layers import moe_layers
 class MoEAuxiliaryLosses:
     """Collects the weighted auxiliary losses of a model's MoE layers after each forward.
 
-    "load balancing loss": --moe-loss-weight * mean over MoE layers of each layer's loss
-    (MegaBlocks' batched_load_balancing_loss when every layer is an MoE layer);
-    "router z loss" (only with --moe-zloss-weight > 0): --moe-zloss-weight * mean over layers.
+    Each name the routers weight (moe.router.Router.loss_weights) gives one term: its weight
+    times the mean of the layers' losses of that name. "load balancing loss":
+    --moe-loss-weight (MegaBlocks' batched_load_balancing_loss when every layer is an MoE
+    layer; none with --moe-router-load-balancing-type none); "router z loss" (only with
+    --moe-zloss-weight > 0).
 
     Under pipeline parallelism each stage holds some of the layers: called with the model
     chunk that just ran, it returns that chunk's share, the weighted sum of its layers' losses
@@ -34,18 +36,17 @@ class MoEAuxiliaryLosses:
         layers = self.layers if chunk is None else [layer for _, layer in moe_layers(chunk)]
         if not layers:
             return {}
-        config = layers[0].config
-        if any(layer.load_balancing_loss is None for layer in layers):
+        if any(layer.auxiliary_losses is None for layer in layers):
             raise RuntimeError(
                 "MoEAuxiliaryLosses called before every MoE layer ran a forward; call it once "
                 "after each model forward"
             )
-        # Sum over count: the shares of the stages add up to the mean over the model's layers.
-        balance = torch.stack([layer.load_balancing_loss for layer in layers]).sum()
-        losses = {"load balancing loss": config.loss_weight * (balance / self.num_moe_layers)}
-        if config.zloss_weight > 0:
-            z_loss = torch.stack([layer.router_z_loss for layer in layers]).sum()
-            losses["router z loss"] = config.zloss_weight * (z_loss / self.num_moe_layers)
+        losses = {}
+        for name, weight in layers[0].router.loss_weights().items():
+            # Sum over count: the shares of the stages add up to the mean over the model's
+            # layers.
+            total = torch.stack([layer.auxiliary_losses[name] for layer in layers]).sum()
+            losses[name] = weight * (total / self.num_moe_layers)
         for layer in layers:
-            layer.load_balancing_loss = layer.router_z_loss = None
+            layer.auxiliary_losses = None
         return losses

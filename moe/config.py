@@ -23,6 +23,10 @@ from moe.kernels.grouped_gemm import MOE
 MLP_IMPLS = ("grouped", "sparse", "reference")
 MLP_TYPES = ("mlp", "glu")
 ROUTER_SCORES = ("softmax", "sigmoid")
+# --moe-router-load-balancing-type, Megatron-Core's names: each micro-batch's assignments, each
+# sequence's, the step's over every data-parallel rank, or no balancing loss (moe.router).
+LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
+ROUTER_DTYPES = ("fp32", "fp64")  # --moe-router-dtype
 DEFAULT_EXCHANGE_CHUNKS = 2  # --moe-expert-parallel-comm-chunks
 
 
@@ -48,6 +52,13 @@ class MoEConfig:
     mlp_type: str = "mlp"
     router_score: str = "softmax"
     router_bias_update_rate: float = 0.0  # DeepSeek-V3 aux-loss-free bias; 0 disables it
+    load_balancing_type: str = "aux_loss"
+    # The precision of the gate's logits and the routing weights; None: the compute dtype.
+    router_dtype: Optional[str] = None
+    # The weights are the chosen experts' softmax over all experts (MegaBlocks); False: the
+    # softmax over the chosen logits alone (Megatron-Core's default).
+    router_pre_softmax: bool = True
+    router_topk_scaling_factor: Optional[float] = None  # the weights' multiplier; None: 1
     # Benchmarks only: experts drawn uniformly at random instead of the top-k (moe.router).
     router_force_load_balancing: bool = False
     # Under expert parallelism, exchange fixed-size blocks of this many times the balanced
@@ -109,6 +120,10 @@ class MoEConfig:
             mlp_type=mlp_type,
             router_score=args.moe_router_score,
             router_bias_update_rate=args.moe_router_bias_update_rate,
+            load_balancing_type=args.moe_router_load_balancing_type,
+            router_dtype=args.moe_router_dtype,
+            router_pre_softmax=args.moe_router_pre_softmax,
+            router_topk_scaling_factor=args.moe_router_topk_scaling_factor,
             router_force_load_balancing=args.moe_router_force_load_balancing,
             expert_parallel_buffer_factor=args.moe_expert_parallel_buffer_factor,
             expert_parallel_chunks=_exchange_chunks(args),
@@ -135,6 +150,11 @@ class MoEConfig:
             )
         if self.dropless and self.mlp_impl == "grouped":
             notes.append(f"dMoE grouped GEMM: {self.grouped_gemm}")
+        if self.router_score == "softmax" and not self.router_pre_softmax and self.top_k == 1:
+            notes.append(
+                "--no-moe-router-pre-softmax at --moe-top-k 1: every token's expert weight is "
+                "1, so the router learns from the load-balancing loss alone"
+            )
         if self.router_force_load_balancing:
             notes.append(
                 "--moe-router-force-load-balancing: experts are drawn at random, not chosen by "
@@ -178,6 +198,7 @@ class MoEConfig:
                 f"--moe-layer-freq {self.layer_freq} must be between 1 and --num-layers "
                 f"{model.num_layers}"
             )
+        self._validate_router()
         if self.mlp_impl not in MLP_IMPLS:
             raise ConfigError(f"--moe-impl {self.mlp_impl!r} is not one of {MLP_IMPLS}")
         if self.mlp_type not in MLP_TYPES:
@@ -203,6 +224,37 @@ class MoEConfig:
                     "--moe-shared-expert-ffn-hidden-size must be >= 1, got "
                     f"{self.shared_expert_ffn_hidden_size}"
                 )
+
+    def _validate_router(self) -> None:
+        """The routing flags Megatron-Core names: known values, and no flag that would do
+        nothing with the score function chosen."""
+        if self.load_balancing_type not in LOAD_BALANCING_TYPES:
+            hint = (
+                " (Sinkhorn balancing is not implemented here; global_aux_loss or "
+                "--moe-router-bias-update-rate balance without a per-batch loss)"
+                if self.load_balancing_type == "sinkhorn"
+                else ""
+            )
+            raise ConfigError(
+                f"--moe-router-load-balancing-type {self.load_balancing_type!r} is not one of "
+                f"{LOAD_BALANCING_TYPES}{hint}"
+            )
+        if self.router_dtype is not None and self.router_dtype not in ROUTER_DTYPES:
+            raise ConfigError(
+                f"--moe-router-dtype {self.router_dtype!r} is not one of {ROUTER_DTYPES}; drop "
+                "the flag to route in the compute dtype"
+            )
+        if not self.router_pre_softmax and self.router_score != "softmax":
+            raise ConfigError(
+                "--no-moe-router-pre-softmax takes the softmax over the chosen experts' logits, "
+                f"but --moe-router-score {self.router_score} has no softmax; drop one of the two"
+            )
+        factor = self.router_topk_scaling_factor
+        if factor is not None and not (math.isfinite(factor) and factor > 0):
+            raise ConfigError(
+                f"--moe-router-topk-scaling-factor must be a finite number > 0 (it multiplies "
+                f"the routing weights), got {factor}"
+            )
 
     def _validate_sparse(self, model: ModelConfig) -> None:
         """The block-sparse backend: the dMoE's, GELU experts only, whole blocks of 16 of each

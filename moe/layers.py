@@ -2,7 +2,7 @@
 
 Both map hidden states [b, s, h] -> [b, s, h] like the dense MLP they replace. Each forward
 leaves on the layer, for the training step to collect:
-  `load_balancing_loss`, `router_z_loss`: this layer's unweighted losses (see moe.router);
+  `auxiliary_losses`: this layer's unweighted losses by name (moe.router.Router.auxiliary_losses);
   `tokens_per_expert`: a buffer with this forward's assignments per expert (before drops);
   `window_tokens_per_expert`: their sum over the training forwards since the trainer last took
   it (moe.expert_load: the per-layer expert load in the log and TensorBoard).
@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -50,15 +50,7 @@ from moe.exchange.fixed_blocks import FixedBlockExchange, block_capacity, run_ex
 from moe.experts import Experts
 from moe.kernels import capacity_rows, permute, token_rows
 from moe.reference import reference_moe
-from moe.router import (
-    LocalRegion,
-    Router,
-    Routing,
-    balancing_probabilities,
-    load_balancing_loss,
-    router_z_loss,
-    update_expert_bias,
-)
+from moe.router import LocalRegion, Router, Routing, update_expert_bias
 
 
 def _compiling() -> bool:
@@ -131,8 +123,7 @@ class MoELayer(nn.Module):
         if moe_config.router_bias_update_rate > 0:
             # Counts since the last bias update; persistent so that a resumed run is exact.
             self.register_buffer("pending_tokens_per_expert", torch.zeros(moe_config.num_experts))
-        self.load_balancing_loss: Optional[torch.Tensor] = None
-        self.router_z_loss: Optional[torch.Tensor] = None
+        self.auxiliary_losses: Optional[Dict[str, torch.Tensor]] = None
         # Under expert parallelism, for the trainer (moe.expert_load, moe.training_hooks):
         # [sum, count] of the training forwards' load imbalance since it last looked, and the
         # most rows the step's fullest fixed-size block needed, [over the block size, over
@@ -203,11 +194,11 @@ class MoELayer(nn.Module):
         routing, expert_tokens = self.region.enter(self.router, tokens, hidden_states.shape)
         output, tokens_per_expert = self.experts(self.compute_experts, expert_tokens, routing)
         # Computed on recomputation too: a checkpointed re-run must save the same tensors.
-        probabilities = balancing_probabilities(routing, self.config.router_score)
-        balance_loss = load_balancing_loss(tokens_per_expert, probabilities, self.config.top_k)
-        z_loss = router_z_loss(routing.logits)
+        losses = self.router.auxiliary_losses(
+            routing, tokens_per_expert, hidden_states.shape[0], self.training and not recomputing
+        )
         if not recomputing:
-            self.load_balancing_loss, self.router_z_loss = balance_loss, z_loss
+            self.auxiliary_losses = losses
             with torch.no_grad():
                 self.tokens_per_expert.copy_(tokens_per_expert)
                 if self.training:

@@ -1,17 +1,31 @@
 """Learned top-k router (MegaBlocks' `LearnedRouter`), its auxiliary losses, and the
-DeepSeek-V3 auxiliary-loss-free expert bias."""
+DeepSeek-V3 auxiliary-loss-free expert bias.
+
+The router owns its losses: `Router.auxiliary_losses` returns them by name, unweighted, and
+`Router.loss_weights` says which a run adds to the LM loss and with what weight, so that a new
+loss is one entry here (moe.auxiliary_losses sums each name over the layers; the log, TensorBoard
+and W&B take the names as they come).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as functional
 from torch import nn
 
+from megatron.parallel import parallel_state
 from moe.config import MoEConfig
 from moe.kernels import router_topk
+
+LOAD_BALANCING_LOSS = "load balancing loss"
+ROUTER_Z_LOSS = "router z loss"
+# --moe-router-dtype: the precision the gate's logits and the routing weights are computed in
+# (Megatron-Core's flag); None: the run's compute dtype, as MegaBlocks.
+_ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 
 
 @dataclass
@@ -35,6 +49,11 @@ class Router(nn.Module):
     U(1 - eps, 1 + eps) noise, as MegaBlocks does. With `router_bias_update_rate` > 0 the
     buffer `expert_bias` is added to the scores to pick experts but not to weight them. With
     `router_force_load_balancing` (benchmarks) the experts are drawn uniformly at random.
+
+    The weights: each chosen expert's softmax score over all experts (`router_pre_softmax`,
+    MegaBlocks' and Switch's rule) or the softmax over the k chosen logits alone (Megatron-Core's
+    default, Mixtral's), or the sigmoid scores; then normalized (`normalize_expert_weights`) and
+    scaled (`router_topk_scaling_factor`).
     """
 
     def __init__(self, hidden_size: int, config: MoEConfig, init_std: float = 0.02) -> None:
@@ -47,12 +66,23 @@ class Router(nn.Module):
             self.register_buffer("expert_bias", torch.zeros(config.num_experts))
         else:
             self.expert_bias = None
+        if config.load_balancing_type == "global_aux_loss":
+            # The assignments per expert, then the tokens, summed over the data-parallel ranks
+            # and the training micro-batches of the step so far; cleared before each step's
+            # forwards (moe.training_hooks), so not checkpointed.
+            self.register_buffer(
+                "step_assignments", torch.zeros(config.num_experts + 1), persistent=False
+            )
+        else:
+            self.step_assignments = None
 
     @torch.no_grad()
     def init_own_weights(self, std: float, output_std: float) -> None:
-        """The expert bias starts at zero (the linear layer is initialized as a submodule)."""
-        if self.expert_bias is not None:
-            self.expert_bias.zero_()
+        """The expert bias and the step's counts start at zero (the linear layer is initialized
+        as a submodule)."""
+        for buffer in (self.expert_bias, self.step_assignments):
+            if buffer is not None:
+                buffer.zero_()
 
     def jitter(self, x: torch.Tensor) -> torch.Tensor:
         """Multiplicative U(1 - eps, 1 + eps) noise shaped like `x`."""
@@ -68,7 +98,11 @@ class Router(nn.Module):
         """The gate's logits [T, E] for tokens x [T, h] (jittered in training)."""
         if self.training and self.config.jitter_eps is not None:
             x = x * self.jitter(x)
-        return self.layer(x)
+        if self.config.router_dtype is None:
+            return self.layer(x)
+        dtype = _ROUTER_DTYPES[self.config.router_dtype]
+        with torch.autocast(x.device.type, enabled=False):
+            return nn.functional.linear(x.to(dtype), self.layer.weight.to(dtype))
 
     def route(self, logits: torch.Tensor) -> Routing:
         """Scores, top-k experts and their weights from logits [T, E]; split from `logits` so
@@ -101,31 +135,130 @@ class Router(nn.Module):
             expert_indices = router_topk.topk_indices(selection_scores, config.top_k)
         else:
             _, expert_indices = torch.topk(selection_scores, config.top_k, dim=-1)
-        expert_weights = scores.gather(1, expert_indices)
+        if config.router_score == "softmax" and not config.router_pre_softmax:
+            # The chosen experts' logits alone, softmaxed: the same top-k (softmax keeps the
+            # order), weights that sum to 1; in fp32 as autocast computes a softmax.
+            expert_weights = logits.gather(1, expert_indices).float().softmax(dim=-1)
+        else:
+            expert_weights = scores.gather(1, expert_indices)
         if config.normalize_expert_weights is not None:
             expert_weights = expert_weights / torch.norm(
                 expert_weights, p=config.normalize_expert_weights, dim=-1, keepdim=True
             )
+        if config.router_topk_scaling_factor is not None:
+            expert_weights = expert_weights * config.router_topk_scaling_factor
         return Routing(logits, scores, expert_weights, expert_indices)
+
+    def loss_weights(self) -> Dict[str, float]:
+        """The auxiliary losses this router's layer adds to the LM loss, by name, and the
+        weight of each one's mean over the MoE layers (MegaBlocks' rule)."""
+        weights = {}
+        if self.config.load_balancing_type != "none":
+            weights[LOAD_BALANCING_LOSS] = self.config.loss_weight
+        if self.config.zloss_weight > 0:
+            weights[ROUTER_Z_LOSS] = self.config.zloss_weight
+        return weights
+
+    def auxiliary_losses(
+        self,
+        routing: Routing,
+        tokens_per_expert: torch.Tensor,
+        sequences: int,
+        counting: bool,
+    ) -> Dict[str, torch.Tensor]:
+        """This layer's unweighted losses (the names of `loss_weights`) for `routing` of
+        `sequences` whole sequences of tokens, `tokens_per_expert` its assignments [E].
+        `counting`: a training forward seen for the first time (not its recomputation in
+        backward), whose counts join the step's under --moe-router-load-balancing-type
+        global_aux_loss."""
+        config = self.config
+        losses = {}
+        balancing = config.load_balancing_type
+        if balancing != "none":
+            probabilities = balancing_probabilities(routing, config.router_score)
+            if balancing == "seq_aux_loss":
+                loss = sequence_load_balancing_loss(
+                    routing.expert_indices, probabilities, sequences
+                )
+            elif balancing == "global_aux_loss" and self.training:
+                loss = self._step_load_balancing_loss(tokens_per_expert, probabilities, counting)
+            else:
+                loss = load_balancing_loss(tokens_per_expert, probabilities, config.top_k)
+            losses[LOAD_BALANCING_LOSS] = loss
+        if config.zloss_weight > 0:
+            losses[ROUTER_Z_LOSS] = router_z_loss(routing.logits)
+        return losses
+
+    def _step_load_balancing_loss(
+        self, tokens_per_expert: torch.Tensor, probabilities: torch.Tensor, counting: bool
+    ) -> torch.Tensor:
+        """The load-balancing loss with each expert's share of the assignments counted over
+        the step's micro-batches so far on every data-parallel rank (Megatron-Core's
+        global_aux_loss; Qwen's global-batch balancing): a micro-batch may favour some
+        experts as long as the batch spreads its tokens. A recomputation in backward uses the
+        counts as they are, which are this micro-batch's own unless another ran in between."""
+        assignments = tokens_per_expert.detach().float()
+        tokens = assignments.new_full((1,), probabilities.shape[0])
+        counts = torch.cat([assignments, tokens])
+        if dist.is_initialized() and parallel_state.model_parallel_is_initialized():
+            group = parallel_state.get_data_parallel_group()
+            if dist.get_world_size(group) > 1:
+                # Functional: traceable, so a compiled layer keeps its one graph.
+                counts = functional.all_reduce(counts, "sum", group)
+        if counting:
+            with torch.no_grad():
+                self.step_assignments += counts
+        # A copy: the loss's backward keeps it, and the next micro-batch adds to the buffer
+        # in place, perhaps before this one's backward (pipeline schedules).
+        window = self.step_assignments.clone()
+        return load_balancing_loss(
+            window[:-1], probabilities, self.config.top_k, counted_tokens=window[-1]
+        )
 
 
 def load_balancing_loss(
-    tokens_per_expert: torch.Tensor, scores: torch.Tensor, top_k: int
+    tokens_per_expert: torch.Tensor,
+    scores: torch.Tensor,
+    top_k: int,
+    counted_tokens: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Switch/MegaBlocks load-balancing loss of one layer, unweighted (1.0 when balanced).
 
     E / (T * k) * sum_e tokens_per_expert[e] * mean_t scores[t, e], with tokens_per_expert
     counting all T * k assignments (before any capacity drop). MegaBlocks'
     `batched_load_balancing_loss` is this averaged over layers and times --moe-loss-weight.
-    `scores` [T, E] are per-token probabilities (see `balancing_probabilities`).
+    `scores` [T, E] are per-token probabilities (see `balancing_probabilities`). The counts may
+    come from more tokens than `scores` holds (the step's, under global_aux_loss): then
+    `counted_tokens` says how many, the T of the counts' share.
     """
     num_tokens, num_experts = scores.shape
     scores = scores.float()
     if num_tokens == 0:
         return scores.sum() * 0.0
     mean_scores = scores.mean(dim=0)
-    scale = num_experts / (num_tokens * top_k)
+    counted = num_tokens if counted_tokens is None else counted_tokens
+    scale = num_experts / (counted * top_k)
     return scale * torch.dot(tokens_per_expert.to(mean_scores.dtype), mean_scores)
+
+
+def sequence_load_balancing_loss(
+    expert_indices: torch.Tensor, scores: torch.Tensor, sequences: int
+) -> torch.Tensor:
+    """The load-balancing loss of each sequence alone, averaged over the `sequences` sequences
+    the T tokens form in order (DeepSeek-V2's sequence-wise balance loss; Megatron-Core's
+    seq_aux_loss): 1.0 when each sequence spreads its tokens evenly.
+    expert_indices [T, k], scores [T, E] (see `balancing_probabilities`)."""
+    num_tokens, num_experts = scores.shape
+    top_k = expert_indices.shape[1]
+    scores = scores.float()
+    if num_tokens == 0:
+        return scores.sum() * 0.0
+    per_sequence = expert_indices.reshape(sequences, -1)
+    counts = torch.zeros(sequences, num_experts, device=scores.device, dtype=scores.dtype)
+    counts.scatter_add_(1, per_sequence, torch.ones_like(per_sequence, dtype=scores.dtype))
+    mean_scores = scores.view(sequences, -1, num_experts).mean(dim=1)
+    scale = num_experts / ((num_tokens // sequences) * top_k)
+    return scale * (counts * mean_scores).sum(dim=-1).mean()
 
 
 def balancing_probabilities(routing: Routing, router_score: str) -> torch.Tensor:

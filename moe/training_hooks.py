@@ -162,6 +162,10 @@ class MoETrainingHooks(TrainingHooks):
         self.refresh_by_layer = True
 
     def before_forwards(self, model: nn.Module) -> None:
+        if self.moe.load_balancing_type == "global_aux_loss":
+            # The step's balancing counts start afresh (a step run again included).
+            for _, layer in moe_layers(model):
+                layer.router.step_assignments.zero_()
         if self.compute_dtype is None:
             return
         if self.refresh_by_layer:

@@ -58,13 +58,20 @@ def mixtral_refusals(model: ModelConfig, moe: Optional[MoEConfig]) -> List[str]:
         problems.append(f"--moe-layer-freq {moe.layer_freq} (Mixtral's every layer is MoE)")
     if moe.mlp_type != "glu":
         problems.append(f"--mlp-type {moe.mlp_type}")
-    if moe.normalize_expert_weights != 1:
+    # Mixtral's weights: the top-k softmax scores renormalized, which is the softmax over the
+    # chosen logits alone.
+    renormalized = moe.normalize_expert_weights == 1 or (
+        not moe.router_pre_softmax and moe.normalize_expert_weights is None
+    )
+    if not renormalized:
         problems.append(
             f"--moe-normalize-expert-weights {moe.normalize_expert_weights} (Mixtral "
             "renormalizes the top-k probabilities: train with --moe-normalize-expert-weights 1)"
         )
     if moe.router_score != "softmax":
         problems.append(f"--moe-router-score {moe.router_score}")
+    if moe.router_topk_scaling_factor is not None:
+        problems.append(f"--moe-router-topk-scaling-factor {moe.router_topk_scaling_factor}")
     if moe.router_bias_update_rate > 0:
         problems.append("--moe-router-bias-update-rate (an expert bias)")
     if moe.shared_expert:

@@ -32,7 +32,7 @@ def _layer(top_k: int, capacity_factor: float):
 def _step(layer, run, x):
     inputs = x.clone().requires_grad_()
     out = run(inputs)
-    (out.float().square().sum() + layer.load_balancing_loss).backward()
+    (out.float().square().sum() + layer.auxiliary_losses["load balancing loss"]).backward()
     experts = layer.experts
     return [out, inputs.grad, experts.w1.grad, experts.w2.grad, layer.router.layer.weight.grad]
 

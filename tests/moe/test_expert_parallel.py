@@ -55,7 +55,9 @@ def make_layer(
     """The layer every run builds from seed 0 (MoEConfig `overrides`); with `targets`, a router
     that sends a token whose feature e is large to expert e (see `make_tokens`)."""
     torch.manual_seed(0)
-    config = MoEConfig(num_experts=EXPERTS, top_k=top_k, mlp_impl=impl, **overrides)
+    config = MoEConfig(
+        num_experts=EXPERTS, top_k=top_k, mlp_impl=impl, **{"zloss_weight": 1e-3, **overrides}
+    )
     layer = place_experts(build_moe_layer(model_config(), config))
     if targets is not None:
         with torch.no_grad():
@@ -84,7 +86,9 @@ def local_loss(layer, tokens: torch.Tensor, direction: torch.Tensor) -> torch.Te
     """Mean over the tokens of <output, direction>, plus the router z-loss (also a mean over
     tokens), so that the mean of per-rank losses is the loss of all tokens."""
     output = layer(tokens)
-    return (output * direction).sum() / direction[..., 0].numel() + layer.router_z_loss, output
+    return (output * direction).sum() / direction[..., 0].numel() + layer.auxiliary_losses[
+        "router z loss"
+    ], output
 
 
 def _expert_parallel_step(
@@ -114,7 +118,7 @@ def _expert_parallel_step(
             "grads": {name: param.grad for name, param in layer.named_parameters()},
             "expert_names": [n for n, p in layer.named_parameters() if is_expert_parameter(p)],
             "tokens_per_expert": layer.tokens_per_expert.clone(),
-            "load_balancing_loss": layer.load_balancing_loss.detach(),
+            "load_balancing_loss": layer.auxiliary_losses["load balancing loss"].detach(),
         }
     finally:
         parallel_state.destroy_model_parallel()
@@ -158,7 +162,9 @@ def check_against_one_process(
         rank_tokens = make_tokens(world_size, targets)[rank : rank + 1]
         with torch.no_grad():
             reference(rank_tokens)
-        torch.testing.assert_close(result["load_balancing_loss"], reference.load_balancing_loss)
+        torch.testing.assert_close(
+            result["load_balancing_loss"], reference.auxiliary_losses["load balancing loss"]
+        )
         total_tokens_per_expert += result["tokens_per_expert"]
     with torch.no_grad():
         reference(all_tokens)
@@ -256,7 +262,7 @@ def check_capacity_moe_against_each_rank(
         (loss / world_size).backward()
         outputs.append(output.detach()[0])
         input_grads.append(rank_tokens.grad[0] * world_size)
-        balance.append(reference.load_balancing_loss.detach())
+        balance.append(reference.auxiliary_losses["load balancing loss"].detach())
     for rank, result in enumerate(results):
         close = dict(atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(result["output"], outputs[rank], **close)

@@ -36,7 +36,7 @@ def model_config(**overrides) -> ModelConfig:
 
 def make_layer(seed=0, model=None, **moe):
     torch.manual_seed(seed)
-    config = MoEConfig(**{"num_experts": 4, **moe})
+    config = MoEConfig(**{"num_experts": 4, "zloss_weight": 1e-3, **moe})
     return build_moe_layer(model or model_config(), config)
 
 
@@ -47,7 +47,7 @@ def run(layer, x, extra_loss=True):
     output = layer(x)
     loss = (output * torch.linspace(-1, 1, output.numel()).view_as(output)).sum()
     if extra_loss:
-        loss = loss + layer.load_balancing_loss + layer.router_z_loss
+        loss = loss + sum(layer.auxiliary_losses.values())
     loss.backward()
     grads = {"input": x.grad}
     grads.update({name: p.grad for name, p in layer.named_parameters()})

@@ -98,7 +98,10 @@ def layer_loss(layer, tokens: torch.Tensor, direction: torch.Tensor):
     """<output, direction> plus the weighted auxiliary losses, as the training step adds them;
     (loss, output)."""
     output = layer(tokens)
-    auxiliary = 0.1 * layer.load_balancing_loss + 0.1 * layer.router_z_loss
+    auxiliary = (
+        0.1 * layer.auxiliary_losses["load balancing loss"]
+        + 0.1 * layer.auxiliary_losses["router z loss"]
+    )
     return (output * direction).sum() + auxiliary, output
 
 
@@ -146,8 +149,8 @@ def _tensor_parallel_layer(name: str, sp: bool, ep: int) -> dict:
             "sequence_parallel": sorted(
                 n for n, p in layer.named_parameters() if getattr(p, "sequence_parallel", False)
             ),
-            "load_balancing_loss": layer.load_balancing_loss.detach(),
-            "router_z_loss": layer.router_z_loss.detach(),
+            "load_balancing_loss": layer.auxiliary_losses["load balancing loss"].detach(),
+            "router_z_loss": layer.auxiliary_losses["router z loss"].detach(),
             "tokens_per_expert": layer.tokens_per_expert.clone(),
         }
     finally:
@@ -170,8 +173,8 @@ def check_layer_against_one_process(results: list, name: str, sp: bool, ep: int 
             {
                 "output": output.detach(),
                 "input_grad": replica_tokens.grad * data_size,
-                "load_balancing_loss": reference.load_balancing_loss.detach(),
-                "router_z_loss": reference.router_z_loss.detach(),
+                "load_balancing_loss": reference.auxiliary_losses["load balancing loss"].detach(),
+                "router_z_loss": reference.auxiliary_losses["router z loss"].detach(),
                 "tokens_per_expert": reference.tokens_per_expert.clone(),
             }
         )

@@ -33,6 +33,11 @@ KINDS = {
         "LlamaForCausalLM",
     ),
     "mixtral": (MIXTRAL, "MixtralForCausalLM"),
+    # Megatron-Core's default weights, the softmax over the chosen logits: Mixtral's too
+    "mixtral_softmax_after_top_k": (
+        MIXTRAL[:-2] + ["--no-moe-router-pre-softmax"],
+        "MixtralForCausalLM",
+    ),
     # MegaBlocks' recipe (GELU experts, biases, learned positions): this project's modeling file
     "gpt2_dmoe": (["--moe-num-experts", "4", "--moe-top-k", "2"], "MegatronDMoEForCausalLM"),
 }
@@ -215,6 +220,10 @@ def test_sharded_export_loads(tmp_path):
         (LLAMA + ["--rotary-percent", "0.5"], "--rotary-percent 0.5"),
         (MIXTRAL[:-2], "--moe-normalize-expert-weights None"),
         (MIXTRAL + ["--moe-shared-expert"], "--moe-shared-expert"),
+        (
+            MIXTRAL + ["--moe-router-topk-scaling-factor", "2"],
+            "--moe-router-topk-scaling-factor 2.0",
+        ),
     ],
 )
 def test_models_no_class_fits_are_refused(flags, expected, tmp_path, capsys):

@@ -285,6 +285,8 @@ REFUSALS = [
     ({}, {"shared_expert": True}, "--moe-shared-expert"),
     ({}, {"router_score": "sigmoid"}, "--moe-router-score sigmoid"),
     ({}, {"router_bias_update_rate": 0.01}, "--moe-router-bias-update-rate"),
+    ({}, {"router_pre_softmax": False}, "--no-moe-router-pre-softmax"),
+    ({}, {"router_topk_scaling_factor": 2.0}, "--moe-router-topk-scaling-factor 2.0"),
 ]
 
 

@@ -137,6 +137,17 @@ def _check_supported(
             f"--moe-router-bias-update-rate {moe_config.router_bias_update_rate} (the expert "
             f"bias used to choose experts) {unsupported}"
         )
+    if not moe_config.router_pre_softmax:
+        raise ValueError(
+            f"--no-moe-router-pre-softmax {unsupported}: it weights experts by their softmax "
+            "over all experts (with --moe-top-k > 1, --moe-normalize-expert-weights 1 gives "
+            "the same weights and exports)"
+        )
+    if moe_config.router_topk_scaling_factor is not None:
+        raise ValueError(
+            f"--moe-router-topk-scaling-factor {moe_config.router_topk_scaling_factor} "
+            f"{unsupported}"
+        )
     padded = model_config.padded_vocab_size
     if not 0 < vocab_size <= padded:
         raise ValueError(
