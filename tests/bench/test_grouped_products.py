@@ -74,13 +74,16 @@ def test_each_grouped_product_and_its_dense_twin_multiply_the_named_sizes(shape)
 
 def test_the_last_row_sums_every_product_against_dense():
     (olmoe,) = SHAPE_SETS["olmoe"]
+    # Dense 1, 2, ..., 9 ms; _grouped_mm 1.5x each; Triton 3 ms each.
     results = [
-        (product.name, 1.0, {GROUPED_MM: 1.5, TRITON: 3.0}) for product in expert_products(olmoe)
+        (product.name, float(index), {GROUPED_MM: 1.5 * index, TRITON: 3.0})
+        for index, product in enumerate(expert_products(olmoe), start=1)
     ]
     lines = table_lines(olmoe, results)
     assert len(lines) == 10
-    assert "| all 9 (3 expert weights of 256 MiB in bf16) | 9.000 |" in lines[-1]
-    assert lines[-1].endswith("| 13.500 | 1.50 | 27.000 | 3.00 |")
+    assert lines[0].endswith("| 1.500 | 1.50 | 3.000 | 3.00 |")
+    assert "| all 9 (3 expert weights of 256 MiB in bf16) | 45.000 |" in lines[-1]
+    assert lines[-1].endswith("| 67.500 | 1.50 | 27.000 | 0.60 |")
 
 
 def test_the_command_line_picks_the_layers():
