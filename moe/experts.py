@@ -61,9 +61,9 @@ class Experts(nn.Module):
     [t * f/T, (t + 1) * f/T) of each expert's ffn (module docstring), marked with Megatron's
     tensor-parallel attributes so checkpoints and the grad norm treat them as shards.
 
-    `grouped_gemm` is the grouped product of `forward_grouped`
-    (a moe.kernels.grouped_gemm.GroupedGemmBackend); with `fp8` (an Fp8Recipe, set by moe.fp8_experts)
-    its products are FP8 ones (moe.kernels.fp8_grouped_gemm).
+    `grouped_gemm` is the grouped product of `forward_grouped` (a
+    moe.kernels.grouped_gemm.GroupedGemmBackend); with `fp8` (an Fp8Recipe, set by
+    moe.fp8_experts) its products are FP8 ones (moe.kernels.fp8_grouped_gemm).
     """
 
     def __init__(
