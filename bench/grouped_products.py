@@ -1,30 +1,53 @@
-"""The six expert products of one dMoE layer step, each timed alone, next to the dense matmul of
-the same FLOPs: where the grouped layer's GEMM time goes (bench/moe_layer.py times the layer).
+"""The expert products of one dMoE layer step, each timed alone, next to the dense matmul of the
+same FLOPs: where the grouped layer's GEMM time goes (bench/moe_layer.py times the layer).
 
-    python -m bench.grouped_products [--configs 0 1 2 3] [--tokens N] [--triton] [--sweep]
-        [--layouts]
+    python -m bench.grouped_products [--shapes configs granularity olmoe] [--configs 0 1 2 3]
+        [--tokens N] [--triton] [--sweep] [--layouts]
 
-For expert weights w1 [E, h, f] and w2 [E, f, h] and N = tokens * top_k rows sorted by expert:
-forward x @ w1, a @ w2; backward dy @ w2^T, a^T dy (weight gradient), dh @ w1^T, x^T dh. The
-dense counterpart of each has the same M, N, K with one [K, N] weight (cuBLAS). Expert loads
-follow a uniform random routing, as a freshly initialized router gives. `--sweep` times our Triton
-kernels at each launch shape of SWEEP_ROW_TILES / SWEEP_WEIGHT_GRAD_TILES, checks each result
-against torch._grouped_mm, and prints the fastest shape per product. `--layouts` times each
-weight's three products (forward, input gradient, weight gradient) with the weight stored
-[E, K, N] (N contiguous) and [E, N, K] (K contiguous): CUTLASS picks its kernel by operand
-layout, and the two need not be equally fast at one shape. `--tokens N` replaces the
-configurations' token count (65536 is the dMoE 125M's micro batch of 64 sequences on one GPU).
+The products and their dense twins are bench/expert_shapes.py's: six per layer (nine for SwiGLU
+experts), each dense twin the cuBLAS matmul of the same M, N, K with one [K, N] weight. Each
+table row is one product: the dense ms, then torch._grouped_mm's (where torch has it) and, with
+`--triton`, our Triton kernels' ms, each also as a multiple of dense; the last row of a layer is
+the sum of all its products. `--shapes` picks the layers: `configs` (bench/moe_layer.py's
+CONFIGS; `--configs` picks among them), `granularity` (the dMoE-125M at 65,536 tokens with its
+experts cut G = 1, 4, 8 ways, top-G), `olmoe` (OLMoE's SwiGLU layer at 16,384 tokens). Expert
+loads follow a uniform random routing, as a freshly initialized router gives.
+
+`--sweep` times our Triton kernels at each launch shape of SWEEP_ROW_TILES /
+SWEEP_WEIGHT_GRAD_TILES, checks each result against torch._grouped_mm, and prints the fastest
+shape per product. `--layouts` times each weight's three products (forward, input gradient,
+weight gradient) with the weight stored [E, K, N] (N contiguous) and [E, N, K] (K contiguous):
+CUTLASS picks its kernel by operand layout, and the two need not be equally fast at one shape.
+`--tokens N` replaces the layers' token count.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import functools
+import math
+import sys
+from dataclasses import replace
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from bench.moe_layer import CONFIGS
+from bench.expert_shapes import (
+    SHAPE_SETS,
+    ExpertProduct,
+    LayerShape,
+    dense_dims,
+    expert_products,
+    operand_shapes,
+)
 from bench.timing import median_ms
+from megatron.kernels.dispatch import TRITON_AVAILABLE
+from moe.kernels import grouped_gemm as gg
+from moe.kernels.grouped_gemm import torch_has_grouped_mm
+
+GROUPED_MM = "_grouped_mm"
+TRITON = "Triton"
 
 # (block_m, block_n, block_k, group_m, num_warps, num_stages) tried by --sweep.
 SWEEP_ROW_TILES = [
@@ -49,118 +72,6 @@ SWEEP_WEIGHT_GRAD_TILES = [
 ]
 
 
-def _operands(hidden, ffn, experts, top_k, tokens):
-    rows = tokens * top_k
-    device, dtype = "cuda", torch.bfloat16
-    generator = torch.Generator(device="cpu").manual_seed(0)
-    choice = torch.randint(0, experts, (rows,), generator=generator)
-    counts = torch.bincount(choice, minlength=experts).to(device)
-    x = torch.randn(rows, hidden, device=device, dtype=dtype)
-    a = torch.randn(rows, ffn, device=device, dtype=dtype)
-    w1 = torch.randn(experts, hidden, ffn, device=device, dtype=dtype)
-    w2 = torch.randn(experts, ffn, hidden, device=device, dtype=dtype)
-    return counts, x, a, w1, w2
-
-
-def sweep(hidden, ffn, experts, top_k, tokens):
-    """[(product, _grouped_mm ms, best Triton ms, best shape, its relative error)]."""
-    from moe.kernels import grouped_gemm as gg
-
-    counts, x, a, w1, w2 = _operands(hidden, ffn, experts, top_k, tokens)
-    offsets = torch.cumsum(counts, 0, dtype=torch.int32)
-    row = functools.partial(gg._grouped_mm_triton, tokens_per_expert=counts)
-    cases = {
-        "fwd x@w1": (lambda: torch._grouped_mm(x, w1, offs=offsets),
-                     (x, w1, False)),
-        "fwd a@w2": (lambda: torch._grouped_mm(a, w2, offs=offsets),
-                     (a, w2, False)),
-        "dgrad dy@w2^T": (lambda: torch._grouped_mm(x, w2.transpose(-2, -1), offs=offsets),
-                          (x, w2, True)),
-        "wgrad a^T dy": (lambda: torch._grouped_mm(a.t(), x, offs=offsets), (a, x)),
-        "dgrad dh@w1^T": (lambda: torch._grouped_mm(a, w1.transpose(-2, -1), offs=offsets),
-                          (a, w1, True)),
-        "wgrad x^T dh": (lambda: torch._grouped_mm(x.t(), a, offs=offsets), (x, a)),
-    }  # fmt: skip
-    results = []
-    for name, (torch_fn, operands) in cases.items():
-        want = torch_fn().float()
-        if name.startswith("wgrad"):
-            candidates = [
-                ("ptr", shape, functools.partial(gg._weight_grad_triton, *operands, counts))
-                for shape in SWEEP_WEIGHT_GRAD_TILES
-            ]
-        else:
-            first, weight, transpose = operands
-            candidates = [
-                ("ptr", shape, functools.partial(row, first, weight, transpose_weight=transpose))
-                for shape in SWEEP_ROW_TILES
-            ]
-        best = (float("inf"), None, float("nan"))
-        for kind, shape, triton_fn in candidates:
-            tiles = gg.TileSizes(*shape)
-            try:
-                run = functools.partial(triton_fn, tile_sizes=tiles)
-                got = run().float()
-                error = ((got - want).norm() / want.norm()).item()
-                ms = median_ms(run) if error < 1e-2 else float("inf")
-            except Exception as failure:  # out of shared memory, say: report and go on
-                print(
-                    f"{name} {kind} {shape}: {type(failure).__name__}: {failure}"[:300], flush=True
-                )
-                continue
-            print(f"  {name} {kind} {shape}: {ms:.3f} ms, relative error {error:.1e}", flush=True)
-            if ms < best[0]:
-                best = (ms, (kind, *shape), error)
-        results.append((name, median_ms(torch_fn), *best))
-    return results
-
-
-def products(hidden, ffn, experts, top_k, tokens, use_triton):
-    rows = tokens * top_k
-    counts, x, a, w1, w2 = _operands(hidden, ffn, experts, top_k, tokens)
-    offsets = torch.cumsum(counts, 0, dtype=torch.int32)
-    d1 = torch.randn(hidden, ffn, device="cuda", dtype=torch.bfloat16)
-    d2 = torch.randn(ffn, hidden, device="cuda", dtype=torch.bfloat16)
-    grouped = {
-        "fwd x@w1": lambda: torch._grouped_mm(x, w1, offs=offsets),
-        "fwd a@w2": lambda: torch._grouped_mm(a, w2, offs=offsets),
-        "dgrad dy@w2^T": lambda: torch._grouped_mm(x, w2.transpose(-2, -1), offs=offsets),
-        "wgrad a^T dy": lambda: torch._grouped_mm(a.t(), x, offs=offsets),
-        "dgrad dh@w1^T": lambda: torch._grouped_mm(a, w1.transpose(-2, -1), offs=offsets),
-        "wgrad x^T dh": lambda: torch._grouped_mm(x.t(), a, offs=offsets),
-    }
-    dense = {
-        "fwd x@w1": lambda: x @ d1,
-        "fwd a@w2": lambda: a @ d2,
-        "dgrad dy@w2^T": lambda: x @ d2.t(),
-        "wgrad a^T dy": lambda: a.t() @ x,
-        "dgrad dh@w1^T": lambda: a @ d1.t(),
-        "wgrad x^T dh": lambda: x.t() @ a,
-    }
-    triton = {}
-    if use_triton:
-        from moe.kernels import grouped_gemm as gg
-
-        tiles = None  # gg.default_tile_sizes for the device
-        triton = {
-            "fwd x@w1": lambda: gg._grouped_mm_triton(
-                x, w1, counts, transpose_weight=False, tile_sizes=tiles
-            ),
-            "dgrad dh@w1^T": lambda: gg._grouped_mm_triton(
-                a, w1, counts, transpose_weight=True, tile_sizes=tiles
-            ),
-            "wgrad x^T dh": lambda: gg._weight_grad_triton(x, a, counts, tiles),
-        }
-    flops = 2 * rows * hidden * ffn
-    weight_bytes = experts * hidden * ffn * 2
-    results = []
-    for name in grouped:
-        row = [name, median_ms(dense[name]), median_ms(grouped[name])]
-        row.append(median_ms(triton[name]) if name in triton else float("nan"))
-        results.append(row)
-    return results, flops, weight_bytes
-
-
 def _layout_products(rows_in, rows_out, weight, offsets):
     """Each product of one weight [E, K, N] with it stored as is and stored as [E, N, K]."""
     weight_t = weight.transpose(-2, -1).contiguous()
@@ -178,14 +89,162 @@ def _layout_products(rows_in, rows_out, weight, offsets):
     return kn, nk
 
 
-def layouts(hidden, ffn, experts, top_k, tokens, repeats=2):
+def _operands(shape: LayerShape, device="cuda", dtype=torch.bfloat16):
+    """(tokens_per_expert, their int32 inclusive cumulative sums, the expert operands by name,
+    the dense twins' weights by name)."""
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    choice = torch.randint(0, shape.experts, (shape.rows,), generator=generator)
+    counts = torch.bincount(choice, minlength=shape.experts).to(device)
+    offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+    tensors = {
+        name: torch.randn(size, device=device, dtype=dtype)
+        for name, size in operand_shapes(shape).items()
+    }
+    dense = {
+        name: torch.randn(tensor.shape[1:], device=device, dtype=dtype)
+        for name, tensor in tensors.items()
+        if tensor.dim() == 3
+    }
+    return counts, offsets, tensors, dense
+
+
+def grouped_call(product: ExpertProduct, offsets, tensors) -> Callable[[], torch.Tensor]:
+    """The product by torch._grouped_mm."""
+    rows = tensors[product.rows]
+    if product.weight is None:
+        return functools.partial(torch._grouped_mm, rows.t(), tensors[product.other], offs=offsets)
+    weight = tensors[product.weight]
+    weight = weight.transpose(-2, -1) if product.transposed else weight
+    return functools.partial(torch._grouped_mm, rows, weight, offs=offsets)
+
+
+def triton_call(product: ExpertProduct, counts, tensors, tiles=None) -> Callable[[], torch.Tensor]:
+    """The product by our Triton kernels (tiles None: default_tile_sizes for the device)."""
+    rows = tensors[product.rows]
+    if product.weight is None:
+        return functools.partial(
+            gg._weight_grad_triton, rows, tensors[product.other], counts, tiles
+        )
+    return functools.partial(
+        gg._grouped_mm_triton,
+        rows,
+        tensors[product.weight],
+        counts,
+        transpose_weight=product.transposed,
+        tile_sizes=tiles,
+    )
+
+
+def dense_call(product: ExpertProduct, tensors, dense) -> Callable[[], torch.Tensor]:
+    """The product's dense twin (bench.expert_shapes.dense_dims) by cuBLAS."""
+    rows = tensors[product.rows]
+    if product.weight is None:
+        other = tensors[product.other]
+        return lambda: rows.t() @ other
+    weight = dense[product.weight]
+    weight = weight.t() if product.transposed else weight
+    return lambda: rows @ weight
+
+
+def sweep(shape: LayerShape):
+    """[(product, _grouped_mm ms, best Triton ms, best shape, its relative error)]."""
+    counts, offsets, tensors, _ = _operands(shape)
+    results = []
+    for product in expert_products(shape):
+        torch_fn = grouped_call(product, offsets, tensors)
+        want = torch_fn().float()
+        weight_grad = product.weight is None
+        shapes = SWEEP_WEIGHT_GRAD_TILES if weight_grad else SWEEP_ROW_TILES
+        best = (float("inf"), None, float("nan"))
+        for launch in shapes:
+            try:
+                run = triton_call(product, counts, tensors, gg.TileSizes(*launch))
+                got = run().float()
+                error = ((got - want).norm() / want.norm()).item()
+                ms = median_ms(run) if error < 1e-2 else float("inf")
+            except Exception as failure:  # out of shared memory, say: report and go on
+                print(f"{product.name} {launch}: {type(failure).__name__}: {failure}"[:300])
+                continue
+            print(f"  {product.name} {launch}: {ms:.3f} ms, relative error {error:.1e}", flush=True)
+            if ms < best[0]:
+                best = (ms, ("ptr", *launch), error)
+        results.append((product.name, median_ms(torch_fn), *best))
+    return results
+
+
+def time_products(
+    shape: LayerShape, columns: Sequence[str]
+) -> List[Tuple[str, float, Dict[str, float]]]:
+    """[(product, dense ms, {column: grouped ms})] for each of `shape`'s products, the grouped
+    ones by each of `columns` (GROUPED_MM, TRITON)."""
+    counts, offsets, tensors, dense = _operands(shape)
+    calls = {
+        GROUPED_MM: lambda product: grouped_call(product, offsets, tensors),
+        TRITON: lambda product: triton_call(product, counts, tensors),
+    }
+    return [
+        (
+            product.name,
+            median_ms(dense_call(product, tensors, dense)),
+            {column: median_ms(calls[column](product)) for column in columns},
+        )
+        for product in expert_products(shape)
+    ]
+
+
+def table_header(columns: Sequence[str]) -> List[str]:
+    """The markdown header of `table_lines`'s rows."""
+    grouped = "".join(f" {column} ms | x dense |" for column in columns)
+    aligned = "---:|---:|" * len(columns)
+    return [
+        f"| layer | product | dense ms | dense TFLOP/s |{grouped}",
+        f"|---|---|---:|---:|{aligned}",
+    ]
+
+
+def table_lines(
+    shape: LayerShape, results: Sequence[Tuple[str, float, Dict[str, float]]]
+) -> List[str]:
+    """One markdown row per product (`time_products`'s results), then their sum: each grouped
+    time also as a multiple of the dense one, the dense one also in TFLOP/s."""
+    products = {product.name: product for product in expert_products(shape)}
+    columns = list(results[0][2]) if results else []
+    totals = dict.fromkeys(["dense", "flops", *columns], 0.0)
+    lines = []
+    for name, dense_ms, grouped in results:
+        flops = 2 * math.prod(dense_dims(products[name], shape))
+        totals["dense"] += dense_ms
+        totals["flops"] += flops
+        cells = ""
+        for column in columns:
+            totals[column] += grouped[column]
+            cells += f" {grouped[column]:.3f} | {grouped[column] / dense_ms:.2f} |"
+        tflops = flops / dense_ms / 1e9
+        lines.append(f"| {shape.label()} | {name} | {dense_ms:.3f} | {tflops:.0f} |{cells}")
+    cells = "".join(
+        f" {totals[column]:.3f} | {totals[column] / totals['dense']:.2f} |" for column in columns
+    )
+    weights = len({product.weight for product in products.values()} - {None})
+    mib = shape.weight_elements * 2 / 2**20
+    everything = f"all {len(results)} ({weights} expert weights of {mib:.0f} MiB in bf16)"
+    tflops = totals["flops"] / totals["dense"] / 1e9
+    lines.append(
+        f"| {shape.label()} | {everything} | {totals['dense']:.3f} | {tflops:.0f} |{cells}"
+    )
+    return lines
+
+
+def layouts(shape: LayerShape, repeats=2):
     """[(weight, product, [(ms stored [E, K, N], ms stored [E, N, K])] * repeats, max abs
     difference of the two results)]."""
-    counts, x, a, w1, w2 = _operands(hidden, ffn, experts, top_k, tokens)
-    offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+    _, offsets, tensors, _ = _operands(shape)
+    x, a = tensors["x"], tensors["a"]
     results = []
     # (name, row input [M, K], row output gradient [M, N], weight [E, K, N])
-    for name, rows_in, rows_out, weight in (("w1", x, a, w1), ("w2", a, x, w2)):
+    for name, rows_in, rows_out, weight in (
+        ("w1", x, a, tensors["w1"]),
+        ("w2", a, x, tensors["w2"]),
+    ):
         kn, nk = _layout_products(rows_in, rows_out, weight, offsets)
         for product in kn:
             other = nk[product]().float()
@@ -197,64 +256,109 @@ def layouts(hidden, ffn, experts, top_k, tokens, repeats=2):
     return results
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--configs", type=int, nargs="+", default=list(range(len(CONFIGS))))
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    """The command line (`argv`: sys.argv's by default)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.grouped_products", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument(
+        "--shapes",
+        nargs="+",
+        choices=list(SHAPE_SETS),
+        default=["configs"],
+        help="the layers to time (module docstring); default: configs",
+    )
+    parser.add_argument(
+        "--configs", type=int, nargs="+", default=None, help="of --shapes configs: these indices"
+    )
     parser.add_argument("--triton", action="store_true", help="also our Triton grouped GEMM")
     parser.add_argument("--sweep", action="store_true", help="Triton launch shapes, fastest each")
     parser.add_argument("--layouts", action="store_true", help="weights [E,K,N] against [E,N,K]")
-    parser.add_argument("--tokens", type=int, default=None, help="instead of each config's")
-    args = parser.parse_args()
-    configs = [
-        CONFIGS[index] if args.tokens is None else (*CONFIGS[index][:4], args.tokens)
-        for index in args.configs
-    ]
+    parser.add_argument("--tokens", type=int, default=None, help="instead of each layer's")
+    args = parser.parse_args(argv)
+    configs = SHAPE_SETS["configs"]
+    if args.configs is not None:
+        if "configs" not in args.shapes:
+            parser.error("--configs picks among --shapes configs; add configs to --shapes")
+        if any(not 0 <= index < len(configs) for index in args.configs):
+            parser.error(f"--configs {args.configs}: indices run from 0 to {len(configs) - 1}")
+    if args.tokens is not None and args.tokens < 1:
+        parser.error(f"--tokens must be >= 1, got {args.tokens}")
+    return args
+
+
+def selected_shapes(args: argparse.Namespace) -> List[LayerShape]:
+    """The layers the command line asks for, in its order, with --tokens applied."""
+    shapes = []
+    for name in args.shapes:
+        chosen = SHAPE_SETS[name]
+        if name == "configs" and args.configs is not None:
+            chosen = [chosen[index] for index in args.configs]
+        shapes += chosen
+    if args.tokens is not None:
+        shapes = [replace(shape, tokens=args.tokens) for shape in shapes]
+    return shapes
+
+
+def _refusal(args: argparse.Namespace) -> Optional[str]:
+    """Why this machine cannot run the command, in one line; None where it can."""
+    if not torch.cuda.is_available():
+        return (
+            "bench/grouped_products.py needs a CUDA GPU (it times GPU kernels: torch._grouped_mm, "
+            "Triton, cuBLAS); torch sees none here"
+        )
+    needs_grouped_mm = args.sweep or args.layouts or not args.triton
+    if needs_grouped_mm and not torch_has_grouped_mm():
+        return (
+            f"torch {torch.__version__} has no torch._grouped_mm (2.8 and newer), which "
+            "--sweep, --layouts and the default table time; time our kernels alone with --triton"
+        )
+    if (args.triton or args.sweep) and not TRITON_AVAILABLE:
+        return "--triton and --sweep time our Triton kernels, and Triton is not installed here"
+    return None
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    args = parse_args(argv)
+    shapes = selected_shapes(args)
+    refusal = _refusal(args)
+    if refusal is not None:
+        raise SystemExit(refusal)
+    command = " ".join(
+        ["python -m bench.grouped_products", *(sys.argv[1:] if argv is None else argv)]
+    )
+    print(
+        f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, median of 20, "
+        f"{datetime.date.today()}: {command}"
+    )
     if args.layouts:
-        print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, median of 20")
-        print("| config | weight | product | [E, K, N] ms | [E, N, K] ms | max abs difference |")
+        print("| layer | weight | product | [E, K, N] ms | [E, N, K] ms | max abs difference |")
         print("|---|---|---|---|---|---:|")
-        for config in configs:
-            for name, product, times, same in layouts(*config):
+        for shape in shapes:
+            for name, product, times, same in layouts(shape):
                 kn = " / ".join(f"{t[0]:.3f}" for t in times)
                 nk = " / ".join(f"{t[1]:.3f}" for t in times)
                 print(
-                    f"| {config} | {name} | {product} | {kn} | {nk} | {same:.1e} |",
+                    f"| {shape.label()} | {name} | {product} | {kn} | {nk} | {same:.1e} |",
                     flush=True,
                 )
         return
     if args.sweep:
-        tables = []
-        for config in configs:
-            for row in sweep(*config):
-                tables.append((config, *row))
-        print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, median of 20")
-        print("| config | product | _grouped_mm ms | best Triton ms | Triton / torch | shape "
+        tables = [(shape, *row) for shape in shapes for row in sweep(shape)]
+        print("| layer | product | _grouped_mm ms | best Triton ms | Triton / torch | shape "
               "(loads, bm, bn, bk, group, warps, stages) | rel. error |")  # fmt: skip
         print("|---|---|---:|---:|---:|---|---:|")
-        for config, name, torch_ms, triton_ms, shape, error in tables:
-            print(f"| {config} | {name} | {torch_ms:.3f} | {triton_ms:.3f} "
-                  f"| {triton_ms / torch_ms:.2f} | {shape} | {error:.1e} |")  # fmt: skip
+        for shape, name, torch_ms, triton_ms, launch, error in tables:
+            print(f"| {shape.label()} | {name} | {torch_ms:.3f} | {triton_ms:.3f} "
+                  f"| {triton_ms / torch_ms:.2f} | {launch} | {error:.1e} |")  # fmt: skip
         return
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, median of 20")
-    print("| config | product | dense ms | _grouped_mm ms | Triton ms | dense TFLOP/s "
-          "| grouped TFLOP/s | grouped x dense |")  # fmt: skip
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
-    for config in configs:
-        results, flops, weight_bytes = products(*config, use_triton=args.triton)
-        total = [0.0, 0.0]
-        for name, dense_ms, grouped_ms, triton_ms in results:
-            total[0] += dense_ms
-            total[1] += grouped_ms
-            print(
-                f"| {config} | {name} | {dense_ms:.3f} | {grouped_ms:.3f} | {triton_ms:.3f} "
-                f"| {flops / dense_ms / 1e9:.0f} | {flops / grouped_ms / 1e9:.0f} "
-                f"| {grouped_ms / dense_ms:.2f} |"
-            )
-        print(
-            f"| {config} | all six (expert weights {weight_bytes / 2**20:.0f} MiB each) "
-            f"| {total[0]:.3f} | {total[1]:.3f} | | | | {total[1] / total[0]:.2f} |",
-            flush=True,
-        )
+    columns = [GROUPED_MM] if torch_has_grouped_mm() else []
+    columns += [TRITON] if args.triton else []
+    for line in table_header(columns):
+        print(line)
+    for shape in shapes:
+        for line in table_lines(shape, time_products(shape, columns)):
+            print(line, flush=True)
 
 
 if __name__ == "__main__":

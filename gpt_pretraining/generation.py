@@ -110,7 +110,7 @@ def _moe_description(config: Config) -> str:
     moe = config.extension(MoEConfig)
     if moe is None:
         return ""
-    return f", {moe.num_experts} experts (top-{moe.top_k}, {moe.grouped_gemm})"
+    return f", {moe.num_experts} experts (top-{moe.top_k}, {moe.grouped_gemm.name})"
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:

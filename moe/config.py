@@ -18,7 +18,7 @@ from megatron.config import Config, ConfigError, ModelConfig
 from megatron.initialize import compute_device
 from moe.exchange.fixed_blocks import block_capacity
 from moe.kernels import grouped_gemm
-from moe.kernels.grouped_gemm import MOE
+from moe.kernels.grouped_gemm import MOE, GroupedGemmBackend
 
 MLP_IMPLS = ("grouped", "sparse", "reference")
 MLP_TYPES = ("mlp", "glu")
@@ -73,9 +73,9 @@ class MoEConfig:
     memory_optimized_mlp: bool = False
     # Log each MoE layer's expert load after the iteration line (moe.expert_load).
     per_layer_logging: bool = False
-    # The dMoE's grouped product (moe.kernels.grouped_gemm.BACKENDS): a run chooses it once for
-    # its device and precision (`moe_config`); this default runs everywhere.
-    grouped_gemm: str = MOE
+    # The dMoE's grouped product (a moe.kernels.grouped_gemm.GroupedGemmBackend): a run chooses
+    # it once for its device and precision (`moe_config`); this default runs everywhere.
+    grouped_gemm: GroupedGemmBackend = MOE
 
     def is_moe_layer(self, layer_number: int) -> bool:
         """Whether layer `layer_number` (0-based) gets experts: every `layer_freq`-th, from 0."""
@@ -149,7 +149,7 @@ class MoEConfig:
                 "pass --no-moe-dropless for MoE with capacity"
             )
         if self.dropless and self.mlp_impl == "grouped":
-            notes.append(f"dMoE grouped GEMM: {self.grouped_gemm}")
+            notes.append(f"dMoE grouped GEMM: {self.grouped_gemm.name}")
         if self.router_score == "softmax" and not self.router_pre_softmax and self.top_k == 1:
             notes.append(
                 "--no-moe-router-pre-softmax at --moe-top-k 1: every token's expert weight is "

@@ -34,7 +34,7 @@ from moe.kernels.fp8_grouped_gemm import (
     fp8_grouped_mm,
     quantize_expert_weight,
 )
-from moe.kernels.grouped_gemm import MOE, grouped_product
+from moe.kernels.grouped_gemm import MOE, GroupedGemmBackend, grouped_product
 from moe.kernels.scaled_activation import scaled_activation
 from moe.weight_copies import CachedCast, GradientAccumulator
 
@@ -61,9 +61,9 @@ class Experts(nn.Module):
     [t * f/T, (t + 1) * f/T) of each expert's ffn (module docstring), marked with Megatron's
     tensor-parallel attributes so checkpoints and the grad norm treat them as shards.
 
-    `grouped_gemm` names the grouped product of `forward_grouped`
-    (moe.kernels.grouped_gemm.BACKENDS); with `fp8` (an Fp8Recipe, set by moe.fp8_experts)
-    its products are FP8 ones (moe.kernels.fp8_grouped_gemm).
+    `grouped_gemm` is the grouped product of `forward_grouped` (a
+    moe.kernels.grouped_gemm.GroupedGemmBackend); with `fp8` (an Fp8Recipe, set by
+    moe.fp8_experts) its products are FP8 ones (moe.kernels.fp8_grouped_gemm).
     """
 
     def __init__(
@@ -76,7 +76,7 @@ class Experts(nn.Module):
         memory_optimized: bool = False,
         init_std: float = 0.02,
         output_init_std: float = 0.02,
-        grouped_gemm: str = MOE,
+        grouped_gemm: GroupedGemmBackend = MOE,
     ) -> None:
         super().__init__()
         if mlp_type not in ("mlp", "glu"):

@@ -16,7 +16,7 @@ import torch
 from megatron.kernels.fp8_linear import Fp8Recipe
 from megatron.parallel import parallel_state as ps
 from moe.kernels.fp8_grouped_gemm import GROUP_ROW_ALIGNMENT
-from moe.kernels.grouped_gemm import TORCH
+from moe.kernels.grouped_gemm import BACKENDS
 from moe.layers import DroplessMoE, MoE
 
 
@@ -25,10 +25,11 @@ def dropless_fp8(layer: DroplessMoE, recipe: Fp8Recipe) -> Optional[str]:
     config = layer.config
     if config.mlp_impl != "grouped":
         return f"--moe-impl {config.mlp_impl} has no FP8 products; the grouped GEMM has"
-    if config.grouped_gemm != TORCH or not hasattr(torch, "_scaled_grouped_mm"):
+    if not config.grouped_gemm.fp8_products or not hasattr(torch, "_scaled_grouped_mm"):
+        with_fp8 = " or ".join(backend.name for backend in BACKENDS if backend.fp8_products)
         return (
-            f"FP8 grouped GEMMs run where the grouped GEMM is {TORCH} (NVIDIA Hopper, torch 2.9 "
-            f"or newer); this run's is {config.grouped_gemm}"
+            f"FP8 grouped GEMMs run where the grouped GEMM is {with_fp8} (NVIDIA Hopper, torch "
+            f"2.9 or newer); this run's is {config.grouped_gemm.name}"
         )
     experts = layer.experts
     widths = (experts.w1.shape[1], experts.local_ffn_hidden_size)

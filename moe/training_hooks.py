@@ -10,8 +10,9 @@
 - Under expert parallelism, the load imbalance over the expert-parallel ranks: its worst layer
   at the end of each iteration line, every layer in TensorBoard and W&B.
 - The compile choice: the grouped backend compiles as one graph for the MoE with capacity
-  (torch.bmm and plain-PyTorch gathers) and for the dMoE on torch._grouped_mm (the grouped GEMM
-  a run chooses where it is fast, moe.kernels.grouped_gemm.choose_backend); other MoE layers
+  (torch.bmm and plain-PyTorch gathers) and for the dMoE on a grouped GEMM that compiles whole
+  (`compiles_whole`: torch._grouped_mm, which a run chooses where it is fast,
+  moe.kernels.grouped_gemm.choose_backend); other MoE layers
   launch Triton kernels from Python and run faster eagerly, and so does a capacity of 0 (the
   busiest expert's count, a new size, hence a recompile, at every step). Under
   --overlap-moe-expert-parallel-comm the chunks' all-to-alls are meant to run under the other
@@ -41,7 +42,6 @@ from moe.expert_load import (
     tokens_over_mean,
 )
 from moe.experts import expert_modules, flush_expert_gradients, refresh_compute_weights
-from moe.kernels.grouped_gemm import TORCH
 from moe.layers import moe_layers
 
 # The iteration line's field (and TensorBoard scalar): the worst MoE layer's mean, over the
@@ -95,7 +95,7 @@ class MoETrainingHooks(TrainingHooks):
     def compile_choice(self, device: torch.device) -> CompileChoice:
         moe = self.moe
         if moe.dropless:
-            whole = moe.grouped_gemm == TORCH
+            whole = moe.grouped_gemm.compiles_whole
         else:
             whole = moe.capacity_factor > 0
         return CompileChoice(

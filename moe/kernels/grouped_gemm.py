@@ -7,12 +7,15 @@ pure-PyTorch reference, a loop over experts (megatron.kernels.dispatch).
 
 The dMoE's experts call `grouped_product`, the one part of their data path that differs between
 platforms: torch._grouped_mm (CUTLASS, no host sync) where it is fast, else `grouped_mm`. Which of
-the two a run uses is chosen once, at setup (`choose_backend`, into `MoEConfig.grouped_gemm`).
+the two a run uses is chosen once, at setup (`choose_backend`, into `MoEConfig.grouped_gemm`): a
+`GroupedGemmBackend` record, which the rest of the run asks what it supports (compiling as one
+graph, FP8 products) rather than comparing its name.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -33,6 +36,8 @@ if TRITON_AVAILABLE:
 __all__ = [
     "BACKENDS",
     "DEFAULT_TILE_SIZES",
+    "GroupedGemmBackend",
+    "GroupedMultiply",
     "HOPPER_ROW_TILE_SIZES",
     "HOPPER_WEIGHT_GRAD_TILE_SIZES",
     "MOE",
@@ -181,8 +186,48 @@ def _weight_grad(x, grad_out, weight, tokens_per_expert, tile_sizes):
 # The product a dMoE runs: torch._grouped_mm or the op above, chosen once per run
 # --------------------------------------------------------------------------------------------
 
-TORCH = "torch._grouped_mm"
-MOE = "moe.kernels.grouped_gemm"
+# (x [N, K] grouped by expert, weight [E, K, N'] in x's dtype, tokens_per_expert [E], offsets:
+# their int32 inclusive cumulative sums) -> [N, N'].
+GroupedMultiply = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class GroupedGemmBackend:
+    """A grouped product the dMoE's experts can run on, and what the rest of a run asks of it.
+
+    `name` is what the run's log prints. `compiles_whole`: the product has no host sync and no
+    kernel launched from Python, so torch.compile traces the dMoE as one graph
+    (moe.training_hooks compiles the MoE model only then). `fp8_products`: an FP8 grouped
+    product with its contract on offsets and alignment exists (torch._scaled_grouped_mm,
+    moe.kernels.fp8_grouped_gemm), so moe.fp8_experts may give the experts FP8 products on it.
+    `multiply` is the product (`GroupedMultiply`). Chosen once per run by `choose_backend`.
+    """
+
+    name: str
+    compiles_whole: bool
+    fp8_products: bool
+    multiply: GroupedMultiply
+
+
+def _torch_grouped_mm(x, weight, tokens_per_expert, offsets):
+    """torch._grouped_mm, with its own autograd; without rows `grouped_mm` runs: its weight
+    gradient rejects an operand of no rows (pytorch/pytorch#192497)."""
+    if x.shape[0] > 0:
+        return torch._grouped_mm(x, weight, offs=offsets)
+    return grouped_mm(x, weight, tokens_per_expert)
+
+
+def _moe_grouped_mm(x, weight, tokens_per_expert, offsets):
+    """`grouped_mm`: the Triton kernels or the references, as the kernel mode says."""
+    return grouped_mm(x, weight, tokens_per_expert)
+
+
+TORCH = GroupedGemmBackend(
+    "torch._grouped_mm", compiles_whole=True, fp8_products=True, multiply=_torch_grouped_mm
+)
+MOE = GroupedGemmBackend(
+    "moe.kernels.grouped_gemm", compiles_whole=False, fp8_products=False, multiply=_moe_grouped_mm
+)
 BACKENDS = (TORCH, MOE)
 
 
@@ -209,14 +254,14 @@ def torch_grouped_mm_is_fast_on(device: torch.device) -> bool:
 
 def choose_backend(
     device: torch.device, dtype: torch.dtype, widths: Sequence[int], num_groups: int, mode: str
-) -> str:
+) -> GroupedGemmBackend:
     """The grouped product of a run on `device` with rows of `dtype`, chosen once at setup.
 
     TORCH where torch._grouped_mm is fast (`torch_grouped_mm_is_fast_on`), for bf16 rows, every
     operand width in `widths` a multiple of the 16 bytes its TMA loads need, fewer than 1024
     groups and kernel `mode` "auto"; else MOE, whose op runs the Triton kernels or the
-    references as `mode` says. A compiled dMoE is one graph only on TORCH: the Triton launches
-    break it (moe.training_hooks)."""
+    references as `mode` says. A compiled dMoE is one graph only on TORCH (`compiles_whole`):
+    the Triton launches break it (moe.training_hooks)."""
     aligned = all(width * 2 % _GROUPED_MM_ALIGNMENT_BYTES == 0 for width in widths)
     if (
         mode == "auto"
@@ -234,18 +279,13 @@ def grouped_product(
     weight: torch.Tensor,
     tokens_per_expert: torch.Tensor,
     offsets: torch.Tensor,
-    backend: str,
+    backend: GroupedGemmBackend,
 ) -> torch.Tensor:
     """x [N, K] rows grouped by expert (tokens_per_expert [E] of them each; `offsets` their
-    int32 inclusive cumulative sums) times weight [E, K, N'], cast to x's dtype here because
-    autocast covers neither product. `backend` from `choose_backend`: torch._grouped_mm with
-    its own autograd, which torch.compile traces; or `grouped_mm`. Without rows the op runs:
-    torch._grouped_mm's weight gradient rejects an operand of no rows (pytorch/pytorch#192497).
-    """
-    weight = weight.to(x.dtype)
-    if backend == TORCH and x.shape[0] > 0:
-        return torch._grouped_mm(x, weight, offs=offsets)
-    return grouped_mm(x, weight, tokens_per_expert)
+    int32 inclusive cumulative sums) times weight [E, K, N'] by `backend`'s product (from
+    `choose_backend`), the weight cast to x's dtype here because autocast covers neither
+    product."""
+    return backend.multiply(x, weight.to(x.dtype), tokens_per_expert, offsets)
 
 
 # --------------------------------------------------------------------------------------------

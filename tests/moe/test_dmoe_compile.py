@@ -8,7 +8,7 @@ import torch
 from megatron.config import ModelConfig
 from moe.config import MoEConfig
 from moe.kernels import grouped_gemm
-from moe.kernels.grouped_gemm import MOE, TORCH
+from moe.kernels.grouped_gemm import MOE, TORCH, GroupedGemmBackend
 from moe.layers import build_moe_layer
 from tests.markers import needs_torch_grouped_mm
 
@@ -16,7 +16,7 @@ from tests.markers import needs_torch_grouped_mm
 # torch compiles the layer around its Triton ops (the last test below covers that path).
 
 
-def _layer(top_k: int, mlp_type: str = "mlp", backend: str = TORCH):
+def _layer(top_k: int, mlp_type: str = "mlp", backend: GroupedGemmBackend = TORCH):
     model = ModelConfig(
         num_layers=1, hidden_size=32, num_attention_heads=2, ffn_hidden_size=48,
         seq_length=16, max_position_embeddings=16, add_bias_linear=True, init_method_std=0.2,

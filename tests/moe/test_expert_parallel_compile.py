@@ -13,7 +13,7 @@ import torch
 from megatron.parallel import parallel_state
 from megatron.parallelize.steps import CompileChoice, compile_model
 from moe.config import MoEConfig
-from moe.kernels.grouped_gemm import TORCH
+from moe.kernels.grouped_gemm import TORCH, GroupedGemmBackend
 from tests.launch import run_distributed
 from tests.markers import needs_torch_grouped_mm
 from tests.moe.test_expert_parallel import EXPERTS, make_layer, make_tokens, probe
@@ -21,7 +21,9 @@ from tests.moe.test_expert_parallel import EXPERTS, make_layer, make_tokens, pro
 pytestmark = pytest.mark.usefixtures("reference_kernels")
 
 
-def _compiled_blocks_step(rank: int, world_size: int, grouped_gemm: str, chunks: int) -> list:
+def _compiled_blocks_step(
+    rank: int, world_size: int, grouped_gemm: GroupedGemmBackend, chunks: int
+) -> list:
     """The fixed-size-block layer eagerly and compiled as one graph (fullgraph: no break, so no
     host sync), forward and backward, at a first block size and at a grown one (as after an
     overflow, which recompiles): the differences."""

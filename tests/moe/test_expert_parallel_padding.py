@@ -18,7 +18,7 @@ from megatron.parallel import parallel_state
 from moe import experts as experts_module
 from moe.exchange import fixed_blocks
 from moe.kernels.grouped_gemm import MOE as MOE_GEMM
-from moe.kernels.grouped_gemm import TORCH
+from moe.kernels.grouped_gemm import TORCH, GroupedGemmBackend
 from tests.launch import run_distributed
 from tests.markers import needs_torch_grouped_mm
 from tests.moe.test_expert_parallel import EXPERTS, local_loss, make_layer, make_tokens, probe
@@ -61,7 +61,7 @@ def _recording(calls: list):
 
 
 def _step_with_poisoned_padding(
-    rank: int, world_size: int, impl: str, grouped_gemm: str, poison
+    rank: int, world_size: int, impl: str, grouped_gemm: GroupedGemmBackend, poison
 ) -> dict:
     """For one exchange and for two chunks: the layer's step (output, input and parameter
     gradients) with clean buffers and with `poison` as the buffers' scatter, the calls of the
@@ -102,7 +102,7 @@ def _step_with_poisoned_padding(
         parallel_state.destroy_model_parallel()
 
 
-def _check_padding_untouched(impl: str, grouped_gemm: str, poison) -> list:
+def _check_padding_untouched(impl: str, grouped_gemm: GroupedGemmBackend, poison) -> list:
     """Each rank's output and gradients are bit for bit the same with the padding poisoned;
     returns the ranks' results."""
     results = run_distributed(_step_with_poisoned_padding, 2, impl, grouped_gemm, poison)

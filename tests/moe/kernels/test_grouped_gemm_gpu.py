@@ -26,6 +26,7 @@ def _relative_error(value, exact):
         (MOE, torch.bfloat16, 256, 512),
         (MOE, torch.float16, 200, 328),
     ],
+    ids=["torch-bf16", "ours-bf16", "ours-fp16-partial-tiles"],
 )
 def test_grouped_product_with_empty_experts_matches_fp64(
     monkeypatch, backend, dtype, in_features, out_features
