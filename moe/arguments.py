@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 
+from megatron.config.layer_pattern import layer_frequency
 from moe.config import DEFAULT_EXCHANGE_CHUNKS, MLP_IMPLS, MLP_TYPES, ROUTER_SCORES
 
 # The flags (namespace attributes) that define an MoE model, which a checkpoint's saved
@@ -76,9 +77,12 @@ def add_moe_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--moe-layer-freq",
-        type=int,
+        type=layer_frequency,
         default=1,
-        help="Every this-many-th layer is an MoE layer, starting with layer 0.",
+        help="Which layers are MoE layers (Megatron-core's flag and meanings): an integer N "
+        "makes every N-th layer one, starting with layer 0 (layer i when i %% N == 0); or a "
+        'list expression with one 0 (dense MLP) or 1 (MoE) per layer, e.g. "([0]*1+[1]*11)" '
+        "for a dense first layer and 11 MoE layers.",
     )
     group.add_argument(
         "--moe-impl",

@@ -10,11 +10,12 @@ import argparse
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Optional, Tuple, Union
 
 import torch
 
 from megatron.config import Config, ConfigError, ModelConfig
+from megatron.config.layer_pattern import is_marked, parse_pattern
 from megatron.initialize import compute_device
 from moe.exchange.fixed_blocks import block_capacity
 from moe.kernels import grouped_gemm
@@ -43,7 +44,9 @@ class MoEConfig:
     zloss_weight: float = 0.0
     jitter_eps: Optional[float] = None
     normalize_expert_weights: Optional[float] = None  # p of the p-norm; None: no normalization
-    layer_freq: int = 1
+    # Every layer_freq-th layer from 0, or one mark per layer (--moe-layer-freq's pattern form,
+    # megatron.config.layer_pattern).
+    layer_freq: Union[int, Tuple[bool, ...]] = 1
     mlp_impl: str = "grouped"
     mlp_type: str = "mlp"
     router_score: str = "softmax"
@@ -67,8 +70,9 @@ class MoEConfig:
     grouped_gemm: str = MOE
 
     def is_moe_layer(self, layer_number: int) -> bool:
-        """Whether layer `layer_number` (0-based) gets experts: every `layer_freq`-th, from 0."""
-        return layer_number % self.layer_freq == 0
+        """Whether layer `layer_number` (0-based) gets experts: every `layer_freq`-th, from 0,
+        or where the pattern marks it."""
+        return is_marked(self.layer_freq, layer_number)
 
     def num_moe_layers(self, num_layers: int) -> int:
         """How many of `num_layers` layers are MoE layers."""
@@ -104,7 +108,7 @@ class MoEConfig:
             zloss_weight=args.moe_zloss_weight,
             jitter_eps=args.moe_jitter_eps,
             normalize_expert_weights=args.moe_normalize_expert_weights,
-            layer_freq=args.moe_layer_freq,
+            layer_freq=_moe_layers(args.moe_layer_freq),
             mlp_impl=args.mlp_impl,
             mlp_type=mlp_type,
             router_score=args.moe_router_score,
@@ -173,11 +177,7 @@ class MoEConfig:
                 "--moe-normalize-expert-weights is the p of a p-norm and must be > 0, "
                 f"got {self.normalize_expert_weights}"
             )
-        if not 1 <= self.layer_freq <= model.num_layers:
-            raise ConfigError(
-                f"--moe-layer-freq {self.layer_freq} must be between 1 and --num-layers "
-                f"{model.num_layers}"
-            )
+        self._validate_moe_layers(model)
         if self.mlp_impl not in MLP_IMPLS:
             raise ConfigError(f"--moe-impl {self.mlp_impl!r} is not one of {MLP_IMPLS}")
         if self.mlp_type not in MLP_TYPES:
@@ -203,6 +203,26 @@ class MoEConfig:
                     "--moe-shared-expert-ffn-hidden-size must be >= 1, got "
                     f"{self.shared_expert_ffn_hidden_size}"
                 )
+
+    def _validate_moe_layers(self, model: ModelConfig) -> None:
+        """--moe-layer-freq: an integer within the layers, or one mark per layer, some marked."""
+        if isinstance(self.layer_freq, int):
+            if not 1 <= self.layer_freq <= model.num_layers:
+                raise ConfigError(
+                    f"--moe-layer-freq {self.layer_freq} must be between 1 and --num-layers "
+                    f"{model.num_layers}"
+                )
+            return
+        if len(self.layer_freq) != model.num_layers:
+            raise ConfigError(
+                f"--moe-layer-freq has {len(self.layer_freq)} entries, but --num-layers is "
+                f"{model.num_layers}; give one 0 or 1 per layer"
+            )
+        if not any(self.layer_freq):
+            raise ConfigError(
+                "--moe-layer-freq marks no layer as an MoE layer (all 0s); mark some with 1, "
+                "or drop --moe-num-experts for a dense model"
+            )
 
     def _validate_sparse(self, model: ModelConfig) -> None:
         """The block-sparse backend: the dMoE's, GELU experts only, whole blocks of 16 of each
@@ -334,6 +354,12 @@ def _exchange_chunks(args: argparse.Namespace) -> int:
             "overlap flag"
         )
     return chunks
+
+
+def _moe_layers(value: Union[int, str]) -> Union[int, Tuple[bool, ...]]:
+    """--moe-layer-freq as MoEConfig keeps it: an integer as it is, a pattern read into one
+    mark per layer (ConfigError, one line, for one that is not 0s and 1s)."""
+    return value if isinstance(value, int) else parse_pattern("--moe-layer-freq", value)
 
 
 def moe_config(args: argparse.Namespace, config: Config) -> Optional[MoEConfig]:

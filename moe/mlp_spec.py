@@ -1,7 +1,8 @@
 """The MLP spec of a GPT model with MoE layers: what the entry point hands `GPTModel`.
 
-Every `--moe-layer-freq`-th layer (0, freq, 2 freq, ...) gets an MoE layer (dMoE or MoE with
-capacity, per `MoEConfig.dropless`, moe.layers); the others keep the dense MLP.
+The layers `MoEConfig.is_moe_layer` names (every `--moe-layer-freq`-th from 0, or those its
+pattern marks) get an MoE layer (dMoE or MoE with capacity, per `MoEConfig.dropless`,
+moe.layers); the others keep the dense MLP.
 """
 
 from __future__ import annotations

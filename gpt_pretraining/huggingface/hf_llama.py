@@ -20,6 +20,7 @@ from typing import Dict, List, Optional
 import torch
 
 from megatron.config import ModelConfig
+from megatron.config.layer_pattern import pattern_text
 from moe.config import MoEConfig
 
 LLAMA = "LlamaForCausalLM"
@@ -54,8 +55,10 @@ def mixtral_refusals(model: ModelConfig, moe: Optional[MoEConfig]) -> List[str]:
         return problems + ["dense MLPs (no --moe-num-experts)"]
     if model.add_bias_linear:
         problems.append("linear biases (add --disable-bias-linear)")
-    if moe.layer_freq != 1:
-        problems.append(f"--moe-layer-freq {moe.layer_freq} (Mixtral's every layer is MoE)")
+    if moe.num_moe_layers(model.num_layers) != model.num_layers:
+        freq = moe.layer_freq
+        shown = freq if isinstance(freq, int) else pattern_text(freq)
+        problems.append(f"--moe-layer-freq {shown} (Mixtral's every layer is MoE)")
     if moe.mlp_type != "glu":
         problems.append(f"--mlp-type {moe.mlp_type}")
     if moe.normalize_expert_weights != 1:

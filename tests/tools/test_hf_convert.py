@@ -25,6 +25,10 @@ from tests.tools.hf_checkpoints import (  # noqa: E402
     write_checkpoint,
 )
 
+# A dense first layer, then an MoE layer.
+DENSE_FIRST_DMOE = [
+    "--moe-num-experts", "4", "--moe-top-k", "2", "--moe-layer-freq", "([0]*1+[1]*1)",
+]  # fmt: skip
 KINDS = {
     "gpt2": ([], "GPT2LMHeadModel"),
     "llama": (LLAMA, "LlamaForCausalLM"),
@@ -35,6 +39,7 @@ KINDS = {
     "mixtral": (MIXTRAL, "MixtralForCausalLM"),
     # MegaBlocks' recipe (GELU experts, biases, learned positions): this project's modeling file
     "gpt2_dmoe": (["--moe-num-experts", "4", "--moe-top-k", "2"], "MegatronDMoEForCausalLM"),
+    "gpt2_dmoe_dense_first": (DENSE_FIRST_DMOE, "MegatronDMoEForCausalLM"),
 }
 
 
@@ -215,6 +220,7 @@ def test_sharded_export_loads(tmp_path):
         (LLAMA + ["--rotary-percent", "0.5"], "--rotary-percent 0.5"),
         (MIXTRAL[:-2], "--moe-normalize-expert-weights None"),
         (MIXTRAL + ["--moe-shared-expert"], "--moe-shared-expert"),
+        (MIXTRAL + ["--moe-layer-freq", "[0,1]"], "--moe-layer-freq [0,1] (Mixtral's every"),
     ],
 )
 def test_models_no_class_fits_are_refused(flags, expected, tmp_path, capsys):

@@ -46,6 +46,7 @@ VARIANTS: Dict[str, tuple] = {
     "top2_normalized": ({}, {"top_k": 2, "normalize_expert_weights": 1.0}),
     "layer_freq2": ({"num_layers": 4}, {"layer_freq": 2}),
     "swiglu_dense_glu_experts": ({"num_layers": 3, "swiglu": True}, {"mlp_type": "glu", "layer_freq": 2}),
+    "pattern_dense_first": ({"num_layers": 3}, {"layer_freq": (False, True, True), "top_k": 2}),
     "silu_experts_ungated": ({"swiglu": True}, {}),
     "untied_no_bias_gqa": (
         {"untie_embeddings_and_output_weights": True, "add_bias_linear": False, "num_query_groups": 2},
