@@ -62,6 +62,9 @@ class MoEConfig:
     expert_parallel_chunks: int = 1
     shared_expert: bool = False
     shared_expert_ffn_hidden_size: Optional[int] = None
+    # Each expert's FFN channels (--moe-ffn-hidden-size); None: the dense MLP's
+    # (`expert_ffn_hidden_size`).
+    ffn_hidden_size: Optional[int] = None
     memory_optimized_mlp: bool = False
     # Log each MoE layer's expert load after the iteration line (moe.expert_load).
     per_layer_logging: bool = False
@@ -73,6 +76,11 @@ class MoEConfig:
         """Whether layer `layer_number` (0-based) gets experts: every `layer_freq`-th, from 0,
         or where the pattern marks it."""
         return is_marked(self.layer_freq, layer_number)
+
+    def expert_ffn_hidden_size(self, model: ModelConfig) -> int:
+        """Each expert's FFN channels: --moe-ffn-hidden-size, else the dense MLP's
+        --ffn-hidden-size (the one place that default is taken)."""
+        return self.ffn_hidden_size if self.ffn_hidden_size is not None else model.ffn_hidden_size
 
     def num_moe_layers(self, num_layers: int) -> int:
         """How many of `num_layers` layers are MoE layers."""
@@ -118,6 +126,7 @@ class MoEConfig:
             expert_parallel_chunks=_exchange_chunks(args),
             shared_expert=args.moe_shared_expert,
             shared_expert_ffn_hidden_size=args.moe_shared_expert_ffn_hidden_size,
+            ffn_hidden_size=args.moe_ffn_hidden_size,
             memory_optimized_mlp=args.moe_memory_optimized_mlp,
             per_layer_logging=args.moe_per_layer_logging,
         )
@@ -178,6 +187,8 @@ class MoEConfig:
                 f"got {self.normalize_expert_weights}"
             )
         self._validate_moe_layers(model)
+        if self.ffn_hidden_size is not None and self.ffn_hidden_size < 1:
+            raise ConfigError(f"--moe-ffn-hidden-size must be >= 1, got {self.ffn_hidden_size}")
         if self.mlp_impl not in MLP_IMPLS:
             raise ConfigError(f"--moe-impl {self.mlp_impl!r} is not one of {MLP_IMPLS}")
         if self.mlp_type not in MLP_TYPES:
@@ -239,19 +250,28 @@ class MoEConfig:
                 "--moe-impl sparse supports --mlp-type mlp with GELU only; use --moe-impl grouped"
             )
         tensor = model.tensor_model_parallel_size
-        if model.ffn_hidden_size % (16 * tensor) != 0:
+        ffn = self.expert_ffn_hidden_size(model)
+        if ffn % (16 * tensor) != 0:
+            flag = "--ffn-hidden-size" if self.ffn_hidden_size is None else "--moe-ffn-hidden-size"
             raise ConfigError(
-                f"--moe-impl sparse with --tensor-model-parallel-size {tensor} needs "
-                f"--ffn-hidden-size divisible by {16 * tensor} (each rank's channels of an expert "
-                f"form blocks of 16), got {model.ffn_hidden_size}; use --moe-impl grouped"
+                f"--moe-impl sparse with --tensor-model-parallel-size {tensor} needs {flag} "
+                f"divisible by {16 * tensor} (each rank's channels of an expert form blocks of "
+                f"16), got {ffn}; use --moe-impl grouped"
             )
 
     def _validate_tensor_parallel_split(self, model: ModelConfig) -> None:
-        """The shared expert's channels split over the tensor-parallel ranks like a dense
-        MLP's."""
+        """Every expert's channels, and the shared expert's, split over the tensor-parallel
+        ranks like a dense MLP's (the dense --ffn-hidden-size is megatron's to check)."""
         tensor = model.tensor_model_parallel_size
         if tensor == 1:
             return
+        ffn = self.ffn_hidden_size
+        if ffn is not None and ffn % tensor != 0:
+            raise ConfigError(
+                f"--moe-ffn-hidden-size {ffn} is not divisible by --tensor-model-parallel-size "
+                f"{tensor}: each tensor-parallel rank holds an equal share of every expert's "
+                f"channels; choose a multiple of {tensor}"
+            )
         shared = self.shared_expert_ffn_hidden_size or model.ffn_hidden_size
         if self.shared_expert and shared % tensor != 0:
             raise ConfigError(
@@ -408,7 +428,7 @@ def with_grouped_gemm_for(
     backend = grouped_gemm.choose_backend(
         device,
         dtype,
-        (model.hidden_size, model.ffn_hidden_size // tensor_parallel_size),
+        (model.hidden_size, moe.expert_ffn_hidden_size(model) // tensor_parallel_size),
         moe.num_experts // expert_parallel_size,
         config.training.kernels,
     )

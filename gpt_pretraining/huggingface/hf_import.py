@@ -67,6 +67,9 @@ def _megatron_dmoe_flags(config) -> List[str]:
         "--moe-num-experts", str(config.num_experts), "--moe-top-k", str(config.moe_top_k),
         "--moe-layer-freq", _layer_freq_flag(config.moe_layer_freq), "--mlp-type", config.mlp_type,
     ]  # fmt: skip
+    # Exports before the experts had a size of their own have no such field.
+    if getattr(config, "moe_ffn_hidden_size", None) is not None:
+        flags += ["--moe-ffn-hidden-size", str(config.moe_ffn_hidden_size)]
     groups = getattr(config, "num_query_groups", config.num_attention_heads)
     if groups != config.num_attention_heads:
         flags += ["--group-query-attention", "--num-query-groups", str(groups)]

@@ -25,9 +25,10 @@ from tests.tools.hf_checkpoints import (  # noqa: E402
     write_checkpoint,
 )
 
-# A dense first layer, then an MoE layer.
-DENSE_FIRST_DMOE = [
-    "--moe-num-experts", "4", "--moe-top-k", "2", "--moe-layer-freq", "([0]*1+[1]*1)",
+# Fine-grained experts (half the dense size) beside a dense first layer.
+FINE_GRAINED_DMOE = [
+    "--moe-num-experts", "4", "--moe-top-k", "2", "--moe-ffn-hidden-size", "24",
+    "--moe-layer-freq", "([0]*1+[1]*1)",
 ]  # fmt: skip
 KINDS = {
     "gpt2": ([], "GPT2LMHeadModel"),
@@ -39,7 +40,9 @@ KINDS = {
     "mixtral": (MIXTRAL, "MixtralForCausalLM"),
     # MegaBlocks' recipe (GELU experts, biases, learned positions): this project's modeling file
     "gpt2_dmoe": (["--moe-num-experts", "4", "--moe-top-k", "2"], "MegatronDMoEForCausalLM"),
-    "gpt2_dmoe_dense_first": (DENSE_FIRST_DMOE, "MegatronDMoEForCausalLM"),
+    "gpt2_dmoe_fine_grained": (FINE_GRAINED_DMOE, "MegatronDMoEForCausalLM"),
+    # Mixtral's experts are its only MLPs: their size is its intermediate_size.
+    "mixtral_fine_grained": ([*MIXTRAL, "--moe-ffn-hidden-size", "24"], "MixtralForCausalLM"),
 }
 
 

@@ -96,6 +96,8 @@ def megatron_dmoe_config_from(
             if isinstance(moe_config.layer_freq, int)
             else [int(mark) for mark in moe_config.layer_freq]
         ),
+        # None: the experts take ffn_hidden_size, as the flag's absence means.
+        "moe_ffn_hidden_size": moe_config.ffn_hidden_size,
         "mlp_type": moe_config.mlp_type,
         # The project picks every MLP's activation by --swiglu (moe.layers, megatron.model.mlp).
         "activation": "silu" if model_config.swiglu else "gelu",
