@@ -109,6 +109,13 @@ def upcycle(
             f"--mlp-type {moe.mlp_type}: the dense MLP is {dense_type}; experts copy it only as "
             f"--mlp-type {dense_type}"
         )
+    expert_ffn = moe.expert_ffn_hidden_size(model)
+    if expert_ffn != model.ffn_hidden_size:
+        raise UserError(
+            f"--moe-ffn-hidden-size {expert_ffn}: the dense checkpoint's MLPs have "
+            f"--ffn-hidden-size {model.ffn_hidden_size}, and upcycling copies them into the "
+            f"experts whole; drop --moe-ffn-hidden-size (or give {model.ffn_hidden_size})"
+        )
     if moe.shared_expert:
         raise UserError(
             "--moe-shared-expert: upcycling copies the dense MLP into the routed experts; a "

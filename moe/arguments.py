@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 
+from megatron.config.layer_pattern import layer_frequency
 from moe.config import (
     DEFAULT_EXCHANGE_CHUNKS,
     LOAD_BALANCING_TYPES,
@@ -32,6 +33,7 @@ MOE_MODEL_ARGUMENTS = (
     "moe_router_topk_scaling_factor",
     "moe_shared_expert",
     "moe_shared_expert_ffn_hidden_size",
+    "moe_ffn_hidden_size",
 )
 
 
@@ -85,9 +87,20 @@ def add_moe_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--moe-layer-freq",
-        type=int,
+        type=layer_frequency,
         default=1,
-        help="Every this-many-th layer is an MoE layer, starting with layer 0.",
+        help="Which layers are MoE layers (Megatron-core's flag and meanings): an integer N "
+        "makes every N-th layer one, starting with layer 0 (layer i when i %% N == 0); or a "
+        'list expression with one 0 (dense MLP) or 1 (MoE) per layer, e.g. "([0]*1+[1]*11)" '
+        "for a dense first layer and 11 MoE layers.",
+    )
+    group.add_argument(
+        "--moe-ffn-hidden-size",
+        type=int,
+        default=None,
+        help="(Megatron-core's flag) Each expert's FFN hidden size, e.g. small fine-grained "
+        "experts; the dense MLPs of the other layers keep --ffn-hidden-size. Unset: the "
+        "experts take --ffn-hidden-size.",
     )
     group.add_argument(
         "--moe-impl",
@@ -189,7 +202,9 @@ def add_moe_args(parser: argparse.ArgumentParser) -> None:
         "--moe-shared-expert-ffn-hidden-size",
         type=int,
         default=None,
-        help="Hidden size of the shared expert; defaults to --ffn-hidden-size.",
+        help="Hidden size of the shared expert; defaults to --ffn-hidden-size (the dense "
+        "MLP's, not --moe-ffn-hidden-size: the shared expert is a dense MLP beside the experts; "
+        "Megatron-core's --moe-shared-expert-intermediate-size has no default).",
     )
     group.add_argument(
         "--moe-per-layer-logging",

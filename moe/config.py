@@ -10,11 +10,12 @@ import argparse
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Optional, Tuple, Union
 
 import torch
 
 from megatron.config import Config, ConfigError, ModelConfig
+from megatron.config.layer_pattern import is_marked, parse_pattern
 from megatron.initialize import compute_device
 from moe.exchange.fixed_blocks import block_capacity
 from moe.kernels import grouped_gemm
@@ -47,7 +48,9 @@ class MoEConfig:
     zloss_weight: float = 0.0
     jitter_eps: Optional[float] = None
     normalize_expert_weights: Optional[float] = None  # p of the p-norm; None: no normalization
-    layer_freq: int = 1
+    # Every layer_freq-th layer from 0, or one mark per layer (--moe-layer-freq's pattern form,
+    # megatron.config.layer_pattern).
+    layer_freq: Union[int, Tuple[bool, ...]] = 1
     mlp_impl: str = "grouped"
     mlp_type: str = "mlp"
     router_score: str = "softmax"
@@ -70,6 +73,9 @@ class MoEConfig:
     expert_parallel_chunks: int = 1
     shared_expert: bool = False
     shared_expert_ffn_hidden_size: Optional[int] = None
+    # Each expert's FFN channels (--moe-ffn-hidden-size); None: the dense MLP's
+    # (`expert_ffn_hidden_size`).
+    ffn_hidden_size: Optional[int] = None
     memory_optimized_mlp: bool = False
     # Log each MoE layer's expert load after the iteration line (moe.expert_load).
     per_layer_logging: bool = False
@@ -78,8 +84,14 @@ class MoEConfig:
     grouped_gemm: GroupedGemmBackend = MOE
 
     def is_moe_layer(self, layer_number: int) -> bool:
-        """Whether layer `layer_number` (0-based) gets experts: every `layer_freq`-th, from 0."""
-        return layer_number % self.layer_freq == 0
+        """Whether layer `layer_number` (0-based) gets experts: every `layer_freq`-th, from 0,
+        or where the pattern marks it."""
+        return is_marked(self.layer_freq, layer_number)
+
+    def expert_ffn_hidden_size(self, model: ModelConfig) -> int:
+        """Each expert's FFN channels: --moe-ffn-hidden-size, else the dense MLP's
+        --ffn-hidden-size (the one place that default is taken)."""
+        return self.ffn_hidden_size if self.ffn_hidden_size is not None else model.ffn_hidden_size
 
     def num_moe_layers(self, num_layers: int) -> int:
         """How many of `num_layers` layers are MoE layers."""
@@ -115,7 +127,7 @@ class MoEConfig:
             zloss_weight=args.moe_zloss_weight,
             jitter_eps=args.moe_jitter_eps,
             normalize_expert_weights=args.moe_normalize_expert_weights,
-            layer_freq=args.moe_layer_freq,
+            layer_freq=_moe_layers(args.moe_layer_freq),
             mlp_impl=args.mlp_impl,
             mlp_type=mlp_type,
             router_score=args.moe_router_score,
@@ -129,6 +141,7 @@ class MoEConfig:
             expert_parallel_chunks=_exchange_chunks(args),
             shared_expert=args.moe_shared_expert,
             shared_expert_ffn_hidden_size=args.moe_shared_expert_ffn_hidden_size,
+            ffn_hidden_size=args.moe_ffn_hidden_size,
             memory_optimized_mlp=args.moe_memory_optimized_mlp,
             per_layer_logging=args.moe_per_layer_logging,
         )
@@ -193,11 +206,9 @@ class MoEConfig:
                 "--moe-normalize-expert-weights is the p of a p-norm and must be > 0, "
                 f"got {self.normalize_expert_weights}"
             )
-        if not 1 <= self.layer_freq <= model.num_layers:
-            raise ConfigError(
-                f"--moe-layer-freq {self.layer_freq} must be between 1 and --num-layers "
-                f"{model.num_layers}"
-            )
+        self._validate_moe_layers(model)
+        if self.ffn_hidden_size is not None and self.ffn_hidden_size < 1:
+            raise ConfigError(f"--moe-ffn-hidden-size must be >= 1, got {self.ffn_hidden_size}")
         self._validate_router()
         if self.mlp_impl not in MLP_IMPLS:
             raise ConfigError(f"--moe-impl {self.mlp_impl!r} is not one of {MLP_IMPLS}")
@@ -256,6 +267,26 @@ class MoEConfig:
                 f"the routing weights), got {factor}"
             )
 
+    def _validate_moe_layers(self, model: ModelConfig) -> None:
+        """--moe-layer-freq: an integer within the layers, or one mark per layer, some marked."""
+        if isinstance(self.layer_freq, int):
+            if not 1 <= self.layer_freq <= model.num_layers:
+                raise ConfigError(
+                    f"--moe-layer-freq {self.layer_freq} must be between 1 and --num-layers "
+                    f"{model.num_layers}"
+                )
+            return
+        if len(self.layer_freq) != model.num_layers:
+            raise ConfigError(
+                f"--moe-layer-freq has {len(self.layer_freq)} entries, but --num-layers is "
+                f"{model.num_layers}; give one 0 or 1 per layer"
+            )
+        if not any(self.layer_freq):
+            raise ConfigError(
+                "--moe-layer-freq marks no layer as an MoE layer (all 0s); mark some with 1, "
+                "or drop --moe-num-experts for a dense model"
+            )
+
     def _validate_sparse(self, model: ModelConfig) -> None:
         """The block-sparse backend: the dMoE's, GELU experts only, whole blocks of 16 of each
         expert's channels on each tensor-parallel rank."""
@@ -271,19 +302,28 @@ class MoEConfig:
                 "--moe-impl sparse supports --mlp-type mlp with GELU only; use --moe-impl grouped"
             )
         tensor = model.tensor_model_parallel_size
-        if model.ffn_hidden_size % (16 * tensor) != 0:
+        ffn = self.expert_ffn_hidden_size(model)
+        if ffn % (16 * tensor) != 0:
+            flag = "--ffn-hidden-size" if self.ffn_hidden_size is None else "--moe-ffn-hidden-size"
             raise ConfigError(
-                f"--moe-impl sparse with --tensor-model-parallel-size {tensor} needs "
-                f"--ffn-hidden-size divisible by {16 * tensor} (each rank's channels of an expert "
-                f"form blocks of 16), got {model.ffn_hidden_size}; use --moe-impl grouped"
+                f"--moe-impl sparse with --tensor-model-parallel-size {tensor} needs {flag} "
+                f"divisible by {16 * tensor} (each rank's channels of an expert form blocks of "
+                f"16), got {ffn}; use --moe-impl grouped"
             )
 
     def _validate_tensor_parallel_split(self, model: ModelConfig) -> None:
-        """The shared expert's channels split over the tensor-parallel ranks like a dense
-        MLP's."""
+        """Every expert's channels, and the shared expert's, split over the tensor-parallel
+        ranks like a dense MLP's (the dense --ffn-hidden-size is megatron's to check)."""
         tensor = model.tensor_model_parallel_size
         if tensor == 1:
             return
+        ffn = self.ffn_hidden_size
+        if ffn is not None and ffn % tensor != 0:
+            raise ConfigError(
+                f"--moe-ffn-hidden-size {ffn} is not divisible by --tensor-model-parallel-size "
+                f"{tensor}: each tensor-parallel rank holds an equal share of every expert's "
+                f"channels; choose a multiple of {tensor}"
+            )
         shared = self.shared_expert_ffn_hidden_size or model.ffn_hidden_size
         if self.shared_expert and shared % tensor != 0:
             raise ConfigError(
@@ -388,6 +428,12 @@ def _exchange_chunks(args: argparse.Namespace) -> int:
     return chunks
 
 
+def _moe_layers(value: Union[int, str]) -> Union[int, Tuple[bool, ...]]:
+    """--moe-layer-freq as MoEConfig keeps it: an integer as it is, a pattern read into one
+    mark per layer (ConfigError, one line, for one that is not 0s and 1s)."""
+    return value if isinstance(value, int) else parse_pattern("--moe-layer-freq", value)
+
+
 def moe_config(args: argparse.Namespace, config: Config) -> Optional[MoEConfig]:
     """The run's MoE config from its resolved flags, for `Config.from_args(extensions=...)`;
     None without --moe-num-experts. The grouped GEMM is chosen for the device this process will
@@ -434,7 +480,7 @@ def with_grouped_gemm_for(
     backend = grouped_gemm.choose_backend(
         device,
         dtype,
-        (model.hidden_size, model.ffn_hidden_size // tensor_parallel_size),
+        (model.hidden_size, moe.expert_ffn_hidden_size(model) // tensor_parallel_size),
         moe.num_experts // expert_parallel_size,
         config.training.kernels,
     )

@@ -126,9 +126,10 @@ class Experts(nn.Module):
         them, or meta ones on the meta device) and mark the weights as tensor-parallel shards."""
         if self.ffn_hidden_size % size != 0:
             raise ValueError(
-                f"--ffn-hidden-size {self.ffn_hidden_size} is not divisible by "
-                f"--tensor-model-parallel-size {size}: each tensor-parallel rank holds an equal "
-                "share of every expert's ffn channels; choose a multiple of it"
+                f"the experts' FFN size {self.ffn_hidden_size} (--moe-ffn-hidden-size, or "
+                f"--ffn-hidden-size without it) is not divisible by --tensor-model-parallel-size "
+                f"{size}: each tensor-parallel rank holds an equal share of every expert's ffn "
+                "channels; choose a multiple of it"
             )
         self.local_ffn_hidden_size = self.ffn_hidden_size // size
         self.first_local_channel = rank * self.local_ffn_hidden_size

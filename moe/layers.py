@@ -90,7 +90,7 @@ class MoELayer(nn.Module):
         self.experts = Experts(
             moe_config.num_experts,
             model_config.hidden_size,
-            model_config.ffn_hidden_size,
+            moe_config.expert_ffn_hidden_size(model_config),
             mlp_type=moe_config.mlp_type,
             activation="silu" if model_config.swiglu else "gelu",
             memory_optimized=moe_config.memory_optimized_mlp,

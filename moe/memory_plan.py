@@ -3,7 +3,8 @@
 `memory`.
 
 Activations per token of a dMoE layer (moe.layers, moe.router, moe.experts; `c` the compute
-dtype's size, k = top_k, E experts, f the rank's ffn channels of an expert):
+dtype's size, k = top_k, E experts, f the rank's ffn channels of an expert: the experts' FFN
+size, MoEConfig.expert_ffn_hidden_size, over the tensor-parallel size):
 - the tokens cast to the compute dtype, which the router and the row gather read: c h;
 - the router: its logits (c E), the fp32 scores (4 E), the chosen experts, their weights and
   the sort's order and inverse (int64 and fp32 per assignment): 28 k;
@@ -45,7 +46,7 @@ if TYPE_CHECKING:
 def expert_row_bytes(model: ModelConfig, moe: MoEConfig, compute_bytes: int) -> float:
     """Bytes one routed row keeps in the experts (its gathered input included)."""
     c = compute_bytes
-    ffn = model.ffn_hidden_size // model.tensor_model_parallel_size
+    ffn = moe.expert_ffn_hidden_size(model) // model.tensor_model_parallel_size
     glu = moe.mlp_type == "glu"
     if moe.memory_optimized_mlp:
         experts = (2 * c * ffn if glu else c * ffn) + 4
@@ -106,7 +107,7 @@ def expert_parameters(
         // expert_parallel_size
         * matrices
         * model.hidden_size
-        * (model.ffn_hidden_size // model.tensor_model_parallel_size)
+        * (moe.expert_ffn_hidden_size(model) // model.tensor_model_parallel_size)
     )
     return per_layer * sum(moe.is_moe_layer(n) for n in layer_numbers)
 

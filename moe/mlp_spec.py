@@ -1,7 +1,9 @@
 """The MLP spec of a GPT model with MoE layers: what the entry point hands `GPTModel`.
 
-Every `--moe-layer-freq`-th layer (0, freq, 2 freq, ...) gets an MoE layer (dMoE or MoE with
-capacity, per `MoEConfig.dropless`, moe.layers); the others keep the dense MLP.
+The layers `MoEConfig.is_moe_layer` names (every `--moe-layer-freq`-th from 0, or those its
+pattern marks) get an MoE layer (dMoE or MoE with capacity, per `MoEConfig.dropless`,
+moe.layers), whose experts have --moe-ffn-hidden-size channels; the others keep the dense MLP
+of --ffn-hidden-size.
 """
 
 from __future__ import annotations
@@ -49,14 +51,14 @@ class MoEMlpSpec(MlpSpec):
         shared expert (gated with --swiglu), in place of the dense MLP."""
         if not self.moe.is_moe_layer(layer_number):
             return super().forward_flops_per_token(config, layer_number)
-        hidden, ffn = config.hidden_size, config.ffn_hidden_size
+        hidden = config.hidden_size
         experts = self.moe.top_k * dense_mlp_flops_per_token(
-            hidden, ffn, self.moe.mlp_type == "glu"
+            hidden, self.moe.expert_ffn_hidden_size(config), self.moe.mlp_type == "glu"
         )
         router = 2 * hidden * self.moe.num_experts
         shared = 0
         if self.moe.shared_expert:
-            shared_ffn = self.moe.shared_expert_ffn_hidden_size or ffn
+            shared_ffn = self.moe.shared_expert_ffn_hidden_size or config.ffn_hidden_size
             shared = dense_mlp_flops_per_token(hidden, shared_ffn, config.swiglu)
         return experts + router + shared
 

@@ -26,6 +26,7 @@ from megatron.checkpointing.progress import progress_bar, tensor_bytes
 from megatron.checkpointing.save import CHECKPOINT_VERSION, write_torch_checkpoint
 from megatron.composition.run import tokenizer_and_padded_vocab
 from megatron.config import Config, ConfigError
+from megatron.config.layer_pattern import pattern_text
 from megatron.errors import UserError
 
 # Flags a checkpoint's arguments need that do not shape the model; the user's training
@@ -64,8 +65,11 @@ def _megatron_dmoe_flags(config) -> List[str]:
         "--layernorm-epsilon", repr(config.layernorm_epsilon),
         "--init-method-std", repr(config.initializer_range),
         "--moe-num-experts", str(config.num_experts), "--moe-top-k", str(config.moe_top_k),
-        "--moe-layer-freq", str(config.moe_layer_freq), "--mlp-type", config.mlp_type,
+        "--moe-layer-freq", _layer_freq_flag(config.moe_layer_freq), "--mlp-type", config.mlp_type,
     ]  # fmt: skip
+    # Exports before the experts had a size of their own have no such field.
+    if getattr(config, "moe_ffn_hidden_size", None) is not None:
+        flags += ["--moe-ffn-hidden-size", str(config.moe_ffn_hidden_size)]
     groups = getattr(config, "num_query_groups", config.num_attention_heads)
     if groups != config.num_attention_heads:
         flags += ["--group-query-attention", "--num-query-groups", str(groups)]
@@ -78,6 +82,11 @@ def _megatron_dmoe_flags(config) -> List[str]:
     if config.normalize_expert_weights is not None:
         flags += ["--moe-normalize-expert-weights", repr(config.normalize_expert_weights)]
     return flags
+
+
+def _layer_freq_flag(value) -> str:
+    """config.json's moe_layer_freq (an integer, or one 0/1 per layer) as the flag's value."""
+    return str(value) if isinstance(value, int) else pattern_text(value)
 
 
 def model_flags_and_state(hf_dir: str) -> Tuple[List[str], Dict[str, torch.Tensor], object]:

@@ -7,7 +7,9 @@ query group [heads_per_group q | k | v] (megatron.model.attention), splits into 
 k_proj and v_proj; SwiGLU's fc1 [gate; up] into gate_proj and up_proj. Experts store matmul
 operands w1, v1 [E, h, f] and w2 [E, f, h] (moe.experts); Mixtral files hold per-expert
 linear weights, w1 (gate) and w3 (up) [f, h] and w2 [h, f], the layout of every Mixtral file
-on the Hub, which transformers 5 converts on load and vLLM reads.
+on the Hub, which transformers 5 converts on load and vLLM reads. Mixtral's every layer is an
+MoE layer, so its `intermediate_size` is the experts' (--moe-ffn-hidden-size); imported, that is
+--ffn-hidden-size.
 
 Mixtral renormalizes the top-k router probabilities to sum to 1: this project does that with
 `--moe-normalize-expert-weights 1`, and refuses any other routing rather than change it.
@@ -20,6 +22,7 @@ from typing import Dict, List, Optional
 import torch
 
 from megatron.config import ModelConfig
+from megatron.config.layer_pattern import pattern_text
 from moe.config import MoEConfig
 
 LLAMA = "LlamaForCausalLM"
@@ -54,8 +57,10 @@ def mixtral_refusals(model: ModelConfig, moe: Optional[MoEConfig]) -> List[str]:
         return problems + ["dense MLPs (no --moe-num-experts)"]
     if model.add_bias_linear:
         problems.append("linear biases (add --disable-bias-linear)")
-    if moe.layer_freq != 1:
-        problems.append(f"--moe-layer-freq {moe.layer_freq} (Mixtral's every layer is MoE)")
+    if moe.num_moe_layers(model.num_layers) != model.num_layers:
+        freq = moe.layer_freq
+        shown = freq if isinstance(freq, int) else pattern_text(freq)
+        problems.append(f"--moe-layer-freq {shown} (Mixtral's every layer is MoE)")
     if moe.mlp_type != "glu":
         problems.append(f"--mlp-type {moe.mlp_type}")
     # Mixtral's weights: the top-k softmax scores renormalized, which is the softmax over the
@@ -131,13 +136,16 @@ def mixtral_config(model: ModelConfig, moe: MoEConfig, vocab_size: int, eod: int
     """
     from transformers import MixtralConfig
 
+    fields = _decoder_fields(model, vocab_size, eod)
+    # Every layer is an MoE layer (mixtral_refusals): its MLP size is the experts'.
+    fields["intermediate_size"] = moe.expert_ffn_hidden_size(model)
     config = MixtralConfig(
         num_local_experts=moe.num_experts,
         num_experts_per_tok=moe.top_k,
         router_aux_loss_coef=moe.loss_weight / moe.top_k,
         router_jitter_noise=0.0,
         sliding_window=None,
-        **_decoder_fields(model, vocab_size, eod),
+        **fields,
     )
     config.architectures = [MIXTRAL]
     return config

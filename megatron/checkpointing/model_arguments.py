@@ -4,13 +4,17 @@ A checkpoint keeps its run's argument namespace (`args`, as Megatron's do). When
 tensors do not fit the model, the flags whose values differ explain why in terms the user
 typed (`--hidden-size 64 in the checkpoint, 32 now`); when they fit but such a flag changed
 (say `--moe-top-k`), the model computes something else than what was trained, which loading
-reports as a warning.
+reports as a warning. A flag in Megatron-Core's per-layer form (megatron.config.layer_pattern,
+such as --moe-layer-freq) compares by the layers it marks: a checkpoint saved with an integer
+matches a run giving the pattern that marks the same layers.
 """
 
 from __future__ import annotations
 
 import argparse
 from typing import List, Optional, Sequence
+
+from megatron.config.layer_pattern import same_marked_layers
 
 # Namespace attributes that define the GPT model. Extensions with model flags of their own
 # (the MoE layers) pass theirs besides these.
@@ -57,7 +61,12 @@ def model_argument_differences(
         if condition and not (getattr(saved, condition, False) and getattr(current, condition)):
             continue
         saved_value, current_value = getattr(saved, name), getattr(current, name)
-        if saved_value != current_value:
+        if saved_value != current_value and not same_marked_layers(
+            saved_value,
+            getattr(saved, "num_layers", None),
+            current_value,
+            getattr(current, "num_layers", None),
+        ):
             differences.append(_describe(name, saved_value, current_value))
     return differences
 

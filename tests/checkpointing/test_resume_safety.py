@@ -273,6 +273,35 @@ def test_a_changed_model_flag_that_fits_is_a_warning(sample_prefix, tmp_path, ca
     )
 
 
+def test_experts_of_another_size_are_refused_naming_the_flag(
+    sample_prefix, tmp_path, capsys, monkeypatch
+):
+    """--moe-ffn-hidden-size is a model flag: experts of another size do not fit, and the
+    error names it. The layers the checkpoint's integer --moe-layer-freq made MoE layers,
+    given as a pattern, load without a warning."""
+    monkeypatch.setenv("MEGATRON_KERNELS", "reference")
+    moe = ("--seq-length", "32", "--max-position-embeddings", "32", "--moe-num-experts", "4")
+    directory = tmp_path / "checkpoints"
+    experts = ("--moe-ffn-hidden-size", "32", "--moe-layer-freq", "1")
+    pretrain_gpt.main(save_args(sample_prefix, directory, *moe, *experts, train_iters=3))
+    capsys.readouterr()
+    same_layers = ("--moe-ffn-hidden-size", "32", "--moe-layer-freq", "[1,1]")
+    resumed = pretrain_gpt.main(
+        save_args(
+            sample_prefix, directory, *moe, *same_layers, "--load", str(directory), train_iters=3
+        )
+    )  # fmt: skip
+    assert resumed.iteration == 3
+    assert "saved with other model flags" not in capsys.readouterr().out
+    other_size = ("--moe-ffn-hidden-size", "64")
+    args = save_args(sample_prefix, directory, *moe, *other_size, "--load", str(directory))
+    assert run_expecting_error(args, capsys) == (
+        f"error: the model in {directory}/iter_0000003 does not fit this run's: "
+        "--moe-ffn-hidden-size 32 in the checkpoint, 64 now; run with the checkpoint's values "
+        "of these flags"
+    )
+
+
 def test_extending_a_run_needs_a_schedule_rule(sample_prefix, checkpoints, capsys):
     longer = save_args(sample_prefix, checkpoints, "--load", str(checkpoints), train_iters=20)
     error = run_expecting_error(longer, capsys)

@@ -32,6 +32,9 @@ TINY = (
 ).split()
 GQA_SWIGLU = "--group-query-attention --num-query-groups 2 --swiglu --normalization RMSNorm --position-embedding-type rope --untie-embeddings-and-output-weights".split()
 DMOE = "--moe-num-experts 4 --moe-top-k 2".split()
+# Experts of their own size (twice the dense MLP's, so that their terms stand out) in the
+# second layer only.
+FINE_GRAINED = [*DMOE, "--moe-ffn-hidden-size", "512", "--moe-layer-freq", "[0,1]"]
 DMOE_125M = (
     "--num-layers 12 --hidden-size 768 --num-attention-heads 12 --seq-length 1024 "
     "--max-position-embeddings 1024 --micro-batch-size 64 --global-batch-size 512 --lr 6e-4 "
@@ -51,7 +54,11 @@ def real_model(config: Config) -> GPTModel:
     return sharded_gpt_model(config.model, GPT_RUN.mlp_spec(config))
 
 
-@pytest.mark.parametrize("flags", [(), GQA_SWIGLU, DMOE], ids=["dense", "gqa-swiglu", "dmoe"])
+@pytest.mark.parametrize(
+    "flags",
+    [(), GQA_SWIGLU, DMOE, FINE_GRAINED],
+    ids=["dense", "gqa-swiglu", "dmoe", "dmoe-fine-grained"],
+)
 def test_parameter_count_is_exact(flags):
     config = config_of(*flags)
     counts = count_parameters(config, GPT_RUN.mlp_spec(config)).stage(config, 0)
@@ -289,16 +296,17 @@ def test_optimizer_dtype_and_offload_options_change_their_parts():
     assert estimate_memory(offload, GPT_RUN.mlp_spec(offload)).weights == base.weights
 
 
-def test_expert_copies_and_the_held_gradient():
-    config = config_of(*DMOE)
+@pytest.mark.parametrize("flags", [DMOE, FINE_GRAINED], ids=["dmoe", "dmoe-fine-grained"])
+def test_expert_copies_and_the_held_gradient(flags):
+    config = config_of(*flags)
     experts = sum(p.numel() for n, p in real_model(config).named_parameters() if ".experts." in n)
     estimate = estimate_memory(config, GPT_RUN.mlp_spec(config))
     assert estimate.expert_weight_copies == 2 * experts
     assert estimate.held_gradients == 2 * experts
     # bf16 main gradients hold one micro-batch's expert gradients too (moe.weight_copies).
-    low = config_of(*DMOE, "--use-precision-aware-optimizer", "--main-grads-dtype", "bf16")
+    low = config_of(*flags, "--use-precision-aware-optimizer", "--main-grads-dtype", "bf16")
     assert estimate_memory(low, GPT_RUN.mlp_spec(low)).held_gradients == 2 * experts
-    unfused = config_of(*DMOE, "--no-gradient-accumulation-fusion")
+    unfused = config_of(*flags, "--no-gradient-accumulation-fusion")
     unfused_estimate = estimate_memory(unfused, GPT_RUN.mlp_spec(unfused))
     assert unfused_estimate.expert_weight_copies == 0
     assert unfused_estimate.weight_casts - estimate.weight_casts == 2 * experts
@@ -377,6 +385,7 @@ MEASURED = {
     "gqa-swiglu-rope": (*GQA_SWIGLU, "--hidden-dropout", "0.0", "--attention-dropout", "0.0"),
     "dmoe": (*DMOE, "--hidden-dropout", "0.0", "--attention-dropout", "0.0"),
     "dmoe-glu": (*DMOE, "--mlp-type", "glu", "--attention-dropout", "0.0"),
+    "dmoe-fine-grained": (*FINE_GRAINED, "--hidden-dropout", "0.0", "--attention-dropout", "0.0"),
     "selective": ("--recompute-granularity", "selective", "--attention-dropout", "0.0"),
 }
 

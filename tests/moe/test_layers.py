@@ -248,6 +248,15 @@ def test_mlp_spec_puts_moe_in_every_layer_freq_th_layer():
     assert isinstance(MoEMlpSpec(dataclasses.replace(moe, dropless=False)).build(config, 0), MoE)
 
 
+def test_mlp_spec_puts_moe_where_the_layer_pattern_marks():
+    """--moe-layer-freq's pattern form: one mark per layer (megatron.config.layer_pattern)."""
+    moe = MoEConfig(num_experts=4, layer_freq=(False, True, True, False))
+    config = model_config(num_layers=4)
+    kinds = [type(MoEMlpSpec(moe).build(config, index)) for index in range(4)]
+    assert kinds == [MLP, DroplessMoE, DroplessMoE, MLP]
+    assert moe.num_moe_layers(4) == 2
+
+
 def test_gpt_model_with_moe_inits_experts_and_trains_one_step():
     moe = MoEConfig(num_experts=4, top_k=2)
     config = model_config(padded_vocab_size=64, init_method_std=0.02)

@@ -114,6 +114,10 @@ def test_per_layer_expert_load_in_the_log_and_tensorboard(data_prefix, capsys, t
             "--expert-model-parallel-size 2 does not divide the data-parallel size 1",
         ),
         (["--moe-num-experts", "4", "--moe-layer-freq", "3"], "--moe-layer-freq 3"),
+        (
+            ["--moe-num-experts", "4", "--moe-layer-freq", "[1,1,1]"],
+            "--moe-layer-freq has 3 entries, but --num-layers is 2",
+        ),
         (["--moe-num-experts", "4", "--moe-impl", "nope"], "--moe-impl"),
         (["--moe-num-experts", "4", "--swiglu", "--mlp-type", "mlp"], "--mlp-type glu"),
     ],

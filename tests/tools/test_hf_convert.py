@@ -25,6 +25,11 @@ from tests.tools.hf_checkpoints import (  # noqa: E402
     write_checkpoint,
 )
 
+# Fine-grained experts (half the dense size) beside a dense first layer.
+FINE_GRAINED_DMOE = [
+    "--moe-num-experts", "4", "--moe-top-k", "2", "--moe-ffn-hidden-size", "24",
+    "--moe-layer-freq", "([0]*1+[1]*1)",
+]  # fmt: skip
 KINDS = {
     "gpt2": ([], "GPT2LMHeadModel"),
     "llama": (LLAMA, "LlamaForCausalLM"),
@@ -40,6 +45,9 @@ KINDS = {
     ),
     # MegaBlocks' recipe (GELU experts, biases, learned positions): this project's modeling file
     "gpt2_dmoe": (["--moe-num-experts", "4", "--moe-top-k", "2"], "MegatronDMoEForCausalLM"),
+    "gpt2_dmoe_fine_grained": (FINE_GRAINED_DMOE, "MegatronDMoEForCausalLM"),
+    # Mixtral's experts are its only MLPs: their size is its intermediate_size.
+    "mixtral_fine_grained": ([*MIXTRAL, "--moe-ffn-hidden-size", "24"], "MixtralForCausalLM"),
 }
 
 
@@ -224,6 +232,7 @@ def test_sharded_export_loads(tmp_path):
             MIXTRAL + ["--moe-router-topk-scaling-factor", "2"],
             "--moe-router-topk-scaling-factor 2.0",
         ),
+        (MIXTRAL + ["--moe-layer-freq", "[0,1]"], "--moe-layer-freq [0,1] (Mixtral's every"),
     ],
 )
 def test_models_no_class_fits_are_refused(flags, expected, tmp_path, capsys):

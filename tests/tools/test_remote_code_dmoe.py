@@ -46,6 +46,9 @@ VARIANTS: Dict[str, tuple] = {
     "top2_normalized": ({}, {"top_k": 2, "normalize_expert_weights": 1.0}),
     "layer_freq2": ({"num_layers": 4}, {"layer_freq": 2}),
     "swiglu_dense_glu_experts": ({"num_layers": 3, "swiglu": True}, {"mlp_type": "glu", "layer_freq": 2}),
+    "fine_grained_after_a_dense_layer": (
+        {"num_layers": 3}, {"layer_freq": (False, True, True), "ffn_hidden_size": 16, "top_k": 2},
+    ),
     "silu_experts_ungated": ({"swiglu": True}, {}),
     "untied_no_bias_gqa": (
         {"untie_embeddings_and_output_weights": True, "add_bias_linear": False, "num_query_groups": 2},
@@ -268,7 +271,7 @@ def test_config_json_names_the_remote_code(tmp_path):
         "num_attention_heads": 4, "num_query_groups": 4, "ffn_hidden_size": 48,
         "max_position_embeddings": MAX_POSITIONS, "num_experts": 4, "moe_top_k": 2,
         "moe_layer_freq": 1, "mlp_type": "mlp", "activation": "gelu",
-        "normalize_expert_weights": None, "add_bias_linear": True,
+        "normalize_expert_weights": None, "add_bias_linear": True, "moe_ffn_hidden_size": None,
         "eos_token_id": EOS, "bos_token_id": EOS,
     }  # fmt: skip
     assert {key: config[key] for key in expected} == expected

@@ -81,4 +81,11 @@ def test_refusals(data_prefix, tmp_path, capsys):
     assert "--moe-num-experts" in capsys.readouterr().err
     assert upcycle.main(argv + ["--moe-num-experts", "4", "--mlp-type", "glu"]) == 1
     assert "--mlp-type glu" in capsys.readouterr().err
+    # Experts copy the dense MLP whole: they cannot take another size.
+    assert upcycle.main(argv + ["--moe-num-experts", "4", "--moe-ffn-hidden-size", "64"]) == 1
+    assert capsys.readouterr().err == (
+        "error: --moe-ffn-hidden-size 64: the dense checkpoint's MLPs have --ffn-hidden-size "
+        "256, and upcycling copies them into the experts whole; drop --moe-ffn-hidden-size (or "
+        "give 256)\n"
+    )
     assert not (tmp_path / "moe").exists()

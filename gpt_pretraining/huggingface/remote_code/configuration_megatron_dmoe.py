@@ -1,10 +1,13 @@
 """Hugging Face configuration of megatron-dmoe's GPT-2 dMoE (`model_type` "megatron_dmoe").
 
 A GPT-2 decoder (learned absolute positions, pre-LayerNorm, linear biases, tied embeddings by
-default) whose MLP in every `moe_layer_freq`-th layer (0, freq, 2 freq, ...) is MegaBlocks'
-dropless MoE: `num_experts` bias-free expert MLPs, a softmax router picking `moe_top_k` of them,
-one output bias per layer. Field names follow Megatron's flags (`--ffn-hidden-size`,
-`--moe-top-k`, ...); `attribute_map` gives the usual Hugging Face names too. The experts per
+default) whose MLP in some layers is MegaBlocks' dropless MoE: `num_experts` bias-free expert
+MLPs of `moe_ffn_hidden_size` channels (None: `ffn_hidden_size`, the dense MLPs' size), a softmax
+router picking `moe_top_k` of them, one output bias per layer. `moe_layer_freq` says which
+layers, as Megatron-Core's --moe-layer-freq does: an integer N for every N-th layer from layer 0
+(0, N, 2N, ...), or a list of one 0 (dense MLP) or 1 (MoE) per layer. Field names follow
+Megatron's flags (`--ffn-hidden-size`, `--moe-top-k`, ...); `attribute_map` gives the usual
+Hugging Face names too. The experts per
 token are `moe_top_k`, not `top_k`: transformers reads a model config's `top_k` as the sampling
 parameter of generation.
 
@@ -18,7 +21,7 @@ This file is copied into exported model directories and imports only transformer
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, List, Optional, Union
 
 from transformers import PretrainedConfig
 
@@ -60,7 +63,8 @@ class MegatronDMoEConfig(PretrainedConfig):
         tie_word_embeddings: bool = True,
         num_experts: int = 64,
         moe_top_k: int = 1,
-        moe_layer_freq: int = 1,
+        moe_layer_freq: Union[int, List[int]] = 1,
+        moe_ffn_hidden_size: Optional[int] = None,
         mlp_type: str = "mlp",
         activation: str = "gelu",
         normalize_expert_weights: Optional[float] = None,
@@ -93,8 +97,16 @@ class MegatronDMoEConfig(PretrainedConfig):
             raise ValueError(
                 f"moe_top_k={moe_top_k} must be between 1 and num_experts={num_experts}"
             )
-        if moe_layer_freq < 1:
-            raise ValueError(f"moe_layer_freq={moe_layer_freq} must be >= 1")
+        if isinstance(moe_layer_freq, int):
+            if moe_layer_freq < 1:
+                raise ValueError(f"moe_layer_freq={moe_layer_freq} must be >= 1")
+        elif len(moe_layer_freq) != num_layers or any(m not in (0, 1) for m in moe_layer_freq):
+            raise ValueError(
+                f"moe_layer_freq={moe_layer_freq} must be an integer or one 0 or 1 per layer "
+                f"(num_layers={num_layers})"
+            )
+        if moe_ffn_hidden_size is not None and moe_ffn_hidden_size < 1:
+            raise ValueError(f"moe_ffn_hidden_size={moe_ffn_hidden_size} must be >= 1")
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.num_layers = num_layers
@@ -107,6 +119,7 @@ class MegatronDMoEConfig(PretrainedConfig):
         self.num_experts = num_experts
         self.moe_top_k = moe_top_k
         self.moe_layer_freq = moe_layer_freq
+        self.moe_ffn_hidden_size = moe_ffn_hidden_size
         self.mlp_type = mlp_type
         self.activation = activation
         self.normalize_expert_weights = normalize_expert_weights
@@ -125,6 +138,16 @@ class MegatronDMoEConfig(PretrainedConfig):
         """Channels per attention head (Megatron's kv_channels)."""
         return self.hidden_size // self.num_attention_heads
 
+    @property
+    def expert_ffn_hidden_size(self) -> int:
+        """Each expert's channels: moe_ffn_hidden_size, else the dense MLPs' ffn_hidden_size."""
+        if self.moe_ffn_hidden_size is None:
+            return self.ffn_hidden_size
+        return self.moe_ffn_hidden_size
+
     def is_moe_layer(self, layer_index: int) -> bool:
-        """Whether layer `layer_index` (0-based) has experts: every moe_layer_freq-th, from 0."""
-        return layer_index % self.moe_layer_freq == 0
+        """Whether layer `layer_index` (0-based) has experts: every moe_layer_freq-th from 0,
+        or where the list has a 1."""
+        if isinstance(self.moe_layer_freq, int):
+            return layer_index % self.moe_layer_freq == 0
+        return self.moe_layer_freq[layer_index] == 1

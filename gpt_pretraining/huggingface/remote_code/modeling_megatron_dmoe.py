@@ -12,15 +12,16 @@ are the project's checkpoint keys, so an export copies tensors without renaming:
     decoder.layers.N.self_attention.linear_proj.{weight,bias}   [h, heads * d]
     decoder.layers.N.pre_mlp_layernorm.{weight,bias}  [h]
     MoE layers:   decoder.layers.N.mlp.router.layer.weight [E, h]
-                  decoder.layers.N.mlp.experts.{w1, v1 (glu only)} [E, h, f], .w2 [E, f, h]
+                  decoder.layers.N.mlp.experts.{w1, v1 (glu only)} [E, h, e], .w2 [E, e, h]
                   decoder.layers.N.mlp.bias [h] (with add_bias_linear)
     dense layers: decoder.layers.N.mlp.linear_fc1.{weight,bias} [f or 2f, h],
                   decoder.layers.N.mlp.linear_fc2.{weight,bias} [h, f]
     decoder.final_layernorm.{weight,bias}            [h]
     output_layer.weight                              [vocab, h], untied embeddings only
 
-The bias entries exist only with add_bias_linear (the LayerNorms always have one). With tied
-embeddings `output_layer.weight` is the word embedding table, tied through transformers'
+f is ffn_hidden_size, e the experts' size (moe_ffn_hidden_size, else f). The bias entries exist
+only with add_bias_linear (the LayerNorms always have one). With tied embeddings
+`output_layer.weight` is the word embedding table, tied through transformers'
 `_tied_weights_keys`, and stored once.
 
 An MoE layer on tokens x [T, h]: logits = x W_router^T [T, E], probabilities = softmax over the
@@ -161,7 +162,8 @@ class Experts(nn.Module):
 
     def __init__(self, config: MegatronDMoEConfig) -> None:
         super().__init__()
-        experts, hidden, ffn = config.num_experts, config.hidden_size, config.ffn_hidden_size
+        experts, hidden = config.num_experts, config.hidden_size
+        ffn = config.expert_ffn_hidden_size
         self.activation = ACTIVATIONS[config.activation]
         self.w1 = nn.Parameter(torch.empty(experts, hidden, ffn))
         if config.mlp_type == "glu":

@@ -90,7 +90,14 @@ def megatron_dmoe_config_from(
         "tie_word_embeddings": not model_config.untie_embeddings_and_output_weights,
         "num_experts": moe_config.num_experts,
         "moe_top_k": moe_config.top_k,
-        "moe_layer_freq": moe_config.layer_freq,
+        # An integer, or the pattern's marks as 0s and 1s (JSON has no tuples of bools).
+        "moe_layer_freq": (
+            moe_config.layer_freq
+            if isinstance(moe_config.layer_freq, int)
+            else [int(mark) for mark in moe_config.layer_freq]
+        ),
+        # None: the experts take ffn_hidden_size, as the flag's absence means.
+        "moe_ffn_hidden_size": moe_config.ffn_hidden_size,
         "mlp_type": moe_config.mlp_type,
         # The project picks every MLP's activation by --swiglu (moe.layers, megatron.model.mlp).
         "activation": "silu" if model_config.swiglu else "gelu",
