@@ -168,6 +168,19 @@ class MoEConfig:
                 "--no-moe-router-pre-softmax at --moe-top-k 1: every token's expert weight is "
                 "1, so the router learns from the load-balancing loss alone"
             )
+        if (
+            self.router_score == "sigmoid"
+            and self.router_bias_update_rate == 0
+            and self.load_balancing_type != "none"
+        ):
+            # Seen on real text (docs/moe.md, "Which routing to use"): the loss held its
+            # balanced value while the busiest expert took 6-22 times the mean share.
+            notes.append(
+                "--moe-router-score sigmoid: the load-balancing loss sees little of a sigmoid "
+                "router's imbalance (its per-token normalized scores stay near uniform); "
+                "DeepSeek-V3 balances sigmoid routing with the expert bias, e.g. "
+                "--moe-router-bias-update-rate 0.001"
+            )
         if self.router_force_load_balancing:
             notes.append(
                 "--moe-router-force-load-balancing: experts are drawn at random, not chosen by "

@@ -234,3 +234,30 @@ def test_global_balancing_counts_every_data_parallel_rank():
             torch.tensor([8, 8]), result["scores"], top_k=1, counted_tokens=torch.tensor(16.0)
         )
         torch.testing.assert_close(result["loss"], expected)
+
+
+def test_a_sigmoid_router_without_the_expert_bias_gets_a_note():
+    """The balancing loss of a sigmoid router reads near balance whatever the counts (its
+    normalized scores stay near uniform), so a run without the expert bias is told."""
+    sigmoid = MoEConfig(num_experts=4, router_score="sigmoid")
+    assert any("--moe-router-bias-update-rate" in note for note in sigmoid.notes())
+    for quiet in (
+        MoEConfig(num_experts=4),
+        MoEConfig(num_experts=4, router_score="sigmoid", router_bias_update_rate=1e-3),
+        MoEConfig(num_experts=4, router_score="sigmoid", load_balancing_type="none"),
+    ):
+        assert not any("--moe-router-bias-update-rate" in note for note in quiet.notes())
+
+
+def test_the_balancing_loss_of_near_uniform_sigmoid_scores_stays_near_balance():
+    """What the note is about: every token on expert 0, whose logit is 3 where the others' are 1.
+    A softmax puts half of each token's probability there and the loss reads 4x its balanced
+    value; the sigmoid scores (0.95 against 0.73) normalize to nearly uniform probabilities and
+    the loss reads barely above balance."""
+    logits = torch.ones(64, 8)
+    logits[:, 0] = 3.0
+    counts = torch.tensor([64, 0, 0, 0, 0, 0, 0, 0])
+    softmax = load_balancing_loss(counts, logits.softmax(dim=-1), top_k=1)
+    scores = logits.sigmoid()
+    sigmoid = load_balancing_loss(counts, scores / scores.sum(dim=-1, keepdim=True), top_k=1)
+    assert softmax.item() > 4.0 and sigmoid.item() < 1.3
