@@ -20,7 +20,7 @@ import torch
 
 from gpt_pretraining import GPT_RUN
 from gpt_pretraining.huggingface import hf_gpt2, hf_llama
-from gpt_pretraining.huggingface.hf_files import read_safetensors
+from gpt_pretraining.huggingface.hf_files import is_training_counter, read_safetensors
 from megatron.checkpointing.layout import RELEASE, read_tracker
 from megatron.checkpointing.progress import progress_bar, tensor_bytes
 from megatron.checkpointing.save import CHECKPOINT_VERSION, write_torch_checkpoint
@@ -157,7 +157,7 @@ def import_hf(hf_dir: str, save_dir: str, print_fn: Callable[[str], None] = prin
     state = {name: _pad_rows(tensor, padded) if name in _VOCABULARY_ROWS else tensor
              for name, tensor in state.items()}  # fmt: skip
     run_config = GPT_RUN.config(args, notes, padded)
-    _check_fits(state, run_config)
+    state = _checked_with_training_counters(state, run_config)
     args.padded_vocab_size = padded
     release = _release_state(args, state)
     with progress_bar(f"writing {save_dir}", tensor_bytes(release), "B") as bar:
@@ -181,18 +181,25 @@ def _pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat((tensor, padding), dim=0)
 
 
-def _check_fits(state: Dict[str, torch.Tensor], config: Config) -> None:
-    """The imported tensors are exactly the model's: names and shapes."""
+def _checked_with_training_counters(
+    state: Dict[str, torch.Tensor], config: Config
+) -> Dict[str, torch.Tensor]:
+    """`state` and, at zero, the training counters the model checkpoints and an export leaves
+    out (the expert bias's pending token counts); UserError unless the tensors are then exactly
+    the model's, names and shapes."""
     with torch.device("meta"):
         model = GPT_RUN.model(config)
-    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    expected = model.state_dict()
+    state = dict(state)
     for name in sorted(expected.keys() - state.keys()):
-        raise UserError(f"the imported model lacks {name}: the mapping is incomplete")
+        if not is_training_counter(name):
+            raise UserError(f"the imported model lacks {name}: the mapping is incomplete")
+        state[name] = torch.zeros(expected[name].shape, dtype=expected[name].dtype)
     for name, tensor in state.items():
-        if expected.get(name) != tuple(tensor.shape):
-            raise UserError(
-                f"{name}: imported shape {tuple(tensor.shape)}, the model's {expected.get(name)}"
-            )
+        shape = tuple(expected[name].shape) if name in expected else None
+        if shape != tuple(tensor.shape):
+            raise UserError(f"{name}: imported shape {tuple(tensor.shape)}, the model's {shape}")
+    return state
 
 
 def _release_state(args: argparse.Namespace, model_state: Dict[str, torch.Tensor]) -> Dict:
