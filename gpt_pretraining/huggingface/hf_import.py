@@ -81,6 +81,27 @@ def _megatron_dmoe_flags(config) -> List[str]:
         flags.append("--swiglu")
     if config.normalize_expert_weights is not None:
         flags += ["--moe-normalize-expert-weights", repr(config.normalize_expert_weights)]
+    return flags + _megatron_dmoe_routing_flags(config)
+
+
+def _megatron_dmoe_routing_flags(config) -> List[str]:
+    """The --moe-router-* flags of a megatron_dmoe config.json; exports made before these
+    fields existed have none and route as the flags' defaults do."""
+    flags = []
+    score = getattr(config, "moe_router_score", "softmax")
+    if score != "softmax":
+        flags += ["--moe-router-score", score]
+    if not getattr(config, "moe_router_pre_softmax", True):
+        flags.append("--no-moe-router-pre-softmax")
+    factor = getattr(config, "moe_router_topk_scaling_factor", None)
+    if factor is not None:
+        flags += ["--moe-router-topk-scaling-factor", repr(factor)]
+    rate = getattr(config, "moe_router_bias_update_rate", 0.0)
+    if rate > 0:
+        flags += ["--moe-router-bias-update-rate", repr(rate)]
+    router_dtype = getattr(config, "moe_router_dtype", None)
+    if router_dtype is not None:
+        flags += ["--moe-router-dtype", router_dtype]
     return flags
 
 
