@@ -246,6 +246,17 @@ def test_the_expert_bias_chooses_experts_and_does_not_weight_them(auto_model, tm
     assert changed > 0
 
 
+def test_the_expert_bias_stays_fp32_in_a_bf16_model(auto_model, tmp_path):
+    """As the project's buffer, which its bf16 runs add unrounded to fp32 softmax scores."""
+    project, model_config, moe_config = build_project_model(*VARIANTS["softmax_top1_expert_bias"])
+    directory = export(project, model_config, moe_config, tmp_path / "dmoe_bf16")
+    model = auto_model.from_pretrained(str(directory), trust_remote_code=True, dtype=torch.bfloat16)
+    router = hf_routers(model)[0]
+    assert router.layer.weight.dtype == torch.bfloat16
+    assert router.expert_bias.dtype == torch.float32
+    assert torch.equal(router.expert_bias, EXPERT_BIAS)
+
+
 # Rows of tied logits: all four equal, three, two pairs, two of the top three.
 TIED_LOGITS = torch.tensor(
     [[3.0, 3.0, 3.0, 3.0], [0.0, 2.0, 2.0, 2.0], [1.0, 1.0, 0.0, 0.0], [0.5, -1.0, 0.5, 0.5]]

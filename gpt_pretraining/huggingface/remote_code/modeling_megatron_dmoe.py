@@ -415,6 +415,9 @@ class MegatronDMoEForCausalLM(PreTrainedModel, GenerationMixin):
     base_model_prefix = "model"
     _no_split_modules = ["TransformerLayer"]
     _tied_weights_keys = {"output_layer.weight": "embedding.word_embeddings.weight"}
+    # The project keeps the expert bias in fp32 and casts it to the scores' dtype: a model loaded
+    # in bf16 then adds it unrounded to fp32 softmax scores, as the project's bf16 runs do.
+    _keep_in_fp32_modules_strict = ["expert_bias"]
 
     def __init__(self, config: MegatronDMoEConfig) -> None:
         super().__init__(config)
