@@ -27,6 +27,7 @@ from gpt_pretraining.checkpoint_model import (
 from gpt_pretraining.huggingface import hf_gpt2, hf_llama
 from gpt_pretraining.huggingface.hf_files import (
     DEFAULT_MAX_SHARD_BYTES,
+    is_training_counter,
     unsupported_tokenizer_message,
     write_safetensors,
     write_tokenizer,
@@ -107,7 +108,7 @@ def hf_weights_and_config(checkpoint: CheckpointModel, vocab_size: int, eod: int
     tensors = {
         name: (tensor[:vocab_size] if name in _VOCABULARY_ROWS else tensor)
         for name, tensor in state.items()
-        if _is_weight(name)
+        if not is_training_counter(name)
     }
     return (
         architecture,
@@ -117,12 +118,6 @@ def hf_weights_and_config(checkpoint: CheckpointModel, vocab_size: int, eod: int
 
 
 _VOCABULARY_ROWS = ("embedding.word_embeddings.weight", "output_layer.weight")
-# Buffers of the MoE layers that count tokens in training: state, not weights.
-_COUNTERS = ("tokens_per_expert", "window_tokens_per_expert", "pending_tokens_per_expert")
-
-
-def _is_weight(name: str) -> bool:
-    return name.rsplit(".", 1)[-1] not in _COUNTERS
 
 
 def build_checkpoint_tokenizer(checkpoint: CheckpointModel, files: TokenizerFiles):

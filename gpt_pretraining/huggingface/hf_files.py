@@ -15,6 +15,14 @@ from megatron.checkpointing.progress import progress_bar
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # transformers' default shard size
+# Buffers of the MoE layers (moe.layers) that count tokens in training: state, not weights. An
+# export leaves them out; an import starts them at zero.
+TRAINING_COUNTERS = ("tokens_per_expert", "window_tokens_per_expert", "pending_tokens_per_expert")
+
+
+def is_training_counter(name: str) -> bool:
+    """Whether the state dict entry `name` is one of the MoE layers' training counters."""
+    return name.rsplit(".", 1)[-1] in TRAINING_COUNTERS
 
 
 def _shard_plan(tensors: Dict[str, torch.Tensor], max_shard_bytes: int) -> List[List[str]]:

@@ -20,7 +20,7 @@ import torch
 
 from gpt_pretraining import GPT_RUN
 from gpt_pretraining.huggingface import hf_gpt2, hf_llama
-from gpt_pretraining.huggingface.hf_files import read_safetensors
+from gpt_pretraining.huggingface.hf_files import is_training_counter, read_safetensors
 from megatron.checkpointing.layout import RELEASE, read_tracker
 from megatron.checkpointing.progress import progress_bar, tensor_bytes
 from megatron.checkpointing.save import CHECKPOINT_VERSION, write_torch_checkpoint
@@ -81,6 +81,27 @@ def _megatron_dmoe_flags(config) -> List[str]:
         flags.append("--swiglu")
     if config.normalize_expert_weights is not None:
         flags += ["--moe-normalize-expert-weights", repr(config.normalize_expert_weights)]
+    return flags + _megatron_dmoe_routing_flags(config)
+
+
+def _megatron_dmoe_routing_flags(config) -> List[str]:
+    """The --moe-router-* flags of a megatron_dmoe config.json; exports made before these
+    fields existed have none and route as the flags' defaults do."""
+    flags = []
+    score = getattr(config, "moe_router_score", "softmax")
+    if score != "softmax":
+        flags += ["--moe-router-score", score]
+    if not getattr(config, "moe_router_pre_softmax", True):
+        flags.append("--no-moe-router-pre-softmax")
+    factor = getattr(config, "moe_router_topk_scaling_factor", None)
+    if factor is not None:
+        flags += ["--moe-router-topk-scaling-factor", repr(factor)]
+    rate = getattr(config, "moe_router_bias_update_rate", 0.0)
+    if rate > 0:
+        flags += ["--moe-router-bias-update-rate", repr(rate)]
+    router_dtype = getattr(config, "moe_router_dtype", None)
+    if router_dtype is not None:
+        flags += ["--moe-router-dtype", router_dtype]
     return flags
 
 
@@ -157,7 +178,7 @@ def import_hf(hf_dir: str, save_dir: str, print_fn: Callable[[str], None] = prin
     state = {name: _pad_rows(tensor, padded) if name in _VOCABULARY_ROWS else tensor
              for name, tensor in state.items()}  # fmt: skip
     run_config = GPT_RUN.config(args, notes, padded)
-    _check_fits(state, run_config)
+    state = _checked_with_training_counters(state, run_config)
     args.padded_vocab_size = padded
     release = _release_state(args, state)
     with progress_bar(f"writing {save_dir}", tensor_bytes(release), "B") as bar:
@@ -181,18 +202,25 @@ def _pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat((tensor, padding), dim=0)
 
 
-def _check_fits(state: Dict[str, torch.Tensor], config: Config) -> None:
-    """The imported tensors are exactly the model's: names and shapes."""
+def _checked_with_training_counters(
+    state: Dict[str, torch.Tensor], config: Config
+) -> Dict[str, torch.Tensor]:
+    """`state` and, at zero, the training counters the model checkpoints and an export leaves
+    out (the expert bias's pending token counts); UserError unless the tensors are then exactly
+    the model's, names and shapes."""
     with torch.device("meta"):
         model = GPT_RUN.model(config)
-    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    expected = model.state_dict()
+    state = dict(state)
     for name in sorted(expected.keys() - state.keys()):
-        raise UserError(f"the imported model lacks {name}: the mapping is incomplete")
+        if not is_training_counter(name):
+            raise UserError(f"the imported model lacks {name}: the mapping is incomplete")
+        state[name] = torch.zeros(expected[name].shape, dtype=expected[name].dtype)
     for name, tensor in state.items():
-        if expected.get(name) != tuple(tensor.shape):
-            raise UserError(
-                f"{name}: imported shape {tuple(tensor.shape)}, the model's {expected.get(name)}"
-            )
+        shape = tuple(expected[name].shape) if name in expected else None
+        if shape != tuple(tensor.shape):
+            raise UserError(f"{name}: imported shape {tuple(tensor.shape)}, the model's {shape}")
+    return state
 
 
 def _release_state(args: argparse.Namespace, model_state: Dict[str, torch.Tensor]) -> Dict:

@@ -16,7 +16,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from gpt_pretraining.checkpoint_model import read_checkpoint_model  # noqa: E402
 from gpt_pretraining.huggingface import hf_convert  # noqa: E402
-from gpt_pretraining.huggingface.hf_files import read_safetensors  # noqa: E402
+from gpt_pretraining.huggingface.hf_export import REMOTE_DMOE  # noqa: E402
+from gpt_pretraining.huggingface.hf_files import (  # noqa: E402
+    is_training_counter,
+    read_safetensors,
+)
+from moe.config import MoEConfig  # noqa: E402
 from tests.tools.hf_checkpoints import (  # noqa: E402
     GPT2_VOCAB_SIZE,
     LLAMA,
@@ -29,6 +34,10 @@ from tests.tools.hf_checkpoints import (  # noqa: E402
 FINE_GRAINED_DMOE = [
     "--moe-num-experts", "4", "--moe-top-k", "2", "--moe-ffn-hidden-size", "24",
     "--moe-layer-freq", "([0]*1+[1]*1)",
+]  # fmt: skip
+SIGMOID_BIAS_DMOE = [
+    "--moe-num-experts", "4", "--moe-top-k", "2", "--moe-router-score", "sigmoid",
+    "--moe-router-bias-update-rate", "0.01", "--moe-router-topk-scaling-factor", "2.0",
 ]  # fmt: skip
 KINDS = {
     "gpt2": ([], "GPT2LMHeadModel"),
@@ -44,8 +53,11 @@ KINDS = {
         "MixtralForCausalLM",
     ),
     # MegaBlocks' recipe (GELU experts, biases, learned positions): this project's modeling file
-    "gpt2_dmoe": (["--moe-num-experts", "4", "--moe-top-k", "2"], "MegatronDMoEForCausalLM"),
-    "gpt2_dmoe_fine_grained": (FINE_GRAINED_DMOE, "MegatronDMoEForCausalLM"),
+    "gpt2_dmoe": (["--moe-num-experts", "4", "--moe-top-k", "2"], REMOTE_DMOE),
+    "gpt2_dmoe_fine_grained": (FINE_GRAINED_DMOE, REMOTE_DMOE),
+    # DeepSeek-V3's routing: sigmoid scores, the expert bias (random in these checkpoints, as
+    # every tensor) choosing, the weights scaled.
+    "gpt2_dmoe_sigmoid_bias": (SIGMOID_BIAS_DMOE, REMOTE_DMOE),
     # Mixtral's experts are its only MLPs: their size is its intermediate_size.
     "mixtral_fine_grained": ([*MIXTRAL, "--moe-ffn-hidden-size", "24"], "MixtralForCausalLM"),
 }
@@ -105,15 +117,22 @@ def test_export_computes_the_same_logits_and_loss(kind, ckpt_format, tmp_path, a
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_export_then_import_reproduces_the_checkpoint(kind, tmp_path):
-    flags, _ = KINDS[kind]
-    state, _ = write_checkpoint(tmp_path / "ckpt", flags)
+    flags, architecture = KINDS[kind]
+    state, config = write_checkpoint(tmp_path / "ckpt", flags)
     export(tmp_path / "ckpt", tmp_path / "hf")
     import_(tmp_path / "hf", tmp_path / "imported")
     imported = read_checkpoint_model(str(tmp_path / "imported"), print_fn=lambda _: None)
     assert imported.iteration == "release"
+    if architecture == REMOTE_DMOE:
+        # Its config.json carries every MoE flag, the routing's too. (Mixtral's comes back as
+        # flags that compute the same: --moe-normalize-expert-weights 1 for the softmax of
+        # the chosen logits, --ffn-hidden-size for its only MLPs' size.)
+        assert imported.moe == config.extension(MoEConfig)
     assert imported.state_dict.keys() == state.keys()
     for name, tensor in state.items():
-        if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        if is_training_counter(name):  # not exported; a finetune counts from zero
+            assert not imported.state_dict[name].any(), name
+        elif name in ("embedding.word_embeddings.weight", "output_layer.weight"):
             assert torch.equal(
                 imported.state_dict[name][:GPT2_VOCAB_SIZE], tensor[:GPT2_VOCAB_SIZE]
             )

@@ -2,8 +2,9 @@
 directory (config.json with auto_map, the two remote-code files, model.safetensors under the
 project's own keys without the padded vocabulary rows), loads with
 `AutoModelForCausalLM.from_pretrained(..., trust_remote_code=True)` and computes what the
-project's model computes: logits, loss, greedy generation with and without the KV cache, left
-padding; and the config mapping refuses what the modeling file does not implement.
+project's model computes: logits, loss, the routing of every router rule (bit for bit, ties
+included), greedy generation with and without the KV cache, left padding; and the config mapping
+refuses what the modeling file does not implement.
 
 CPU, fp32. transformers' module cache lives in a directory of this module's (`auto_model`)."""
 
@@ -12,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
+from gpt_pretraining.huggingface.hf_files import is_training_counter  # noqa: E402
 from gpt_pretraining.huggingface.remote_code.writer import (  # noqa: E402
     AUTO_MAP,
     REMOTE_CODE_DIR,
@@ -32,6 +34,7 @@ from gpt_pretraining.huggingface.remote_code.writer import (  # noqa: E402
 from megatron.model import GPTModel  # noqa: E402
 from moe.config import MoEConfig  # noqa: E402
 from moe.mlp_spec import MoEMlpSpec  # noqa: E402
+from moe.router import Router  # noqa: E402
 from tests.tiny_gpt import tiny_model_config  # noqa: E402
 
 VOCAB = 50  # the tokenizer's; the model pads it to tiny_model_config's 64
@@ -54,12 +57,27 @@ VARIANTS: Dict[str, tuple] = {
         {"untie_embeddings_and_output_weights": True, "add_bias_linear": False, "num_query_groups": 2},
         {"top_k": 2, "normalize_expert_weights": 2.0},
     ),
+    "sigmoid_top2": ({}, {"router_score": "sigmoid", "top_k": 2}),
+    "softmax_of_the_chosen_logits_top2": ({}, {"top_k": 2, "router_pre_softmax": False}),
+    # Scaled after the p-norm division: scaled before it, the factor would cancel.
+    "scaled_after_normalizing": (
+        {}, {"top_k": 2, "normalize_expert_weights": 1.0, "router_topk_scaling_factor": 2.5},
+    ),
+    "sigmoid_top2_expert_bias": (
+        {}, {"router_score": "sigmoid", "top_k": 2, "router_bias_update_rate": 0.01},
+    ),
+    "softmax_top1_expert_bias": ({}, {"router_bias_update_rate": 0.01}),
+    "router_fp64": ({}, {"top_k": 2, "router_dtype": "fp64"}),
 }  # fmt: skip
+# Every router's expert bias in the variants that have one: distinct values, as large as the
+# scores' differences, so that they change which experts some tokens get.
+EXPERT_BIAS = torch.tensor([0.3, -0.2, 0.1, -0.3])
 
 
 def build_project_model(model_overrides: Dict[str, Any], moe_overrides: Dict[str, Any], seed=0):
     """The project's dMoE GPT (4 experts), eval mode, every parameter perturbed so that biases,
-    norms and the router are far from their init (routing then decisive)."""
+    norms and the router are far from their init (routing then decisive), any expert bias
+    EXPERT_BIAS."""
     model_config = tiny_model_config(
         seq_length=MAX_POSITIONS, max_position_embeddings=MAX_POSITIONS, **model_overrides
     )
@@ -69,19 +87,52 @@ def build_project_model(model_overrides: Dict[str, Any], moe_overrides: Dict[str
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.add_(0.2 * torch.randn_like(parameter))
+        for router in project_routers(model):
+            if router.expert_bias is not None:
+                router.expert_bias.copy_(EXPERT_BIAS)
     return model, model_config, moe_config
+
+
+def project_routers(model: GPTModel) -> List[Router]:
+    """The project model's routers, in layer order."""
+    return [module for module in model.modules() if isinstance(module, Router)]
+
+
+def hf_routers(model) -> list:
+    """The exported model's routers (the remote code's Router class), in layer order."""
+    return [module for module in model.modules() if type(module).__name__ == "Router"]
+
+
+def project_routings(project: GPTModel, tokens: torch.Tensor) -> List[Tuple[Router, Any, Any]]:
+    """(router, its input x [T, h], its Routing) of each MoE layer in the project's forward."""
+    captured = []
+
+    def keep(router, inputs, routing):
+        captured.append((router, inputs[0], routing))
+
+    hooks = [router.register_forward_hook(keep) for router in project_routers(project)]
+    try:
+        with torch.no_grad():
+            project(tokens)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return captured
 
 
 def export(
     model: GPTModel, model_config, moe_config, directory: Path, eos: Optional[int] = EOS
 ) -> Path:
     """What the exporter writes: config.json (auto_map), the remote code, and the state dict
-    under the project's keys without the padded vocabulary rows, a tied table stored once."""
+    under the project's keys without the padded vocabulary rows and the training counters, a
+    tied table stored once."""
     fields = megatron_dmoe_config_from(model_config, moe_config, VOCAB, eos_token_id=eos)
     remote_code_config(**fields).save_pretrained(str(directory))
     write_remote_code(str(directory))
     state = {}
     for key, tensor in model.state_dict().items():
+        if is_training_counter(key):
+            continue
         if key in ("embedding.word_embeddings.weight", "output_layer.weight"):
             tensor = tensor[:VOCAB]
         state[key] = tensor.detach().clone().contiguous()
@@ -154,6 +205,100 @@ def test_logits_and_loss_match_the_project_model(auto_model, tmp_path, variant):
     assert_relative(output.logits, expected, 1e-5)
     expected_loss = F.cross_entropy(expected[:, :-1].reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
     assert abs(output.loss.item() - expected_loss.item()) <= 1e-6 * expected_loss.item()
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_routing_is_the_project_routers_bit_for_bit(auto_model, tmp_path, variant):
+    """Each MoE layer's exported router, on the tokens the project's router saw, chooses the
+    same experts in the same order and gives them the same weights, to the bit (the experts
+    scale by them in fp32)."""
+    project, model = exported_pair(auto_model, tmp_path, variant)
+    tokens = torch.randint(0, VOCAB, (3, 24), generator=torch.Generator().manual_seed(8))
+    routings = project_routings(project, tokens)
+    assert len(routings) == len(hf_routers(model)) > 0
+    for (_, x, routing), hf_router in zip(routings, hf_routers(model)):
+        with torch.no_grad():
+            weights, experts = hf_router(x)
+        assert torch.equal(experts, routing.expert_indices)
+        assert weights.dtype == torch.float32
+        assert torch.equal(weights, routing.expert_weights.float())
+
+
+def test_the_expert_bias_chooses_experts_and_does_not_weight_them(auto_model, tmp_path):
+    """The bias changes which experts the project's router chooses for some tokens; the export
+    chooses those experts and weights them by their sigmoid scores without the bias."""
+    project, model = exported_pair(auto_model, tmp_path, "sigmoid_top2_expert_bias")
+    tokens = torch.randint(0, VOCAB, (3, 24), generator=torch.Generator().manual_seed(9))
+    changed = 0
+    for (router, x, routing), hf_router in zip(
+        project_routings(project, tokens), hf_routers(model)
+    ):
+        assert torch.equal(hf_router.expert_bias, EXPERT_BIAS)
+        with torch.no_grad():
+            logits = router.logits(x)
+            router.expert_bias.zero_()
+            unbiased = router.route(logits).expert_indices
+            router.expert_bias.copy_(EXPERT_BIAS)
+            weights, experts = hf_router(x)
+        changed += int((unbiased != routing.expert_indices).any(dim=-1).sum())
+        assert torch.equal(experts, routing.expert_indices)
+        assert torch.equal(weights, logits.sigmoid().gather(1, experts))
+    assert changed > 0
+
+
+def test_the_expert_bias_stays_fp32_in_a_bf16_model(auto_model, tmp_path):
+    """As the project's buffer, which its bf16 runs add unrounded to fp32 softmax scores."""
+    project, model_config, moe_config = build_project_model(*VARIANTS["softmax_top1_expert_bias"])
+    directory = export(project, model_config, moe_config, tmp_path / "dmoe_bf16")
+    model = auto_model.from_pretrained(str(directory), trust_remote_code=True, dtype=torch.bfloat16)
+    router = hf_routers(model)[0]
+    assert router.layer.weight.dtype == torch.bfloat16
+    assert router.expert_bias.dtype == torch.float32
+    assert torch.equal(router.expert_bias, EXPERT_BIAS)
+
+
+# Rows of tied logits: all four equal, three, two pairs, two of the top three.
+TIED_LOGITS = torch.tensor(
+    [[3.0, 3.0, 3.0, 3.0], [0.0, 2.0, 2.0, 2.0], [1.0, 1.0, 0.0, 0.0], [0.5, -1.0, 0.5, 0.5]]
+)
+
+
+@pytest.mark.parametrize(
+    "variant",
+    ["gelu_top1", "top2_normalized", "sigmoid_top2", "sigmoid_top2_expert_bias",
+     "softmax_top1_expert_bias"],
+)  # fmt: skip
+def test_ties_break_as_the_project_routers(auto_model, tmp_path, variant):
+    """Tied scores go to the experts the project's router picks: the lower index by argmax or
+    its top-k kernel, torch.topk's choice with an expert bias (here one value for all experts,
+    so that the scores' ties stay ties; torch.topk on CPU does not prefer the lower index)."""
+    project, model = exported_pair(auto_model, tmp_path, variant)
+    router, hf_router = project_routers(project)[0], hf_routers(model)[0]
+    with torch.no_grad():
+        if router.expert_bias is not None:
+            router.expert_bias.fill_(0.25)
+            hf_router.expert_bias.fill_(0.25)
+        routing = router.route(TIED_LOGITS)
+        weights, experts = hf_router.route(TIED_LOGITS)
+    assert torch.equal(experts, routing.expert_indices)
+    assert torch.equal(weights, routing.expert_weights.float())
+
+
+def test_a_config_json_without_the_routing_fields_routes_as_before(auto_model, tmp_path):
+    """A config.json written before the moe_router_* fields existed loads with the routing it
+    had: the softmax over all experts, no scaling, no expert bias."""
+    project, model_config, moe_config = build_project_model({}, {"top_k": 2})
+    directory = export(project, model_config, moe_config, tmp_path / "dmoe_older")
+    config = json.loads((directory / "config.json").read_text())
+    routing_fields = [key for key in config if key.startswith("moe_router_")]
+    assert len(routing_fields) == 5
+    for key in routing_fields:
+        del config[key]
+    (directory / "config.json").write_text(json.dumps(config))
+    model = load(auto_model, directory)
+    tokens = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(10))
+    with torch.no_grad():
+        assert_relative(model(tokens).logits, project(tokens)[..., :VOCAB], 1e-5)
 
 
 def test_loss_is_the_project_models_mean_cross_entropy(auto_model, tmp_path):
@@ -272,7 +417,9 @@ def test_config_json_names_the_remote_code(tmp_path):
         "max_position_embeddings": MAX_POSITIONS, "num_experts": 4, "moe_top_k": 2,
         "moe_layer_freq": 1, "mlp_type": "mlp", "activation": "gelu",
         "normalize_expert_weights": None, "add_bias_linear": True, "moe_ffn_hidden_size": None,
-        "eos_token_id": EOS, "bos_token_id": EOS,
+        "moe_router_score": "softmax", "moe_router_pre_softmax": True,
+        "moe_router_topk_scaling_factor": None, "moe_router_bias_update_rate": 0.0,
+        "moe_router_dtype": None, "eos_token_id": EOS, "bos_token_id": EOS,
     }  # fmt: skip
     assert {key: config[key] for key in expected} == expected
     # transformers 4 leaves out a value equal to its own default (True).
@@ -286,10 +433,6 @@ REFUSALS = [
     ({"normalization": "RMSNorm"}, {}, "--normalization RMSNorm"),
     ({}, {"dropless": False}, "--no-moe-dropless"),
     ({}, {"shared_expert": True}, "--moe-shared-expert"),
-    ({}, {"router_score": "sigmoid"}, "--moe-router-score sigmoid"),
-    ({}, {"router_bias_update_rate": 0.01}, "--moe-router-bias-update-rate"),
-    ({}, {"router_pre_softmax": False}, "--no-moe-router-pre-softmax"),
-    ({}, {"router_topk_scaling_factor": 2.0}, "--moe-router-topk-scaling-factor 2.0"),
 ]
 
 

@@ -12,6 +12,7 @@ are the project's checkpoint keys, so an export copies tensors without renaming:
     decoder.layers.N.self_attention.linear_proj.{weight,bias}   [h, heads * d]
     decoder.layers.N.pre_mlp_layernorm.{weight,bias}  [h]
     MoE layers:   decoder.layers.N.mlp.router.layer.weight [E, h]
+                  decoder.layers.N.mlp.router.expert_bias [E] (a buffer; with the expert bias)
                   decoder.layers.N.mlp.experts.{w1, v1 (glu only)} [E, h, e], .w2 [E, e, h]
                   decoder.layers.N.mlp.bias [h] (with add_bias_linear)
     dense layers: decoder.layers.N.mlp.linear_fc1.{weight,bias} [f or 2f, h],
@@ -24,10 +25,18 @@ only with add_bias_linear (the LayerNorms always have one). With tied embeddings
 `output_layer.weight` is the word embedding table, tied through transformers'
 `_tied_weights_keys`, and stored once.
 
-An MoE layer on tokens x [T, h]: logits = x W_router^T [T, E], probabilities = softmax over the
-experts (in fp32), the moe_top_k experts by probability (ties to the lower index), their
-probabilities as weights (divided by their p-norm with normalize_expert_weights = p); expert e
-computes act(x w1[e]) w2[e] (glu: (act(x w1[e]) * (x v1[e])) w2[e]), each assignment's
+An MoE layer on tokens x [T, h], routed as the project's router (moe/router.py) routes them:
+- logits = x W_router^T [T, E], in the model's dtype (in moe_router_dtype's when it is set);
+- scores: the softmax over the experts (in fp32 at least, as autocast runs it) or, with
+  moe_router_score "sigmoid", sigmoid(logits) per expert (in the logits' dtype);
+- the k = moe_top_k experts with the highest scores, in descending order: ties to the lower
+  index (top-1 by argmax; top-k ranked in fp32 by a stable sort, as the project's top-k
+  kernel); with the expert bias, by torch.topk of scores + expert_bias, which ties break as
+  torch.topk does, the bias only choosing;
+- weights: the chosen experts' scores (with the bias, still their scores without it), or with
+  moe_router_pre_softmax False the softmax of their k logits alone (in fp32); divided by their
+  p-norm with normalize_expert_weights = p, then multiplied by moe_router_topk_scaling_factor.
+Expert e computes act(x w1[e]) w2[e] (glu: (act(x w1[e]) * (x v1[e])) w2[e]), each assignment's
 activations scaled by its weight before w2 (as the project's dMoE does, in fp32), the
 moe_top_k outputs summed, plus the layer's bias. No token is dropped.
 """
@@ -71,6 +80,13 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 
 
 ACTIVATIONS = {"gelu": gelu_tanh, "silu": F.silu}
+ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
+
+
+def at_least_fp32(x: torch.Tensor) -> torch.Tensor:
+    """A 16-bit tensor in fp32, else `x` as it is: the cast autocast makes for the ops it runs
+    in fp32 (softmax, norm), which the project's bf16 runs route under; fp64 stays fp64."""
+    return x.float() if x.element_size() < 4 else x
 
 
 class SelfAttention(nn.Module):
@@ -137,15 +153,69 @@ class MLP(nn.Module):
 
 
 class Router(nn.Module):
-    """The bias-free linear gate: tokens [T, h] -> logits [T, E]."""
+    """The bias-free linear gate and the routing rule of the module docstring: tokens [T, h] ->
+    each token's moe_top_k experts and their weights."""
 
     def __init__(self, config: MegatronDMoEConfig) -> None:
         super().__init__()
+        self.top_k = config.moe_top_k
+        self.score = config.moe_router_score
+        self.pre_softmax = config.moe_router_pre_softmax
+        self.normalize_p = config.normalize_expert_weights
+        self.scaling_factor = config.moe_router_topk_scaling_factor
+        self.logits_dtype = ROUTER_DTYPES.get(config.moe_router_dtype)
         self.layer = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        if config.has_expert_bias:
+            # A buffer, as the project's: stored under the checkpoint's key, fixed at inference.
+            self.register_buffer("expert_bias", torch.zeros(config.num_experts))
+        else:
+            self.expert_bias = None
 
-    def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
-        """Router logits [T, E]."""
-        return self.layer(x_TH)
+    def forward(self, x_TH: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k] fp32, experts [T, k] int64) of tokens [T, h]."""
+        return self.route(self.logits(x_TH))
+
+    def logits(self, x_TH: torch.Tensor) -> torch.Tensor:
+        """The gate's logits [T, E]."""
+        if self.logits_dtype is None:
+            return self.layer(x_TH)
+        dtype = self.logits_dtype
+        return F.linear(x_TH.to(dtype), self.layer.weight.to(dtype))
+
+    def route(self, logits_TE: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k] fp32, experts [T, k] int64) from logits [T, E], the experts in
+        descending order of the score they were chosen by."""
+        if self.score == "softmax":
+            scores = at_least_fp32(logits_TE).softmax(dim=-1)
+        else:
+            scores = logits_TE.sigmoid()  # autocast leaves a sigmoid in the compute dtype
+        experts = self.choose(scores)
+        if self.score == "softmax" and not self.pre_softmax:
+            # .float(), not at_least_fp32: the project takes this softmax in fp32 even when
+            # its logits are fp64.
+            weights = logits_TE.gather(1, experts).float().softmax(dim=-1)
+        else:
+            weights = scores.gather(1, experts)
+        if self.normalize_p is not None:
+            norm = torch.norm(at_least_fp32(weights), p=self.normalize_p, dim=-1, keepdim=True)
+            weights = weights / norm
+        if self.scaling_factor is not None:
+            weights = weights * self.scaling_factor
+        return weights.float(), experts
+
+    def choose(self, scores_TE: torch.Tensor) -> torch.Tensor:
+        """The top-k experts [T, k] by score, as the project's router breaks their ties."""
+        if self.expert_bias is not None:
+            # torch.topk, as the project's router with the bias: argmax and its own top-k
+            # kernel break the frequent ties of equally biased experts differently.
+            biased = scores_TE + self.expert_bias.to(scores_TE.dtype)
+            return torch.topk(biased, self.top_k, dim=-1).indices
+        if self.top_k == 1:
+            return scores_TE.argmax(dim=-1, keepdim=True)  # first maximum on ties
+        # A stable descending sort keeps tied experts in index order: ties to the lower index,
+        # as the project's top-k kernel (torch.topk does not promise it), which ranks in fp32.
+        ranked = scores_TE.float().sort(dim=-1, descending=True, stable=True).indices
+        return ranked[:, : self.top_k]
 
 
 class Experts(nn.Module):
@@ -241,8 +311,6 @@ class DroplessMoE(nn.Module):
 
     def __init__(self, config: MegatronDMoEConfig) -> None:
         super().__init__()
-        self.top_k = config.moe_top_k
-        self.normalize_p = config.normalize_expert_weights
         self.router = Router(config)
         self.experts = Experts(config)
         if config.add_bias_linear:
@@ -251,20 +319,8 @@ class DroplessMoE(nn.Module):
             self.register_parameter("bias", None)
 
     def route(self, x_TH: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        """(weights [T, k] fp32, experts [T, k] int64), experts in descending probability."""
-        # fp32 softmax: what autocast gives the project's router in bf16 runs.
-        probabilities = self.router(x_TH).float().softmax(dim=-1)
-        if self.top_k == 1:
-            experts = probabilities.argmax(dim=-1, keepdim=True)  # first maximum on ties
-        else:
-            # A stable descending sort keeps tied experts in index order: ties to the lower
-            # index, as the project's top-k kernel (torch.topk does not promise it).
-            experts = probabilities.sort(dim=-1, descending=True, stable=True).indices
-            experts = experts[:, : self.top_k]
-        weights = probabilities.gather(1, experts)
-        if self.normalize_p is not None:
-            weights = weights / torch.norm(weights, p=self.normalize_p, dim=-1, keepdim=True)
-        return weights, experts
+        """(weights [T, k] fp32, experts [T, k] int64) of tokens [T, h] (`Router`)."""
+        return self.router(x_TH)
 
     def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
         """[b, s, h] -> [b, s, h]."""
@@ -359,6 +415,9 @@ class MegatronDMoEForCausalLM(PreTrainedModel, GenerationMixin):
     base_model_prefix = "model"
     _no_split_modules = ["TransformerLayer"]
     _tied_weights_keys = {"output_layer.weight": "embedding.word_embeddings.weight"}
+    # The project keeps the expert bias in fp32 and casts it to the scores' dtype: a model loaded
+    # in bf16 then adds it unrounded to fp32 softmax scores, as the project's bf16 runs do.
+    _keep_in_fp32_modules_strict = ["expert_bias"]
 
     def __init__(self, config: MegatronDMoEConfig) -> None:
         super().__init__(config)
@@ -380,6 +439,8 @@ class MegatronDMoEForCausalLM(PreTrainedModel, GenerationMixin):
                     init.normal_(weight, mean=0.0, std=std)
         elif isinstance(module, DroplessMoE) and module.bias is not None:
             init.zeros_(module.bias)
+        elif isinstance(module, Router) and module.expert_bias is not None:
+            init.zeros_(module.expert_bias)  # the project's start, before any update
 
     def get_input_embeddings(self) -> nn.Module:
         """The word embedding table."""

@@ -73,8 +73,8 @@ def megatron_dmoe_config_from(
     <|endoftext|> is both).
 
     Raises ValueError, one line naming the flag, for what the modeling file does not compute:
-    a dense model, RoPE, RMSNorm, the capacity-limited MoE, a shared expert, sigmoid router
-    scores, the expert-bias update.
+    a dense model, RoPE, RMSNorm, the capacity-limited MoE, a shared expert. Every routing the
+    project trains exports (the --moe-router-* fields; the expert bias goes with the weights).
     """
     _check_supported(model_config, moe_config, vocab_size)
     return {
@@ -102,6 +102,12 @@ def megatron_dmoe_config_from(
         # The project picks every MLP's activation by --swiglu (moe.layers, megatron.model.mlp).
         "activation": "silu" if model_config.swiglu else "gelu",
         "normalize_expert_weights": moe_config.normalize_expert_weights,
+        "moe_router_score": moe_config.router_score,
+        "moe_router_pre_softmax": moe_config.router_pre_softmax,
+        "moe_router_topk_scaling_factor": moe_config.router_topk_scaling_factor,
+        # > 0: the routers hold the expert bias, which the weights carry.
+        "moe_router_bias_update_rate": moe_config.router_bias_update_rate,
+        "moe_router_dtype": moe_config.router_dtype,
         "initializer_range": model_config.init_method_std,
         "bos_token_id": eos_token_id if bos_token_id is None else bos_token_id,
         "eos_token_id": eos_token_id,
@@ -135,26 +141,6 @@ def _check_supported(
         )
     if moe_config.shared_expert:
         raise ValueError(f"--moe-shared-expert {unsupported}")
-    if moe_config.router_score != "softmax":
-        raise ValueError(
-            f"--moe-router-score {moe_config.router_score} {unsupported}: it routes by softmax"
-        )
-    if moe_config.router_bias_update_rate > 0:
-        raise ValueError(
-            f"--moe-router-bias-update-rate {moe_config.router_bias_update_rate} (the expert "
-            f"bias used to choose experts) {unsupported}"
-        )
-    if not moe_config.router_pre_softmax:
-        raise ValueError(
-            f"--no-moe-router-pre-softmax {unsupported}: it weights experts by their softmax "
-            "over all experts (with --moe-top-k > 1, --moe-normalize-expert-weights 1 gives "
-            "the same weights and exports)"
-        )
-    if moe_config.router_topk_scaling_factor is not None:
-        raise ValueError(
-            f"--moe-router-topk-scaling-factor {moe_config.router_topk_scaling_factor} "
-            f"{unsupported}"
-        )
     padded = model_config.padded_vocab_size
     if not 0 < vocab_size <= padded:
         raise ValueError(
