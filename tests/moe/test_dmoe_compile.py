@@ -16,13 +16,18 @@ from tests.markers import needs_torch_grouped_mm
 # torch compiles the layer around its Triton ops (the last test below covers that path).
 
 
-def _layer(top_k: int, mlp_type: str = "mlp", backend: GroupedGemmBackend = TORCH):
+def _layer(top_k: int, mlp_type: str = "mlp", backend: GroupedGemmBackend = TORCH, **routing):
     model = ModelConfig(
         num_layers=1, hidden_size=32, num_attention_heads=2, ffn_hidden_size=48,
         seq_length=16, max_position_embeddings=16, add_bias_linear=True, init_method_std=0.2,
     )  # fmt: skip
     moe = MoEConfig(
-        num_experts=4, top_k=top_k, mlp_impl="grouped", mlp_type=mlp_type, grouped_gemm=backend
+        num_experts=4,
+        top_k=top_k,
+        mlp_impl="grouped",
+        mlp_type=mlp_type,
+        grouped_gemm=backend,
+        **routing,
     )
     torch.manual_seed(0)
     return build_moe_layer(model, moe).to(torch.bfloat16)
@@ -52,6 +57,46 @@ def test_compiled_grouped_dmoe_is_one_graph_and_matches_eager(top_k, mlp_type):
         # The same ops, eager and traced: equal, but for the order of a few fp32 sums in
         # the traced backward.
         torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-3)
+
+
+@needs_torch_grouped_mm
+@pytest.mark.parametrize(
+    "routing",
+    [
+        # The step's counts: an in-place buffer update inside the graph.
+        {"load_balancing_type": "global_aux_loss", "router_score": "sigmoid"},
+        {
+            "load_balancing_type": "seq_aux_loss",
+            "router_pre_softmax": False,
+            "router_dtype": "fp32",
+            "router_topk_scaling_factor": 2.0,
+            "zloss_weight": 1e-3,
+        },
+    ],
+)
+def test_megatron_cores_routing_options_keep_the_layer_one_graph(routing):
+    """Every routing option and balancing type traces with the layer (fullgraph=True fails on a
+    break), to the eager layer's losses and counts."""
+    torch._dynamo.reset()
+    eager, compiled_layer = _layer(2, **routing), _layer(2, **routing)
+    compiled = torch.compile(compiled_layer, backend="aot_eager", fullgraph=True)
+    x = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    for _ in range(2):
+        results = []
+        for layer, run in ((eager, eager), (compiled_layer, compiled)):
+            out = run(x)
+            losses = layer.auxiliary_losses
+            sum(losses.values()).backward(retain_graph=True)
+            results.append((out, losses, layer.router.step_assignments))
+        (out_eager, losses_eager, counts_eager), (out_compiled, losses_compiled, counts) = results
+        torch.testing.assert_close(out_compiled, out_eager, rtol=1e-2, atol=1e-3)
+        assert losses_compiled.keys() == losses_eager.keys()
+        for name in losses_eager:
+            torch.testing.assert_close(losses_compiled[name], losses_eager[name])
+        if counts is not None:
+            torch.testing.assert_close(counts, counts_eager)
+    if counts is not None:
+        assert counts[-1].item() == 2 * 32  # two forwards of 32 tokens, both counted
 
 
 def assert_gpt_model_is_one_graph(moe: MoEConfig) -> None:
