@@ -424,7 +424,7 @@ def test_config_json_names_the_remote_code(tmp_path):
     assert {key: config[key] for key in expected} == expected
     # transformers 4 leaves out a value equal to its own default (True).
     assert config.get("tie_word_embeddings", True) is True
-    for name in ("configuration_megatron_dmoe.py", "modeling_megatron_dmoe.py"):
+    for name in REMOTE_CODE_FILES:
         assert (export_dir / name).read_bytes() == (Path(REMOTE_CODE_DIR) / name).read_bytes()
 
 

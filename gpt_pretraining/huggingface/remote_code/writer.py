@@ -25,7 +25,11 @@ if TYPE_CHECKING:
     from moe.config import MoEConfig
 
 REMOTE_CODE_DIR = os.path.dirname(os.path.abspath(__file__))
-REMOTE_CODE_FILES = ("configuration_megatron_dmoe.py", "modeling_megatron_dmoe.py")
+REMOTE_CODE_FILES = (
+    "configuration_megatron_dmoe.py",
+    "modeling_megatron_dmoe.py",
+    "routing_megatron_dmoe.py",
+)
 MODEL_TYPE = "megatron_dmoe"
 ARCHITECTURES = ["MegatronDMoEForCausalLM"]
 AUTO_MAP = {
