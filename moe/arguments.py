@@ -144,7 +144,7 @@ def add_moe_args(parser: argparse.ArgumentParser) -> None:
         "--moe-router-dtype",
         default=None,
         help=f"(Megatron-Core's flag) Compute the gate's logits and the routing weights in this "
-        f"precision, one of {ROUTER_DTYPES}; default: the run's compute dtype (MegaBlocks').",
+        f"precision, one of {tuple(ROUTER_DTYPES)}; default: the run's compute dtype (MegaBlocks').",
     )
     group.add_argument(
         "--moe-router-pre-softmax",

@@ -27,7 +27,8 @@ ROUTER_SCORES = ("softmax", "sigmoid")
 # --moe-router-load-balancing-type, Megatron-Core's names: each micro-batch's assignments, each
 # sequence's, the step's over every data-parallel rank, or no balancing loss (moe.router).
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
-ROUTER_DTYPES = ("fp32", "fp64")  # --moe-router-dtype
+# --moe-router-dtype: the precision of the gate's logits and the routing weights.
+ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 DEFAULT_EXCHANGE_CHUNKS = 2  # --moe-expert-parallel-comm-chunks
 
 
@@ -265,7 +266,7 @@ class MoEConfig:
             )
         if self.router_dtype is not None and self.router_dtype not in ROUTER_DTYPES:
             raise ConfigError(
-                f"--moe-router-dtype {self.router_dtype!r} is not one of {ROUTER_DTYPES}; drop "
+                f"--moe-router-dtype {self.router_dtype!r} is not one of {tuple(ROUTER_DTYPES)}; drop "
                 "the flag to route in the compute dtype"
             )
         if not self.router_pre_softmax and self.router_score != "softmax":

@@ -18,14 +18,11 @@ import torch.distributed._functional_collectives as functional
 from torch import nn
 
 from megatron.parallel import parallel_state
-from moe.config import MoEConfig
+from moe.config import ROUTER_DTYPES, MoEConfig
 from moe.kernels import router_topk
 
 LOAD_BALANCING_LOSS = "load balancing loss"
 ROUTER_Z_LOSS = "router z loss"
-# --moe-router-dtype: the precision the gate's logits and the routing weights are computed in
-# (Megatron-Core's flag); None: the run's compute dtype, as MegaBlocks.
-_ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 
 
 @dataclass
@@ -100,7 +97,7 @@ class Router(nn.Module):
             x = x * self.jitter(x)
         if self.config.router_dtype is None:
             return self.layer(x)
-        dtype = _ROUTER_DTYPES[self.config.router_dtype]
+        dtype = ROUTER_DTYPES[self.config.router_dtype]
         with torch.autocast(x.device.type, enabled=False):
             return nn.functional.linear(x.to(dtype), self.layer.weight.to(dtype))
 

@@ -74,7 +74,7 @@ def test_each_grouped_product_and_its_dense_twin_multiply_the_named_sizes(shape)
 
 def test_the_last_row_sums_every_product_against_dense():
     (olmoe,) = SHAPE_SETS["olmoe"]
-    # Dense 1, 2, ..., 9 ms; _grouped_mm 1.5x each; Triton 3 ms each.
+    # Made-up inputs for the table: dense 1, 2, ..., 9; _grouped_mm 1.5x each; Triton 3 each.
     results = [
         (product.name, float(index), {GROUPED_MM: 1.5 * index, TRITON: 3.0})
         for index, product in enumerate(expert_products(olmoe), start=1)

@@ -59,8 +59,9 @@ def test_top_k_scaling_factor_multiplies_the_weights_and_the_layers_output():
     outputs = []
     for factor in (None, 3.0):
         torch.manual_seed(0)
-        config = MoEConfig(num_experts=4, top_k=2, mlp_impl="reference")
-        config = MoEConfig(**{**config.__dict__, "router_topk_scaling_factor": factor})
+        config = MoEConfig(
+            num_experts=4, top_k=2, mlp_impl="reference", router_topk_scaling_factor=factor
+        )
         outputs.append(build_moe_layer(model, config)(tokens))
     torch.testing.assert_close(outputs[1], 3.0 * outputs[0])
 
