@@ -27,8 +27,7 @@ ROUTER_SCORES = ("softmax", "sigmoid")
 # --moe-router-load-balancing-type, Megatron-Core's names: each micro-batch's assignments, each
 # sequence's, the step's over every data-parallel rank, or no balancing loss (moe.router).
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
-# --moe-router-dtype: the precision of the gate's logits and the routing weights.
-ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
+ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}  # --moe-router-dtype
 DEFAULT_EXCHANGE_CHUNKS = 2  # --moe-expert-parallel-comm-chunks
 
 
