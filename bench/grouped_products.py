@@ -2,16 +2,24 @@
 same FLOPs: where the grouped layer's GEMM time goes (bench/moe_layer.py times the layer).
 
     python -m bench.grouped_products [--shapes configs granularity olmoe] [--configs 0 1 2 3]
-        [--tokens N] [--triton] [--sweep] [--layouts]
+        [--tokens N] [--triton] [--quack [--quack-tuned] [--quack-gather]] [--sweep] [--layouts]
 
 The products and their dense twins are bench/expert_shapes.py's: six per layer (nine for SwiGLU
 experts), each dense twin the cuBLAS matmul of the same M, N, K with one [K, N] weight. Each
-table row is one product: the dense ms, then torch._grouped_mm's (where torch has it) and, with
-`--triton`, our Triton kernels' ms, each also as a multiple of dense; the last row of a layer is
-the sum of all its products. `--shapes` picks the layers: `configs` (bench/moe_layer.py's
-CONFIGS; `--configs` picks among them), `granularity` (the dMoE-125M at 65,536 tokens with its
-experts cut G = 1, 4, 8 ways, top-G), `olmoe` (OLMoE's SwiGLU layer at 16,384 tokens). Expert
-loads follow a uniform random routing, as a freshly initialized router gives.
+table row is one product: the dense ms, then torch._grouped_mm's (where torch has it), with
+`--triton` our Triton kernels' ms and with `--quack` QuACK's varlen grouped GEMM's
+(bench/quack_products.py: the quack-kernels package, Hopper or Blackwell), each also as a
+multiple of dense; the last row of a layer is the sum of all its products. `--shapes` picks the
+layers: `configs` (bench/moe_layer.py's CONFIGS; `--configs` picks among them), `granularity`
+(the dMoE-125M at 65,536 tokens with its experts cut G = 1, 4, 8 ways, top-G), `olmoe` (OLMoE's
+SwiGLU layer at 16,384 tokens). Expert loads follow a uniform random routing, as a freshly
+initialized router gives.
+
+Before the table, `--quack` checks each QuACK product against torch._grouped_mm (its relative
+error printed); one that fails or raises shows "failed" and is not timed. QuACK runs its
+default config unless `--quack-tuned` (its autotuner: minutes of compiles on a fresh machine).
+`--quack-gather` adds a table for the forward products of x: QuACK with the top-k row copy fused
+into its load of the rows (A_idx) against index_select then torch._grouped_mm.
 
 `--sweep` times our Triton kernels at each launch shape of SWEEP_ROW_TILES /
 SWEEP_WEIGHT_GRAD_TILES, checks each result against torch._grouped_mm, and prints the fastest
@@ -29,7 +37,7 @@ import functools
 import math
 import sys
 from dataclasses import replace
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Collection, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -40,6 +48,17 @@ from bench.expert_shapes import (
     dense_dims,
     expert_products,
     operand_shapes,
+)
+from bench.quack_products import (
+    QUACK,
+    checked,
+    gathered_lines,
+    quack_call,
+    quack_missing,
+    quack_version,
+    time_cells,
+    time_gathered,
+    varlen_offsets,
 )
 from bench.timing import median_ms
 from megatron.kernels.dispatch import TRITON_AVAILABLE
@@ -172,21 +191,47 @@ def sweep(shape: LayerShape):
     return results
 
 
+def quack_failures(shape: LayerShape, tuned: bool) -> List[str]:
+    """The names of `shape`'s products whose QuACK result fails its check against
+    torch._grouped_mm's or raises (bench.quack_products.checked prints each one's error)."""
+    counts, offsets, tensors, _ = _operands(shape)
+    cu_seqlens = varlen_offsets(counts)
+    failed = []
+    for product in expert_products(shape):
+        want = grouped_call(product, offsets, tensors)()
+        run = quack_call(product, cu_seqlens, tensors, tuned)
+        if not checked(f"{QUACK} {product.name} at {shape.label()}", run, want):
+            failed.append(product.name)
+    return failed
+
+
 def time_products(
-    shape: LayerShape, columns: Sequence[str]
+    shape: LayerShape,
+    columns: Sequence[str],
+    quack_tuned: bool = False,
+    quack_failed: Collection[str] = (),
 ) -> List[Tuple[str, float, Dict[str, float]]]:
     """[(product, dense ms, {column: grouped ms})] for each of `shape`'s products, the grouped
-    ones by each of `columns` (GROUPED_MM, TRITON)."""
+    ones by each of `columns` (GROUPED_MM, TRITON, QUACK); QUACK's NaN (not timed) for the
+    products named in `quack_failed`."""
     counts, offsets, tensors, dense = _operands(shape)
+    cu_seqlens = varlen_offsets(counts)
     calls = {
         GROUPED_MM: lambda product: grouped_call(product, offsets, tensors),
         TRITON: lambda product: triton_call(product, counts, tensors),
+        QUACK: lambda product: quack_call(product, cu_seqlens, tensors, quack_tuned),
     }
+
+    def grouped_ms(column: str, product: ExpertProduct) -> float:
+        if column == QUACK and product.name in quack_failed:
+            return math.nan
+        return median_ms(calls[column](product))
+
     return [
         (
             product.name,
             median_ms(dense_call(product, tensors, dense)),
-            {column: median_ms(calls[column](product)) for column in columns},
+            {column: grouped_ms(column, product) for column in columns},
         )
         for product in expert_products(shape)
     ]
@@ -206,7 +251,8 @@ def table_lines(
     shape: LayerShape, results: Sequence[Tuple[str, float, Dict[str, float]]]
 ) -> List[str]:
     """One markdown row per product (`time_products`'s results), then their sum: each grouped
-    time also as a multiple of the dense one, the dense one also in TFLOP/s."""
+    time also as a multiple of the dense one, the dense one also in TFLOP/s; a column's sum
+    "failed" where one of its products did."""
     products = {product.name: product for product in expert_products(shape)}
     columns = list(results[0][2]) if results else []
     totals = dict.fromkeys(["dense", "flops", *columns], 0.0)
@@ -218,12 +264,10 @@ def table_lines(
         cells = ""
         for column in columns:
             totals[column] += grouped[column]
-            cells += f" {grouped[column]:.3f} | {grouped[column] / dense_ms:.2f} |"
+            cells += time_cells(grouped[column], dense_ms)
         tflops = flops / dense_ms / 1e9
         lines.append(f"| {shape.label()} | {name} | {dense_ms:.3f} | {tflops:.0f} |{cells}")
-    cells = "".join(
-        f" {totals[column]:.3f} | {totals[column] / totals['dense']:.2f} |" for column in columns
-    )
+    cells = "".join(time_cells(totals[column], totals["dense"]) for column in columns)
     weights = len({product.weight for product in products.values()} - {None})
     mib = shape.weight_elements * 2 / 2**20
     everything = f"all {len(results)} ({weights} expert weights of {mib:.0f} MiB in bf16)"
@@ -272,6 +316,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         "--configs", type=int, nargs="+", default=None, help="of --shapes configs: these indices"
     )
     parser.add_argument("--triton", action="store_true", help="also our Triton grouped GEMM")
+    parser.add_argument("--quack", action="store_true", help="also QuACK's varlen grouped GEMM")
+    parser.add_argument(
+        "--quack-tuned", action="store_true", help="with --quack: QuACK's autotuner (minutes)"
+    )
+    parser.add_argument(
+        "--quack-gather", action="store_true", help="with --quack: the top-k row copy fused (A_idx)"
+    )
     parser.add_argument("--sweep", action="store_true", help="Triton launch shapes, fastest each")
     parser.add_argument("--layouts", action="store_true", help="weights [E,K,N] against [E,N,K]")
     parser.add_argument("--tokens", type=int, default=None, help="instead of each layer's")
@@ -282,6 +333,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
             parser.error("--configs picks among --shapes configs; add configs to --shapes")
         if any(not 0 <= index < len(configs) for index in args.configs):
             parser.error(f"--configs {args.configs}: indices run from 0 to {len(configs) - 1}")
+    if (args.quack_tuned or args.quack_gather) and not args.quack:
+        parser.error("--quack-tuned and --quack-gather say how --quack runs; add --quack")
+    if args.quack and (args.sweep or args.layouts):
+        parser.error(
+            "--quack adds a column to the products table, which --sweep and --layouts replace "
+            "with their own; drop one"
+        )
     if args.tokens is not None and args.tokens < 1:
         parser.error(f"--tokens must be >= 1, got {args.tokens}")
     return args
@@ -307,14 +365,20 @@ def _refusal(args: argparse.Namespace) -> Optional[str]:
             "bench/grouped_products.py needs a CUDA GPU (it times GPU kernels: torch._grouped_mm, "
             "Triton, cuBLAS); torch sees none here"
         )
-    needs_grouped_mm = args.sweep or args.layouts or not args.triton
+    needs_grouped_mm = args.sweep or args.layouts or args.quack or not args.triton
     if needs_grouped_mm and not torch_has_grouped_mm():
         return (
             f"torch {torch.__version__} has no torch._grouped_mm (2.8 and newer), which "
-            "--sweep, --layouts and the default table time; time our kernels alone with --triton"
+            "--sweep, --layouts and the default table time and --quack checks against; time our "
+            "kernels alone with --triton"
         )
     if (args.triton or args.sweep) and not TRITON_AVAILABLE:
         return "--triton and --sweep time our Triton kernels, and Triton is not installed here"
+    if args.quack and (missing := quack_missing()) is not None:
+        return (
+            "--quack needs the quack-kernels package (pip install quack-kernels; Hopper or "
+            f"Blackwell GPUs): quack.gemm_interface does not import here ({missing})"
+        )
     return None
 
 
@@ -354,10 +418,23 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         return
     columns = [GROUPED_MM] if torch_has_grouped_mm() else []
     columns += [TRITON] if args.triton else []
+    columns += [QUACK] if args.quack else []
+    failed = {}
+    if args.quack:
+        config = "its autotuner" if args.quack_tuned else "its default config for this GPU"
+        print(f"QuACK {quack_version()}, {config} (tuned={args.quack_tuned}), checked first:")
+        failed = {shape.label(): quack_failures(shape, args.quack_tuned) for shape in shapes}
     for line in table_header(columns):
         print(line)
     for shape in shapes:
-        for line in table_lines(shape, time_products(shape, columns)):
+        results = time_products(shape, columns, args.quack_tuned, failed.get(shape.label(), ()))
+        for line in table_lines(shape, results):
+            print(line, flush=True)
+    if args.quack_gather:
+        gathered = [
+            (shape, *row) for shape in shapes for row in time_gathered(shape, args.quack_tuned)
+        ]
+        for line in gathered_lines(gathered):
             print(line, flush=True)
 
 

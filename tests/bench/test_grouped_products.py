@@ -3,6 +3,7 @@ dense twin (equal FLOPs, built on meta tensors at the real sizes), the table's s
 command line and its one-line refusal where torch sees no GPU."""
 
 import math
+import sys
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from bench import grouped_products
 from bench.expert_shapes import SHAPE_SETS, dense_dims, expert_products
 from bench.grouped_products import (
     GROUPED_MM,
+    QUACK,
     TRITON,
     _operands,
     dense_call,
@@ -108,3 +110,40 @@ def test_help_works_and_without_a_gpu_the_bench_says_so_in_one_line(monkeypatch,
         main(["--shapes", "granularity", "olmoe", "--triton"])
     message = refused.value.code
     assert isinstance(message, str) and "needs a CUDA GPU" in message and "\n" not in message
+
+
+def test_a_quack_product_that_failed_its_check_shows_failed_and_so_does_the_sum():
+    (olmoe,) = SHAPE_SETS["olmoe"]
+    results = [
+        (product.name, 1.0, {GROUPED_MM: 2.0, QUACK: math.nan if index == 3 else 1.5})
+        for index, product in enumerate(expert_products(olmoe))
+    ]
+    lines = table_lines(olmoe, results)
+    assert lines[0].endswith("| 2.000 | 2.00 | 1.500 | 1.50 |")
+    assert lines[3].endswith("| 2.000 | 2.00 | failed | - |")
+    assert lines[-1].endswith("| 18.000 | 2.00 | failed | - |")
+
+
+def test_the_quack_flags_go_with_the_products_table():
+    args = parse_args(["--quack", "--quack-tuned", "--quack-gather"])
+    assert (args.quack, args.quack_tuned, args.quack_gather) == (True, True, True)
+    for argv in (
+        ["--quack-tuned"],
+        ["--quack-gather"],
+        ["--quack", "--sweep"],
+        ["--quack", "--layouts"],
+    ):
+        with pytest.raises(SystemExit) as refused:
+            parse_args(argv)
+        assert refused.value.code == 2
+
+
+def test_without_quack_the_bench_refuses_quack_in_one_line(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setitem(sys.modules, "quack", None)  # import quack raises ImportError
+    monkeypatch.setattr(grouped_products, "time_products", None)  # never reached
+    with pytest.raises(SystemExit) as refused:
+        main(["--shapes", "granularity", "--quack"])
+    message = refused.value.code
+    assert isinstance(message, str) and "\n" not in message
+    assert message.startswith("--quack needs the quack-kernels package (pip install quack-kernels")
