@@ -9,13 +9,13 @@ import argparse
 
 from megatron.config.layer_pattern import layer_frequency
 from moe.config import (
-    DEFAULT_EXCHANGE_CHUNKS,
     LOAD_BALANCING_TYPES,
     MLP_IMPLS,
     MLP_TYPES,
     ROUTER_DTYPES,
     ROUTER_SCORES,
 )
+from moe.exchange_flags import DEFAULT_EXCHANGE_CHUNKS
 
 # The flags (namespace attributes) that define an MoE model, which a checkpoint's saved
 # arguments are compared on when it is loaded (megatron.checkpointing.model_arguments).

@@ -17,7 +17,7 @@ import torch
 from megatron.config import Config, ConfigError, ModelConfig
 from megatron.config.layer_pattern import is_marked, parse_pattern
 from megatron.initialize import compute_device
-from moe.exchange.fixed_blocks import block_capacity
+from moe.exchange_flags import check_exchange, exchange_chunks, routed_rows_per_rank
 from moe.kernels import grouped_gemm
 from moe.kernels.grouped_gemm import MOE, GroupedGemmBackend
 
@@ -28,7 +28,6 @@ ROUTER_SCORES = ("softmax", "sigmoid")
 # sequence's, the step's over every data-parallel rank, or no balancing loss (moe.router).
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
 ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}  # --moe-router-dtype
-DEFAULT_EXCHANGE_CHUNKS = 2  # --moe-expert-parallel-comm-chunks
 
 
 @dataclass(frozen=True)
@@ -138,7 +137,7 @@ class MoEConfig:
             router_topk_scaling_factor=args.moe_router_topk_scaling_factor,
             router_force_load_balancing=args.moe_router_force_load_balancing,
             expert_parallel_buffer_factor=args.moe_expert_parallel_buffer_factor,
-            expert_parallel_chunks=_exchange_chunks(args),
+            expert_parallel_chunks=exchange_chunks(args),
             shared_expert=args.moe_shared_expert,
             shared_expert_ffn_hidden_size=args.moe_shared_expert_ffn_hidden_size,
             ffn_hidden_size=args.moe_ffn_hidden_size,
@@ -364,82 +363,6 @@ class MoEConfig:
                 "form; use --moe-impl grouped or sparse, or expert parallel size 1"
             )
 
-    def check_exchange(self, expert_parallel_size: int, rows_per_rank: int) -> None:
-        """The expert-parallel exchange's flags (--moe-expert-parallel-buffer-factor,
-        --overlap-moe-expert-parallel-comm and its chunks) against the layout: refused
-        (ConfigError, one line) where they would do nothing or only slow the run.
-        `rows_per_rank`: the rows a rank's MoE layer routes per micro-batch (tokens x top-k)."""
-        factor = self.expert_parallel_buffer_factor
-        if factor is not None:
-            if expert_parallel_size == 1:
-                raise ConfigError(
-                    f"--moe-expert-parallel-buffer-factor {factor} sizes the blocks of the "
-                    "expert-parallel exchange, and there is none at expert parallel size 1; set "
-                    "--expert-model-parallel-size > 1 or drop the flag"
-                )
-            if not self.dropless:
-                raise ConfigError(
-                    f"--moe-expert-parallel-buffer-factor {factor} sizes the dropless MoE's "
-                    "exchange; the capacity MoE (--no-moe-dropless) exchanges its fixed slots "
-                    "already: drop the flag"
-                )
-        if self.expert_parallel_chunks == 1:
-            return
-        if expert_parallel_size == 1:
-            raise ConfigError(
-                "--overlap-moe-expert-parallel-comm overlaps the expert-parallel all-to-all, "
-                "and there is none at expert parallel size 1; set "
-                "--expert-model-parallel-size > 1 or drop the flag"
-            )
-        if not self.dropless:
-            raise ConfigError(
-                "--overlap-moe-expert-parallel-comm pipelines the dropless MoE's exchange; the "
-                "capacity MoE (--no-moe-dropless) exchanges its slots in one all-to-all: drop "
-                "the flag"
-            )
-        if factor is None:
-            raise ConfigError(
-                "--overlap-moe-expert-parallel-comm cuts the fixed-size blocks exchange into "
-                "chunks; add --moe-expert-parallel-buffer-factor (e.g. 1.5) (the exact exchange "
-                "already overlaps its all-to-alls with the rank's own rows)"
-            )
-        chunks = self.expert_parallel_chunks
-        # Each chunk's slice of a block holds at least 8 rows (block_capacity): past this many
-        # chunks the slices are padded beyond the factor's block, and every chunk adds its
-        # launches and all-to-alls for rows that are not there.
-        share = block_capacity(rows_per_rank, expert_parallel_size, factor)
-        most = max(2, share // 8)
-        if chunks > most:
-            padded = block_capacity(rows_per_rank, expert_parallel_size, factor, chunks)
-            raise ConfigError(
-                f"--moe-expert-parallel-comm-chunks {chunks} cuts each expert-parallel block of "
-                f"{share} rows (--moe-expert-parallel-buffer-factor {factor} x the balanced share "
-                f"of the {rows_per_rank} rows a rank routes per micro-batch) into slices of at "
-                f"least 8 rows, padding it to {padded}; use at most {most} chunks"
-            )
-
-
-def _exchange_chunks(args: argparse.Namespace) -> int:
-    """The chunks each layer's fixed-size exchange is cut into: the flag's under
-    --overlap-moe-expert-parallel-comm, else one; ConfigError for a count that overlaps nothing
-    or that the overlap flag's absence leaves unused."""
-    chunks = args.moe_expert_parallel_comm_chunks
-    if not args.overlap_moe_expert_parallel_comm:
-        # The default is in every saved namespace, so only another value says it was asked for.
-        if chunks != DEFAULT_EXCHANGE_CHUNKS:
-            raise ConfigError(
-                f"--moe-expert-parallel-comm-chunks {chunks} takes effect only under "
-                "--overlap-moe-expert-parallel-comm; add it or drop the flag"
-            )
-        return 1
-    if chunks < 2:
-        raise ConfigError(
-            f"--moe-expert-parallel-comm-chunks {chunks} under --overlap-moe-expert-parallel-comm: "
-            "it needs 2 or more (one chunk leaves nothing to overlap); raise it or drop the "
-            "overlap flag"
-        )
-    return chunks
-
 
 def _moe_layers(value: Union[int, str]) -> Union[int, Tuple[bool, ...]]:
     """--moe-layer-freq as MoEConfig keeps it: an integer as it is, a pattern read into one
@@ -456,7 +379,7 @@ def moe_config(args: argparse.Namespace, config: Config) -> Optional[MoEConfig]:
         return None
     expert_parallel_size = config.parallel.expert_model_parallel_size
     moe.check_expert_parallelism(expert_parallel_size)
-    moe.check_exchange(expert_parallel_size, routed_rows_per_rank(moe, config))
+    check_exchange(moe, expert_parallel_size, routed_rows_per_rank(moe, config))
     return with_grouped_gemm_for(
         moe,
         config,
@@ -465,16 +388,6 @@ def moe_config(args: argparse.Namespace, config: Config) -> Optional[MoEConfig]:
         expert_parallel_size,
         config.model.tensor_model_parallel_size,
     )
-
-
-def routed_rows_per_rank(moe: MoEConfig, config: Config) -> int:
-    """The rows a rank's MoE layer routes per micro-batch: its tokens (the sequence split over
-    the tensor-parallel ranks under --sequence-parallel) times top-k."""
-    model = config.model
-    tokens = config.training.micro_batch_size * model.seq_length
-    if model.sequence_parallel:
-        tokens //= model.tensor_model_parallel_size
-    return tokens * moe.top_k
 
 
 def with_grouped_gemm_for(
