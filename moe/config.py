@@ -18,7 +18,7 @@ from megatron.config import Config, ConfigError, ModelConfig
 from megatron.config.layer_pattern import is_marked, parse_pattern
 from megatron.initialize import compute_device
 from moe.exchange_flags import check_exchange, exchange_chunks, routed_rows_per_rank
-from moe.kernels import grouped_gemm
+from moe.kernels import grouped_gemm, quack_grouped_gemm
 from moe.kernels.grouped_gemm import MOE, GroupedGemmBackend
 
 MLP_IMPLS = ("grouped", "sparse", "reference")
@@ -28,6 +28,8 @@ ROUTER_SCORES = ("softmax", "sigmoid")
 # sequence's, the step's over every data-parallel rank, or no balancing loss (moe.router).
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
 ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}  # --moe-router-dtype
+# --moe-grouped-gemm-kernel: the grouped GEMM choose_backend picks for the device, or QuACK's.
+GROUPED_GEMM_KERNELS = ("auto", "quack")
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,9 @@ class MoEConfig:
     memory_optimized_mlp: bool = False
     # Log each MoE layer's expert load after the iteration line (moe.expert_load).
     per_layer_logging: bool = False
+    # What --moe-grouped-gemm-kernel asks for (GROUPED_GEMM_KERNELS); `grouped_gemm` is the
+    # product chosen from it.
+    grouped_gemm_kernel: str = "auto"
     # The dMoE's grouped product (a moe.kernels.grouped_gemm.GroupedGemmBackend): a run chooses
     # it once for its device and precision (`moe_config`); this default runs everywhere.
     grouped_gemm: GroupedGemmBackend = MOE
@@ -143,6 +148,7 @@ class MoEConfig:
             ffn_hidden_size=args.moe_ffn_hidden_size,
             memory_optimized_mlp=args.moe_memory_optimized_mlp,
             per_layer_logging=args.moe_per_layer_logging,
+            grouped_gemm_kernel=args.moe_grouped_gemm_kernel,
         )
         if args.mlp_type == "mlp" and model.swiglu:
             raise ConfigError(
@@ -239,6 +245,19 @@ class MoEConfig:
             )
         self._validate_sparse(model)
         self._validate_tensor_parallel_split(model)
+        if self.grouped_gemm_kernel not in GROUPED_GEMM_KERNELS:
+            raise ConfigError(
+                f"--moe-grouped-gemm-kernel {self.grouped_gemm_kernel!r} is not one of "
+                f"{GROUPED_GEMM_KERNELS}"
+            )
+        if self.grouped_gemm_kernel != "auto" and not (
+            self.dropless and self.mlp_impl == "grouped"
+        ):
+            raise ConfigError(
+                f"--moe-grouped-gemm-kernel {self.grouped_gemm_kernel} chooses the dropless dMoE's "
+                "grouped GEMM (--moe-impl grouped), which --no-moe-dropless and --moe-impl "
+                "sparse or reference do not run: drop the flag"
+            )
         if self.shared_expert_ffn_hidden_size is not None:
             if not self.shared_expert:
                 raise ConfigError("--moe-shared-expert-ffn-hidden-size needs --moe-shared-expert")
@@ -401,13 +420,61 @@ def with_grouped_gemm_for(
     """`moe` with the grouped GEMM for experts whose rows are `dtype` on `device`, each rank
     holding num_experts / expert_parallel_size of them, their FFN split tensor_parallel_size
     ways: the one place it is chosen, for a training run (moe_config) and for generation on
-    another device or dtype."""
+    another device or dtype. --moe-grouped-gemm-kernel auto takes `choose_backend`'s choice;
+    quack takes QUACK, or refuses in one line where it cannot run (`_check_quack_runs`)."""
     model = config.model
+    widths = (model.hidden_size, moe.expert_ffn_hidden_size(model) // tensor_parallel_size)
+    if moe.grouped_gemm_kernel == "quack":
+        _check_quack_runs(device, dtype, widths, config.training.kernels)
+        return dataclasses.replace(moe, grouped_gemm=quack_grouped_gemm.QUACK)
     backend = grouped_gemm.choose_backend(
-        device,
-        dtype,
-        (model.hidden_size, moe.expert_ffn_hidden_size(model) // tensor_parallel_size),
-        moe.num_experts // expert_parallel_size,
-        config.training.kernels,
+        device, dtype, widths, moe.num_experts // expert_parallel_size, config.training.kernels
     )
     return dataclasses.replace(moe, grouped_gemm=backend)
+
+
+def _check_quack_runs(
+    device: torch.device, dtype: torch.dtype, widths: Tuple[int, int], mode: str
+) -> None:
+    """ConfigError, one line, where --moe-grouped-gemm-kernel quack cannot run: its kernels
+    (Hopper, Blackwell), bf16 rows of widths its TMA loads take, QuACK importable, and the
+    kernel mode (MEGATRON_KERNELS) not forcing the references or our Triton kernels instead."""
+    flag = "--moe-grouped-gemm-kernel quack"
+    if mode != "auto":
+        forced = "the PyTorch references" if mode == "reference" else "our Triton kernels"
+        raise ConfigError(
+            f"{flag} runs the dMoE's products on QuACK's kernels, but MEGATRON_KERNELS={mode} "
+            f"forces {forced} everywhere; unset MEGATRON_KERNELS or drop the flag"
+        )
+    if not quack_grouped_gemm.quack_runs_on(device):
+        raise ConfigError(
+            f"{flag} runs on NVIDIA Hopper or Blackwell GPUs (sm90 or newer), and this process "
+            f"computes on {_device_name(device)}; drop the flag (auto chooses for the device)"
+        )
+    if dtype != torch.bfloat16:
+        raise ConfigError(
+            f"{flag} multiplies bf16 rows, and this run's experts compute in "
+            f"{str(dtype).replace('torch.', '')}; add --bf16 or drop the flag"
+        )
+    if not grouped_gemm.bf16_widths_are_tma_aligned(widths):
+        raise ConfigError(
+            f"{flag} needs expert widths that are multiples of 8 (16 bytes of bf16, for its TMA "
+            f"loads), got --hidden-size {widths[0]} and {widths[1]} expert channels per "
+            "tensor-parallel rank; choose multiples of 8 or drop the flag"
+        )
+    missing = quack_grouped_gemm.quack_missing()
+    if missing is not None:
+        raise ConfigError(
+            f"{flag} needs the quack-kernels package, and quack.gemm_interface does not import "
+            f"here ({missing}); pip install quack-kernels (the project's [quack] extra) or drop "
+            "the flag"
+        )
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type != "cuda":
+        return device.type
+    if torch.version.hip is not None:
+        return torch.cuda.get_device_name(device)
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"{torch.cuda.get_device_name(device)} (sm{major}{minor})"

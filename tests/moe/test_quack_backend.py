@@ -10,12 +10,17 @@ import sys
 import pytest
 import torch
 
-from megatron.config import ModelConfig
-from moe.config import MoEConfig
+from gpt_pretraining import GPT_RUN
+from megatron.config import Config, ConfigError, ModelConfig, parse_arguments
+from megatron.config.validation import resolve_arguments_with_notes
+from moe.arguments import add_moe_args
+from moe.config import MoEConfig, moe_config
+from moe.kernels import quack_grouped_gemm
 from moe.kernels.grouped_gemm import MOE, grouped_mm_reference, grouped_product
 from moe.kernels.quack_grouped_gemm import QUACK, quack_missing
 from moe.layers import build_moe_layer
 from moe.training_hooks import MoETrainingHooks
+from tests.config.command_lines import argv
 from tests.moe.test_dmoe_compile import assert_gpt_model_is_one_graph
 from tests.quack_stand_in import gemm_leaving_empty_groups, install_stand_in
 
@@ -150,3 +155,108 @@ def test_quack_is_missing_where_it_does_not_import(monkeypatch, stand_in_quack):
     monkeypatch.setitem(sys.modules, "quack.gemm_interface", None)
     missing = quack_missing()
     assert missing.startswith(("ImportError", "ModuleNotFoundError")) and "\n" not in missing
+
+
+# --------------------------------------------------------------------------------------------
+# --moe-grouped-gemm-kernel: chosen once, at start-up (moe.config.with_grouped_gemm_for)
+# --------------------------------------------------------------------------------------------
+
+QUACK_FLAGS = ("--moe-num-experts", "4", "--moe-grouped-gemm-kernel", "quack")
+
+
+def _run_config(*flags: str) -> Config:
+    """pretrain_gpt.py's config of a small dMoE with `flags`, on this process's device."""
+    namespace = parse_arguments(argv(*flags), [add_moe_args])
+    resolved, notes = resolve_arguments_with_notes(namespace, 1)
+    return Config.from_resolved(resolved, notes, 64, extensions=[moe_config])
+
+
+def _refusal(*flags: str) -> str:
+    with pytest.raises(ConfigError) as refused:
+        _run_config(*flags)
+    assert "\n" not in str(refused.value)
+    return str(refused.value)
+
+
+@pytest.fixture
+def on_hopper(monkeypatch):
+    """The device check passes, as on an H100 (the tests run on the CPU)."""
+    monkeypatch.setattr(quack_grouped_gemm, "quack_runs_on", lambda device: True)
+
+
+def test_quack_where_it_runs_is_the_runs_grouped_gemm(stand_in_quack, on_hopper):
+    moe = _run_config(*QUACK_FLAGS, "--bf16").extension(MoEConfig)
+    assert moe.grouped_gemm is QUACK and moe.grouped_gemm_kernel == "quack"
+    assert "dMoE grouped GEMM: quack (quack-kernels)" in moe.notes()
+
+
+def test_auto_keeps_choose_backends_choice(stand_in_quack, on_hopper):
+    moe = _run_config("--moe-num-experts", "4", "--bf16").extension(MoEConfig)
+    assert moe.grouped_gemm_kernel == "auto" and moe.grouped_gemm is MOE  # the CPU's choice
+
+
+def test_quack_refuses_where_it_does_not_import(monkeypatch, on_hopper):
+    monkeypatch.setitem(sys.modules, "quack.gemm_interface", None)
+    message = _refusal(*QUACK_FLAGS, "--bf16")
+    assert message.startswith(
+        "--moe-grouped-gemm-kernel quack needs the quack-kernels package, and "
+        "quack.gemm_interface does not import here (ModuleNotFoundError: "
+    )
+    assert message.endswith(
+        "pip install quack-kernels (the project's [quack] extra) or drop the flag"
+    )
+
+
+def test_quack_refuses_the_cpu(stand_in_quack):
+    assert _refusal(*QUACK_FLAGS, "--bf16") == (
+        "--moe-grouped-gemm-kernel quack runs on NVIDIA Hopper or Blackwell GPUs (sm90 or "
+        "newer), and this process computes on cpu; drop the flag (auto chooses for the device)"
+    )
+
+
+def test_quack_refuses_fp32_rows(stand_in_quack, on_hopper):
+    assert _refusal(*QUACK_FLAGS) == (
+        "--moe-grouped-gemm-kernel quack multiplies bf16 rows, and this run's experts compute in "
+        "float32; add --bf16 or drop the flag"
+    )
+
+
+def test_quack_refuses_widths_its_tma_loads_cannot_take(stand_in_quack, on_hopper):
+    assert _refusal(*QUACK_FLAGS, "--bf16", "--moe-ffn-hidden-size", "100") == (
+        "--moe-grouped-gemm-kernel quack needs expert widths that are multiples of 8 (16 bytes "
+        "of bf16, for its TMA loads), got --hidden-size 64 and 100 expert channels per "
+        "tensor-parallel rank; choose multiples of 8 or drop the flag"
+    )
+
+
+@pytest.mark.parametrize(
+    "mode, forced", [("reference", "the PyTorch references"), ("triton", "our Triton kernels")]
+)
+def test_quack_refuses_a_kernel_mode_that_forces_other_kernels(
+    monkeypatch, stand_in_quack, on_hopper, mode, forced
+):
+    """The explicit flag and MEGATRON_KERNELS contradict each other: neither silently wins."""
+    monkeypatch.setenv("MEGATRON_KERNELS", mode)
+    assert _refusal(*QUACK_FLAGS, "--bf16") == (
+        "--moe-grouped-gemm-kernel quack runs the dMoE's products on QuACK's kernels, but "
+        f"MEGATRON_KERNELS={mode} forces {forced} everywhere; unset MEGATRON_KERNELS or drop the "
+        "flag"
+    )
+
+
+@pytest.mark.parametrize("flag", [["--no-moe-dropless"], ["--moe-impl", "sparse"]])
+def test_quack_refuses_moe_layers_without_the_grouped_gemm(stand_in_quack, on_hopper, flag):
+    assert "which --no-moe-dropless and --moe-impl sparse or reference do not run" in _refusal(
+        *QUACK_FLAGS, "--bf16", *flag
+    )
+
+
+def test_a_checkpoint_of_a_quack_run_reads_anywhere(stand_in_quack, monkeypatch):
+    """The saved config chooses the grouped GEMM for the device that reads it (here the CPU)
+    rather than refusing the run's QuACK (moe.arguments.MOE_KERNEL_ARGUMENTS)."""
+    monkeypatch.setattr(quack_grouped_gemm, "quack_runs_on", lambda device: True)
+    config = GPT_RUN.config(*GPT_RUN.resolve(argv(*QUACK_FLAGS, "--bf16"), 1), 64)
+    assert config.extension(MoEConfig).grouped_gemm is QUACK
+    monkeypatch.undo()
+    again = GPT_RUN.config_from_saved(config.saved_arguments()).extension(MoEConfig)
+    assert again.grouped_gemm_kernel == "auto" and again.grouped_gemm is MOE
