@@ -31,7 +31,8 @@ operand layout shared by every shape, where its autotuner (tuned=True) would spe
 each new shape (bench/quack_products.py compares the two).
 """
 
-from __future__ import annotations
+# No `from __future__ import annotations`: torch.library.custom_op reads the ops' signatures from
+# their annotations, and older torch (2.4) does not resolve string annotations.
 
 import importlib
 from typing import Optional
@@ -146,7 +147,7 @@ def quack_grouped_mm(
     """x [N, K] rows grouped by expert times weight [E, K, N'] (x's dtype) by QuACK, `offsets`
     the int32 inclusive cumulative sums of tokens_per_expert; differentiable w.r.t. x and
     weight (a moe.kernels.grouped_gemm.GroupedMultiply)."""
-    return _grouped_mm(x, weight, F.pad(offsets, (1, 0)))
+    return _grouped_mm(x, weight, F.pad(offsets.to(torch.int32), (1, 0)))
 
 
 QUACK = GroupedGemmBackend(
