@@ -5,6 +5,7 @@ grouped_mm_reference, an expert without rows given a zero weight gradient whatev
 leaves there, one graph under torch.compile, and --moe-grouped-gemm-kernel's one-line refusals.
 """
 
+import pickle
 import sys
 
 import pytest
@@ -188,6 +189,7 @@ def test_quack_where_it_runs_is_the_runs_grouped_gemm(stand_in_quack, on_hopper)
     moe = _run_config(*QUACK_FLAGS, "--bf16").extension(MoEConfig)
     assert moe.grouped_gemm is QUACK and moe.grouped_gemm_kernel == "quack"
     assert "dMoE grouped GEMM: quack (quack-kernels)" in moe.notes()
+    assert pickle.loads(pickle.dumps(moe)) == moe  # as the spawned ranks of a GPU run get it
 
 
 def test_auto_keeps_choose_backends_choice(stand_in_quack, on_hopper):
