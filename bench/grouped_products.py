@@ -54,7 +54,6 @@ from bench.quack_products import (
     checked,
     gathered_lines,
     quack_call,
-    quack_missing,
     quack_version,
     time_cells,
     time_gathered,
@@ -64,6 +63,7 @@ from bench.timing import median_ms
 from megatron.kernels.dispatch import TRITON_AVAILABLE
 from moe.kernels import grouped_gemm as gg
 from moe.kernels.grouped_gemm import torch_has_grouped_mm
+from moe.kernels.quack_grouped_gemm import quack_missing
 
 GROUPED_MM = "_grouped_mm"
 TRITON = "Triton"

@@ -1,6 +1,8 @@
 """QuACK's grouped GEMM for bench/grouped_products.py's `--quack` column: each expert product as
 one call of quack.gemm_interface.gemm (the quack-kernels package, CuTe-DSL kernels for Hopper and
-Blackwell; optional, imported only here and only when asked for).
+Blackwell; optional, imported only when asked for). The dMoE runs the same mapping, as torch
+custom ops, under --moe-grouped-gemm-kernel quack (moe.kernels.quack_grouped_gemm, whose
+`quack_missing` the bench's refusal uses too).
 
 QuACK groups by a variable-length dimension, given as cu_seqlens: int32 [E + 1], 0 then the
 inclusive cumulative sums of tokens_per_expert (`varlen_offsets`). For rows [N, K] sorted by
@@ -26,7 +28,7 @@ import functools
 import importlib
 import math
 import time
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Sequence, Tuple
 
 import torch
 
@@ -36,15 +38,6 @@ from bench.timing import median_ms
 QUACK = "QuACK"
 # The largest relative Frobenius error of a bf16 product against torch._grouped_mm's that passes.
 TOLERANCE = 1e-2
-
-
-def quack_missing() -> Optional[str]:
-    """Why quack.gemm_interface does not import here, in one line; None where it does."""
-    try:
-        importlib.import_module("quack.gemm_interface")
-    except Exception as failure:  # ImportError, or a CUDA library the DSL cannot load
-        return " ".join(f"{type(failure).__name__}: {failure}".split())
-    return None
 
 
 def quack_version() -> str:

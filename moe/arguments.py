@@ -9,13 +9,14 @@ import argparse
 
 from megatron.config.layer_pattern import layer_frequency
 from moe.config import (
-    DEFAULT_EXCHANGE_CHUNKS,
+    GROUPED_GEMM_KERNELS,
     LOAD_BALANCING_TYPES,
     MLP_IMPLS,
     MLP_TYPES,
     ROUTER_DTYPES,
     ROUTER_SCORES,
 )
+from moe.exchange_flags import DEFAULT_EXCHANGE_CHUNKS
 
 # The flags (namespace attributes) that define an MoE model, which a checkpoint's saved
 # arguments are compared on when it is loaded (megatron.checkpointing.model_arguments).
@@ -35,6 +36,10 @@ MOE_MODEL_ARGUMENTS = (
     "moe_shared_expert_ffn_hidden_size",
     "moe_ffn_hidden_size",
 )
+
+# Flags that choose the saving run's kernels, which a checkpoint's saved config does not keep
+# (megatron.composition.extension.RunExtension.kernel_arguments).
+MOE_KERNEL_ARGUMENTS = ("moe_grouped_gemm_kernel",)
 
 
 def add_moe_args(parser: argparse.ArgumentParser) -> None:
@@ -110,6 +115,15 @@ def add_moe_args(parser: argparse.ArgumentParser) -> None:
         choices=MLP_IMPLS,
         help="Expert computation: grouped GEMM (default), block-sparse (dropless only), or "
         "a per-expert loop (reference, for testing).",
+    )
+    group.add_argument(
+        "--moe-grouped-gemm-kernel",
+        default="auto",
+        choices=GROUPED_GEMM_KERNELS,
+        help="The dMoE's grouped GEMM. auto (default): torch._grouped_mm on Hopper in bf16, else "
+        "the project's Triton kernels. quack: QuACK's varlen grouped GEMM (the optional "
+        "quack-kernels package: NVIDIA Hopper or Blackwell, bf16), compiled with the model; "
+        "refused at start-up where it cannot run.",
     )
     group.add_argument(
         "--mlp-type",

@@ -17,8 +17,8 @@ import torch
 from megatron.config import Config, ConfigError, ModelConfig
 from megatron.config.layer_pattern import is_marked, parse_pattern
 from megatron.initialize import compute_device
-from moe.exchange.fixed_blocks import block_capacity
-from moe.kernels import grouped_gemm
+from moe.exchange_flags import check_exchange, exchange_chunks, routed_rows_per_rank
+from moe.kernels import grouped_gemm, quack_grouped_gemm
 from moe.kernels.grouped_gemm import MOE, GroupedGemmBackend
 
 MLP_IMPLS = ("grouped", "sparse", "reference")
@@ -28,7 +28,8 @@ ROUTER_SCORES = ("softmax", "sigmoid")
 # sequence's, the step's over every data-parallel rank, or no balancing loss (moe.router).
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
 ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}  # --moe-router-dtype
-DEFAULT_EXCHANGE_CHUNKS = 2  # --moe-expert-parallel-comm-chunks
+# --moe-grouped-gemm-kernel: the grouped GEMM choose_backend picks for the device, or QuACK's.
+GROUPED_GEMM_KERNELS = ("auto", "quack")
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,9 @@ class MoEConfig:
     memory_optimized_mlp: bool = False
     # Log each MoE layer's expert load after the iteration line (moe.expert_load).
     per_layer_logging: bool = False
+    # What --moe-grouped-gemm-kernel asks for (GROUPED_GEMM_KERNELS); `grouped_gemm` is the
+    # product chosen from it.
+    grouped_gemm_kernel: str = "auto"
     # The dMoE's grouped product (a moe.kernels.grouped_gemm.GroupedGemmBackend): a run chooses
     # it once for its device and precision (`moe_config`); this default runs everywhere.
     grouped_gemm: GroupedGemmBackend = MOE
@@ -138,12 +142,13 @@ class MoEConfig:
             router_topk_scaling_factor=args.moe_router_topk_scaling_factor,
             router_force_load_balancing=args.moe_router_force_load_balancing,
             expert_parallel_buffer_factor=args.moe_expert_parallel_buffer_factor,
-            expert_parallel_chunks=_exchange_chunks(args),
+            expert_parallel_chunks=exchange_chunks(args),
             shared_expert=args.moe_shared_expert,
             shared_expert_ffn_hidden_size=args.moe_shared_expert_ffn_hidden_size,
             ffn_hidden_size=args.moe_ffn_hidden_size,
             memory_optimized_mlp=args.moe_memory_optimized_mlp,
             per_layer_logging=args.moe_per_layer_logging,
+            grouped_gemm_kernel=args.moe_grouped_gemm_kernel,
         )
         if args.mlp_type == "mlp" and model.swiglu:
             raise ConfigError(
@@ -240,6 +245,19 @@ class MoEConfig:
             )
         self._validate_sparse(model)
         self._validate_tensor_parallel_split(model)
+        if self.grouped_gemm_kernel not in GROUPED_GEMM_KERNELS:
+            raise ConfigError(
+                f"--moe-grouped-gemm-kernel {self.grouped_gemm_kernel!r} is not one of "
+                f"{GROUPED_GEMM_KERNELS}"
+            )
+        if self.grouped_gemm_kernel != "auto" and not (
+            self.dropless and self.mlp_impl == "grouped"
+        ):
+            raise ConfigError(
+                f"--moe-grouped-gemm-kernel {self.grouped_gemm_kernel} chooses the dropless dMoE's "
+                "grouped GEMM (--moe-impl grouped), which --no-moe-dropless and --moe-impl "
+                "sparse or reference do not run: drop the flag"
+            )
         if self.shared_expert_ffn_hidden_size is not None:
             if not self.shared_expert:
                 raise ConfigError("--moe-shared-expert-ffn-hidden-size needs --moe-shared-expert")
@@ -364,82 +382,6 @@ class MoEConfig:
                 "form; use --moe-impl grouped or sparse, or expert parallel size 1"
             )
 
-    def check_exchange(self, expert_parallel_size: int, rows_per_rank: int) -> None:
-        """The expert-parallel exchange's flags (--moe-expert-parallel-buffer-factor,
-        --overlap-moe-expert-parallel-comm and its chunks) against the layout: refused
-        (ConfigError, one line) where they would do nothing or only slow the run.
-        `rows_per_rank`: the rows a rank's MoE layer routes per micro-batch (tokens x top-k)."""
-        factor = self.expert_parallel_buffer_factor
-        if factor is not None:
-            if expert_parallel_size == 1:
-                raise ConfigError(
-                    f"--moe-expert-parallel-buffer-factor {factor} sizes the blocks of the "
-                    "expert-parallel exchange, and there is none at expert parallel size 1; set "
-                    "--expert-model-parallel-size > 1 or drop the flag"
-                )
-            if not self.dropless:
-                raise ConfigError(
-                    f"--moe-expert-parallel-buffer-factor {factor} sizes the dropless MoE's "
-                    "exchange; the capacity MoE (--no-moe-dropless) exchanges its fixed slots "
-                    "already: drop the flag"
-                )
-        if self.expert_parallel_chunks == 1:
-            return
-        if expert_parallel_size == 1:
-            raise ConfigError(
-                "--overlap-moe-expert-parallel-comm overlaps the expert-parallel all-to-all, "
-                "and there is none at expert parallel size 1; set "
-                "--expert-model-parallel-size > 1 or drop the flag"
-            )
-        if not self.dropless:
-            raise ConfigError(
-                "--overlap-moe-expert-parallel-comm pipelines the dropless MoE's exchange; the "
-                "capacity MoE (--no-moe-dropless) exchanges its slots in one all-to-all: drop "
-                "the flag"
-            )
-        if factor is None:
-            raise ConfigError(
-                "--overlap-moe-expert-parallel-comm cuts the fixed-size blocks exchange into "
-                "chunks; add --moe-expert-parallel-buffer-factor (e.g. 1.5) (the exact exchange "
-                "already overlaps its all-to-alls with the rank's own rows)"
-            )
-        chunks = self.expert_parallel_chunks
-        # Each chunk's slice of a block holds at least 8 rows (block_capacity): past this many
-        # chunks the slices are padded beyond the factor's block, and every chunk adds its
-        # launches and all-to-alls for rows that are not there.
-        share = block_capacity(rows_per_rank, expert_parallel_size, factor)
-        most = max(2, share // 8)
-        if chunks > most:
-            padded = block_capacity(rows_per_rank, expert_parallel_size, factor, chunks)
-            raise ConfigError(
-                f"--moe-expert-parallel-comm-chunks {chunks} cuts each expert-parallel block of "
-                f"{share} rows (--moe-expert-parallel-buffer-factor {factor} x the balanced share "
-                f"of the {rows_per_rank} rows a rank routes per micro-batch) into slices of at "
-                f"least 8 rows, padding it to {padded}; use at most {most} chunks"
-            )
-
-
-def _exchange_chunks(args: argparse.Namespace) -> int:
-    """The chunks each layer's fixed-size exchange is cut into: the flag's under
-    --overlap-moe-expert-parallel-comm, else one; ConfigError for a count that overlaps nothing
-    or that the overlap flag's absence leaves unused."""
-    chunks = args.moe_expert_parallel_comm_chunks
-    if not args.overlap_moe_expert_parallel_comm:
-        # The default is in every saved namespace, so only another value says it was asked for.
-        if chunks != DEFAULT_EXCHANGE_CHUNKS:
-            raise ConfigError(
-                f"--moe-expert-parallel-comm-chunks {chunks} takes effect only under "
-                "--overlap-moe-expert-parallel-comm; add it or drop the flag"
-            )
-        return 1
-    if chunks < 2:
-        raise ConfigError(
-            f"--moe-expert-parallel-comm-chunks {chunks} under --overlap-moe-expert-parallel-comm: "
-            "it needs 2 or more (one chunk leaves nothing to overlap); raise it or drop the "
-            "overlap flag"
-        )
-    return chunks
-
 
 def _moe_layers(value: Union[int, str]) -> Union[int, Tuple[bool, ...]]:
     """--moe-layer-freq as MoEConfig keeps it: an integer as it is, a pattern read into one
@@ -456,7 +398,7 @@ def moe_config(args: argparse.Namespace, config: Config) -> Optional[MoEConfig]:
         return None
     expert_parallel_size = config.parallel.expert_model_parallel_size
     moe.check_expert_parallelism(expert_parallel_size)
-    moe.check_exchange(expert_parallel_size, routed_rows_per_rank(moe, config))
+    check_exchange(moe, expert_parallel_size, routed_rows_per_rank(moe, config))
     return with_grouped_gemm_for(
         moe,
         config,
@@ -465,16 +407,6 @@ def moe_config(args: argparse.Namespace, config: Config) -> Optional[MoEConfig]:
         expert_parallel_size,
         config.model.tensor_model_parallel_size,
     )
-
-
-def routed_rows_per_rank(moe: MoEConfig, config: Config) -> int:
-    """The rows a rank's MoE layer routes per micro-batch: its tokens (the sequence split over
-    the tensor-parallel ranks under --sequence-parallel) times top-k."""
-    model = config.model
-    tokens = config.training.micro_batch_size * model.seq_length
-    if model.sequence_parallel:
-        tokens //= model.tensor_model_parallel_size
-    return tokens * moe.top_k
 
 
 def with_grouped_gemm_for(
@@ -488,13 +420,61 @@ def with_grouped_gemm_for(
     """`moe` with the grouped GEMM for experts whose rows are `dtype` on `device`, each rank
     holding num_experts / expert_parallel_size of them, their FFN split tensor_parallel_size
     ways: the one place it is chosen, for a training run (moe_config) and for generation on
-    another device or dtype."""
+    another device or dtype. --moe-grouped-gemm-kernel auto takes `choose_backend`'s choice;
+    quack takes QUACK, or refuses in one line where it cannot run (`_check_quack_runs`)."""
     model = config.model
+    widths = (model.hidden_size, moe.expert_ffn_hidden_size(model) // tensor_parallel_size)
+    if moe.grouped_gemm_kernel == "quack":
+        _check_quack_runs(device, dtype, widths, config.training.kernels)
+        return dataclasses.replace(moe, grouped_gemm=quack_grouped_gemm.QUACK)
     backend = grouped_gemm.choose_backend(
-        device,
-        dtype,
-        (model.hidden_size, moe.expert_ffn_hidden_size(model) // tensor_parallel_size),
-        moe.num_experts // expert_parallel_size,
-        config.training.kernels,
+        device, dtype, widths, moe.num_experts // expert_parallel_size, config.training.kernels
     )
     return dataclasses.replace(moe, grouped_gemm=backend)
+
+
+def _check_quack_runs(
+    device: torch.device, dtype: torch.dtype, widths: Tuple[int, int], mode: str
+) -> None:
+    """ConfigError, one line, where --moe-grouped-gemm-kernel quack cannot run: its kernels
+    (Hopper, Blackwell), bf16 rows of widths its TMA loads take, QuACK importable, and the
+    kernel mode (MEGATRON_KERNELS) not forcing the references or our Triton kernels instead."""
+    flag = "--moe-grouped-gemm-kernel quack"
+    if mode != "auto":
+        forced = "the PyTorch references" if mode == "reference" else "our Triton kernels"
+        raise ConfigError(
+            f"{flag} runs the dMoE's products on QuACK's kernels, but MEGATRON_KERNELS={mode} "
+            f"forces {forced} everywhere; unset MEGATRON_KERNELS or drop the flag"
+        )
+    if not quack_grouped_gemm.quack_runs_on(device):
+        raise ConfigError(
+            f"{flag} runs on NVIDIA Hopper or Blackwell GPUs (sm90 or newer), and this process "
+            f"computes on {_device_name(device)}; drop the flag (auto chooses for the device)"
+        )
+    if dtype != torch.bfloat16:
+        raise ConfigError(
+            f"{flag} multiplies bf16 rows, and this run's experts compute in "
+            f"{str(dtype).replace('torch.', '')}; add --bf16 or drop the flag"
+        )
+    if not grouped_gemm.bf16_widths_are_tma_aligned(widths):
+        raise ConfigError(
+            f"{flag} needs expert widths that are multiples of 8 (16 bytes of bf16, for its TMA "
+            f"loads), got --hidden-size {widths[0]} and {widths[1]} expert channels per "
+            "tensor-parallel rank; choose multiples of 8 or drop the flag"
+        )
+    missing = quack_grouped_gemm.quack_missing()
+    if missing is not None:
+        raise ConfigError(
+            f"{flag} needs the quack-kernels package, and quack.gemm_interface does not import "
+            f"here ({missing}); pip install quack-kernels (the project's [quack] extra) or drop "
+            "the flag"
+        )
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type != "cuda":
+        return device.type
+    if torch.version.hip is not None:
+        return torch.cuda.get_device_name(device)
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"{torch.cuda.get_device_name(device)} (sm{major}{minor})"

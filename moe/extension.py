@@ -6,7 +6,7 @@ and the saved arguments that define the experts."""
 from __future__ import annotations
 
 from megatron.composition.extension import RunExtension
-from moe.arguments import MOE_MODEL_ARGUMENTS, add_moe_args
+from moe.arguments import MOE_KERNEL_ARGUMENTS, MOE_MODEL_ARGUMENTS, add_moe_args
 from moe.auxiliary_losses import MoEAuxiliaryLosses
 from moe.config import MoEConfig, moe_config
 from moe.mlp_spec import MoEMlpSpec
@@ -30,4 +30,5 @@ MOE_EXTENSION = RunExtension(
         model, moe.num_moe_layers(config.model.num_layers)
     ),
     notes=MoEConfig.notes,
+    kernel_arguments=MOE_KERNEL_ARGUMENTS,
 )

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tests import triton_interpreter
+from tests.quack_stand_in import install_stand_in
 from tests.sample_data import CORPUS, copy_dataset, gpt2_preprocess_args
 
 # Under pytest-xdist each worker takes its share of the cores, for torch here and for the
@@ -64,6 +65,12 @@ def force_kernel_mode(monkeypatch, mode: str) -> None:
 def reference_kernels(monkeypatch):
     """The plain-PyTorch references of every kernel, here and in started processes."""
     force_kernel_mode(monkeypatch, "reference")
+
+
+@pytest.fixture
+def stand_in_quack(monkeypatch):
+    """quack.gemm_interface as the CPU stand-in of tests/quack_stand_in.py, for one test."""
+    install_stand_in(monkeypatch)
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """What a package built on megatron adds to a GPT run, as one object (the role torchtitan's
 `TrainSpec` plays for a model): its flags, its frozen config section, the MLP its layers use,
-the work it does around the steps, the loss terms it adds, and the saved arguments that define
-its part of the model. The MoE layers are one (moe.extension.MOE_EXTENSION); megatron never
+the work it does around the steps, the loss terms it adds, the saved arguments that define
+its part of the model, and those that only choose its kernels. The MoE layers are one (moe.extension.MOE_EXTENSION); megatron never
 imports them: the run's composition (megatron.composition.run.RunComposition) is handed the
 extensions by whoever composes a run (gpt_pretraining).
 
@@ -43,3 +43,7 @@ class RunExtension:
     training_hooks: Callable[[Any, Config], TrainingHooks]
     auxiliary_losses: Callable[[Any, Config, nn.Module], AuxiliaryLosses]
     notes: Callable[[Any], List[str]]
+    # Flags that choose kernels for the saving run's devices, not the model: a checkpoint's saved
+    # config takes their defaults, so that a process reading it on another device (a tool on a
+    # CPU, generation) chooses its own rather than refusing the run's.
+    kernel_arguments: Tuple[str, ...] = ()

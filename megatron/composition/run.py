@@ -59,6 +59,9 @@ class RunComposition:
         self.model_arguments: Tuple[str, ...] = MODEL_ARGUMENTS + tuple(
             name for extension in self.extensions for name in extension.model_arguments
         )
+        self.kernel_arguments: Tuple[str, ...] = tuple(
+            name for extension in self.extensions for name in extension.kernel_arguments
+        )
 
     # ------------------------------------------------------------------ config
     def parse_arguments(self, argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -101,9 +104,11 @@ class RunComposition:
     def config_from_saved(self, args: argparse.Namespace) -> Config:
         """The Config of a checkpoint's saved arguments (resolved when saved, with the padded
         vocabulary size). A flag added since the checkpoint was saved has no attribute there:
-        it takes its default, as the run that saved it behaved."""
+        it takes its default, as the run that saved it behaved; so do the extensions'
+        `kernel_arguments`, chosen again for the device that reads it."""
         defaults = vars(self.parse_arguments([]))
-        args = argparse.Namespace(**{**defaults, **vars(args)})
+        saved = {k: v for k, v in vars(args).items() if k not in self.kernel_arguments}
+        args = argparse.Namespace(**{**defaults, **saved})
         return self.config(args, [], args.padded_vocab_size)
 
     def notes(self, config: Config) -> List[str]:

@@ -6,8 +6,9 @@
 pure-PyTorch reference, a loop over experts (megatron.kernels.dispatch).
 
 The dMoE's experts call `grouped_product`, the one part of their data path that differs between
-platforms: torch._grouped_mm (CUTLASS, no host sync) where it is fast, else `grouped_mm`. Which of
-the two a run uses is chosen once, at setup (`choose_backend`, into `MoEConfig.grouped_gemm`): a
+platforms: torch._grouped_mm (CUTLASS, no host sync) where it is fast, else `grouped_mm`, or, asked
+for by --moe-grouped-gemm-kernel quack, QuACK's (moe.kernels.quack_grouped_gemm). Which one a run
+uses is chosen once, at setup (moe.config.with_grouped_gemm_for, into `MoEConfig.grouped_gemm`): a
 `GroupedGemmBackend` record, which the rest of the run asks what it supports (compiling as one
 graph, FP8 products) rather than comparing its name.
 """
@@ -43,6 +44,7 @@ __all__ = [
     "MOE",
     "TORCH",
     "TileSizes",
+    "bf16_widths_are_tma_aligned",
     "choose_backend",
     "default_tile_sizes",
     "grouped_mm",
@@ -55,8 +57,8 @@ __all__ = [
 
 _TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
-# torch._grouped_mm's CUTLASS kernel uses TMA: every non-unit stride and every base pointer
-# must be a multiple of 16 bytes, and it launches one thread per group (fewer than 1024).
+# torch._grouped_mm's CUTLASS kernel (and QuACK's) uses TMA: every non-unit stride and every
+# base pointer must be a multiple of 16 bytes, and it launches one thread per group (fewer than 1024).
 _GROUPED_MM_ALIGNMENT_BYTES = 16
 _GROUPED_MM_MAX_GROUPS = 1024
 
@@ -228,6 +230,8 @@ TORCH = GroupedGemmBackend(
 MOE = GroupedGemmBackend(
     "moe.kernels.grouped_gemm", compiles_whole=False, fp8_products=False, multiply=_moe_grouped_mm
 )
+# The backends `choose_backend` picks from; QuACK's (moe.kernels.quack_grouped_gemm.QUACK) is
+# only ever asked for, by --moe-grouped-gemm-kernel quack (moe.config.with_grouped_gemm_for).
 BACKENDS = (TORCH, MOE)
 
 
@@ -252,6 +256,12 @@ def torch_grouped_mm_is_fast_on(device: torch.device) -> bool:
     return major == 9
 
 
+def bf16_widths_are_tma_aligned(widths: Sequence[int]) -> bool:
+    """Whether rows of each width in `widths`, in bf16, are whole multiples of the 16 bytes the
+    TMA loads of torch._grouped_mm and QuACK need (multiples of 8 elements)."""
+    return all(width * 2 % _GROUPED_MM_ALIGNMENT_BYTES == 0 for width in widths)
+
+
 def choose_backend(
     device: torch.device, dtype: torch.dtype, widths: Sequence[int], num_groups: int, mode: str
 ) -> GroupedGemmBackend:
@@ -262,11 +272,10 @@ def choose_backend(
     groups and kernel `mode` "auto"; else MOE, whose op runs the Triton kernels or the
     references as `mode` says. A compiled dMoE is one graph only on TORCH (`compiles_whole`):
     the Triton launches break it (moe.training_hooks)."""
-    aligned = all(width * 2 % _GROUPED_MM_ALIGNMENT_BYTES == 0 for width in widths)
     if (
         mode == "auto"
         and dtype == torch.bfloat16
-        and aligned
+        and bf16_widths_are_tma_aligned(widths)
         and 0 < num_groups < _GROUPED_MM_MAX_GROUPS
         and torch_grouped_mm_is_fast_on(device)
     ):

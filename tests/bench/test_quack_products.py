@@ -1,13 +1,11 @@
 """bench/quack_products.py without a GPU or QuACK: the cu_seqlens it builds, the routing behind
 --quack-gather, the check's one-line reports, and each product's mapping onto QuACK's varlen
 gemm, run against a stand-in that computes what quack.gemm_interface.gemm documents and asserts
-the operand layouts its kernels assert (quack-kernels 0.6.5)."""
+the operand layouts its kernels assert (quack-kernels 0.6.5; tests/quack_stand_in.py, installed by
+the `stand_in_quack` fixture)."""
 
 import math
-import sys
-import types
 
-import pytest
 import torch
 
 from bench.expert_shapes import LayerShape, expert_products
@@ -17,7 +15,6 @@ from bench.quack_products import (
     gathered_calls,
     gathered_lines,
     quack_call,
-    quack_missing,
     relative_error,
     token_routing,
     varlen_offsets,
@@ -25,40 +22,6 @@ from bench.quack_products import (
 
 # Small enough for the CPU, every row stride a multiple of 16 bytes as torch._grouped_mm asks.
 SMALL = LayerShape("small", hidden=16, ffn=32, experts=4, top_k=2, tokens=24, gated=True)
-
-
-def _varlen_gemm(A, B, out=None, *, cu_seqlens_m=None, cu_seqlens_k=None, A_idx=None, tuned=True):
-    """QuACK's gemm for a varlen M (A [total_M, K], or rows of it by A_idx; B [L, K, N]) or a
-    varlen K (A [M, total_K], B [total_K, N]), with QuACK's layout asserts."""
-    assert (cu_seqlens_m is None) != (cu_seqlens_k is None)
-    cu_seqlens = cu_seqlens_m if cu_seqlens_k is None else cu_seqlens_k
-    assert cu_seqlens.dtype == torch.int32 and cu_seqlens.dim() == 1 and cu_seqlens[0] == 0
-    bounds = list(zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()))
-    if cu_seqlens_m is not None:
-        assert A.stride(-1) == 1, "varlen_m requires A to be k-major"
-        assert 1 in B.stride()[-2:] and B.shape[0] == len(bounds)
-        if A_idx is not None:
-            assert A_idx.dtype == torch.int32 and A_idx.shape == (cu_seqlens[-1],)
-            A = A[A_idx.long()]
-        assert A.shape[0] == cu_seqlens[-1]
-        parts = [A[start:end].float() @ B[e].float() for e, (start, end) in enumerate(bounds)]
-        return torch.cat(parts).to(A.dtype)
-    assert A.stride(-2) == 1, "varlen_k requires A to be m-major"
-    assert B.stride(-1) == 1, "varlen_k requires B to be n-major"
-    assert A.shape[1] == B.shape[0] == cu_seqlens[-1]
-    parts = [A[:, start:end].float() @ B[start:end].float() for start, end in bounds]
-    return torch.stack(parts).to(A.dtype)
-
-
-@pytest.fixture
-def stand_in_quack(monkeypatch):
-    package = types.ModuleType("quack")
-    package.__version__ = "stand-in"
-    interface = types.ModuleType("quack.gemm_interface")
-    interface.gemm = _varlen_gemm
-    package.gemm_interface = interface
-    monkeypatch.setitem(sys.modules, "quack", package)
-    monkeypatch.setitem(sys.modules, "quack.gemm_interface", interface)
 
 
 def test_cu_seqlens_are_a_zero_then_the_running_sums_in_int32():
@@ -111,13 +74,6 @@ def test_a_call_that_raises_or_a_wrong_result_fails_in_one_line(capsys):
     assert lines[0] == "raises: failed: RuntimeError: no kernel for this config"
     assert lines[1].startswith("wrong: failed: relative error 1.0e+00")
     assert lines[2].startswith("nan: failed: ") and lines[3].startswith("right: relative error")
-
-
-def test_quack_is_missing_where_it_does_not_import(monkeypatch, stand_in_quack):
-    assert quack_missing() is None
-    monkeypatch.setitem(sys.modules, "quack.gemm_interface", None)
-    missing = quack_missing()
-    assert missing.startswith(("ImportError", "ModuleNotFoundError")) and "\n" not in missing
 
 
 def test_the_gather_table_says_failed_for_an_unchecked_result():
