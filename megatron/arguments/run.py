@@ -10,6 +10,11 @@ import argparse
 # separately; they parse so existing launch scripts run, and change nothing.
 NO_EFFECT = "Accepted for Megatron-LM compatibility; has no effect in this framework."
 
+# Megatron-Core's names for the learning-rate shapes; megatron/optimizer/lr_schedule.py computes
+# each and is the only reader.
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "WSD")
+LR_WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
+
 
 def add_training_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(title="training")
@@ -175,8 +180,31 @@ def add_learning_rate_args(parser: argparse.ArgumentParser) -> None:
         "--lr-decay-style",
         type=str,
         default="linear",
-        choices=["constant", "linear", "cosine"],
-        help="Learning-rate decay function after warmup.",
+        choices=LR_DECAY_STYLES,
+        help="Learning-rate decay function after warmup. WSD (warmup-stable-decay) holds --lr "
+        "until the last --lr-wsd-decay-iters (or -samples) of the decay length, then decays to "
+        "--min-lr by --lr-wsd-decay-style.",
+    )
+    group.add_argument(
+        "--lr-wsd-decay-style",
+        type=str,
+        default="exponential",
+        choices=LR_WSD_DECAY_STYLES,
+        help="Shape of WSD's final decay from --lr to --min-lr.",
+    )
+    group.add_argument(
+        "--lr-wsd-decay-iters",
+        type=int,
+        default=None,
+        help="Iterations of WSD's final decay, the end of --lr-decay-iters (needed with "
+        "--lr-decay-style WSD and --train-iters).",
+    )
+    group.add_argument(
+        "--lr-wsd-decay-samples",
+        type=int,
+        default=None,
+        help="Samples of WSD's final decay, the end of --lr-decay-samples (needed with "
+        "--lr-decay-style WSD and --train-samples).",
     )
     group.add_argument(
         "--lr-decay-iters",

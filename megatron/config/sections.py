@@ -147,6 +147,10 @@ class OptimizerConfig:
     lr_warmup_iters: int = 0
     lr_warmup_samples: int = 0
     lr_warmup_fraction: float | None = None
+    # WSD's final decay (its length in iterations or samples, like lr_decay_iters/samples).
+    lr_wsd_decay_style: str = "exponential"
+    lr_wsd_decay_iters: int | None = None
+    lr_wsd_decay_samples: int | None = None
     loss_scale: float | None = None  # static fp16 loss scale; None means dynamic
     initial_loss_scale: float = 2.0**32
     min_loss_scale: float = 1.0

@@ -21,6 +21,7 @@ from megatron.config.layout_validation import (
     check_tensor_parallel,
     resolve_parallelism,
 )
+from megatron.config.lr_schedule_validation import resolve_lr_schedule
 from megatron.config.optimizer_memory import check_optimizer_memory
 from megatron.data.dataset_splits import parse_data_path, split_note
 from megatron.kernels.dispatch import kernel_mode_from_environment
@@ -70,7 +71,7 @@ def resolve_arguments_with_notes(
     _resolve_precision(args, notes)
     check_optimizer_memory(args)
     _resolve_kernels(args)
-    _resolve_iterations_and_lr(args)
+    resolve_lr_schedule(args)
     _resolve_model_shape(args, notes)
     check_tensor_parallel(args, notes)
     check_pipeline_parallel(args)
@@ -178,38 +179,6 @@ def _resolve_kernels(args: argparse.Namespace) -> None:
         args.kernels = kernel_mode_from_environment()
     except ValueError as error:
         raise ConfigError(str(error)) from None
-
-
-def _resolve_iterations_and_lr(args: argparse.Namespace) -> None:
-    if (args.train_iters is None) == (args.train_samples is None):
-        given = "both were given" if args.train_iters is not None else "neither was given"
-        raise ConfigError(f"give exactly one of --train-iters and --train-samples; {given}")
-    if args.train_iters is not None:
-        unit, other = "iters", "samples"
-    else:
-        unit, other = "samples", "iters"
-    if getattr(args, f"lr_decay_{other}") is not None or getattr(args, f"lr_warmup_{other}"):
-        raise ConfigError(
-            f"--train-{unit} measures the run in {unit}, so the schedule must too: replace "
-            f"--lr-decay-{other}/--lr-warmup-{other} with --lr-decay-{unit}/--lr-warmup-{unit}"
-        )
-    warmup = getattr(args, f"lr_warmup_{unit}")
-    if args.lr_warmup_fraction is not None and warmup != 0:
-        raise ConfigError(
-            f"--lr-warmup-fraction {args.lr_warmup_fraction} and --lr-warmup-{unit} {warmup} "
-            "both set the warmup; give only one"
-        )
-    decay_name = f"lr_decay_{unit}"
-    if getattr(args, decay_name) is None:
-        setattr(args, decay_name, getattr(args, f"train_{unit}"))
-    decay = getattr(args, decay_name)
-    if warmup >= decay:
-        raise ConfigError(
-            f"--lr-warmup-{unit} {warmup} must be smaller than the decay length "
-            f"--lr-decay-{unit} {decay} (which defaults to --train-{unit})"
-        )
-    if args.min_lr > args.lr:
-        raise ConfigError(f"--min-lr {args.min_lr} is larger than --lr {args.lr}")
 
 
 def _resolve_model_shape(args: argparse.Namespace, notes: List[str]) -> None:

@@ -1,7 +1,11 @@
 """Learning-rate schedule with Megatron's semantics: steps are counted in samples.
 
 Linear warmup from 0 to `max_lr`, then constant, linear or cosine decay to `min_lr`, and
-`min_lr` once the decay is over. The weight decay is constant (Megatron's
+`min_lr` once the decay is over. WSD (warmup-stable-decay, Megatron-Core's
+`--lr-decay-style WSD`) holds `max_lr` after the warmup and decays only over the last
+`wsd_decay_steps` of the decay length, by `lr_wsd_decay_style` with the decayed fraction r of
+that phase: linear 1 - r, cosine (1 + cos(pi r)) / 2, exponential 2 * 0.5**r - 1, minus_sqrt
+1 - sqrt(r), each the share of `max_lr - min_lr` kept above `min_lr`. The weight decay is constant (Megatron's
 `--weight-decay-incr-style constant`); each param group's `wd_mult` (0.0 for biases and norm
 weights, see `build_optimizer`) scales it.
 """
@@ -11,9 +15,8 @@ from __future__ import annotations
 import math
 from typing import Any, Dict
 
+from megatron.arguments.run import LR_DECAY_STYLES, LR_WSD_DECAY_STYLES
 from megatron.config import OptimizerConfig, TrainingConfig
-
-DECAY_STYLES = ("constant", "linear", "cosine")
 
 
 class OptimizerParamScheduler:
@@ -21,7 +24,8 @@ class OptimizerParamScheduler:
 
     `optimizer` is anything with `param_groups` (a `MegatronOptimizer` or a torch optimizer).
     On `load_state_dict` the checkpoint's sample count is always restored; for the schedule
-    values (max_lr, min_lr, warmup_steps, decay_steps, decay_style) Megatron's rule applies:
+    values (max_lr, min_lr, warmup_steps, decay_steps, decay_style, and for WSD
+    wsd_decay_steps and lr_wsd_decay_style) Megatron's rule applies:
     by default they must equal the current ones (a mismatch raises), with
     `use_checkpoint_opt_param_scheduler` the checkpoint's are taken, with
     `override_opt_param_scheduler` the current ones are kept.
@@ -38,6 +42,8 @@ class OptimizerParamScheduler:
         weight_decay: float,
         use_checkpoint_opt_param_scheduler: bool = False,
         override_opt_param_scheduler: bool = False,
+        wsd_decay_steps: float | None = None,
+        lr_wsd_decay_style: str = "exponential",
     ) -> None:
         if not 0.0 <= min_lr <= max_lr:
             raise ValueError(f"need 0 <= min_lr ({min_lr}) <= max_lr ({max_lr}): check --min-lr")
@@ -48,8 +54,10 @@ class OptimizerParamScheduler:
                 f"the warmup ({warmup_steps} samples) must be shorter than the decay "
                 f"({decay_steps} samples): check --lr-warmup-* and --lr-decay-*"
             )
-        if decay_style not in DECAY_STYLES:
-            raise ValueError(f"--lr-decay-style {decay_style!r} is not one of {DECAY_STYLES}")
+        if decay_style not in LR_DECAY_STYLES:
+            raise ValueError(f"--lr-decay-style {decay_style!r} is not one of {LR_DECAY_STYLES}")
+        if decay_style == "WSD":
+            _check_wsd(wsd_decay_steps, lr_wsd_decay_style, decay_steps)
         if weight_decay < 0.0:
             raise ValueError(f"--weight-decay must be non-negative, got {weight_decay}")
         if use_checkpoint_opt_param_scheduler and override_opt_param_scheduler:
@@ -63,6 +71,8 @@ class OptimizerParamScheduler:
         self.warmup_steps = warmup_steps
         self.decay_steps = decay_steps
         self.decay_style = decay_style
+        self.wsd_decay_steps = wsd_decay_steps
+        self.lr_wsd_decay_style = lr_wsd_decay_style
         self.weight_decay = float(weight_decay)
         self.use_checkpoint_opt_param_scheduler = use_checkpoint_opt_param_scheduler
         self.override_opt_param_scheduler = override_opt_param_scheduler
@@ -80,11 +90,19 @@ class OptimizerParamScheduler:
         decay_ratio = float(self.num_steps - self.warmup_steps) / float(
             self.decay_steps - self.warmup_steps
         )
-        if self.decay_style == "linear":
-            coefficient = 1.0 - decay_ratio
-        else:  # cosine
-            coefficient = 0.5 * (math.cos(math.pi * decay_ratio) + 1.0)
+        if self.decay_style == "WSD":
+            coefficient = self._wsd_coefficient()
+        else:
+            coefficient = _DECAY_SHAPES[self.decay_style](decay_ratio)
         return self.min_lr + coefficient * (self.max_lr - self.min_lr)
+
+    def _wsd_coefficient(self) -> float:
+        # The final decay ends where the decay length does; before it the lr stays at max_lr.
+        decay_start = self.decay_steps - self.wsd_decay_steps
+        if self.num_steps <= decay_start:
+            return 1.0
+        ratio = float(self.num_steps - decay_start) / float(self.wsd_decay_steps)
+        return _DECAY_SHAPES[self.lr_wsd_decay_style](ratio)
 
     def step(self, increment: int) -> None:
         """Advance by `increment` samples (the global batch size per iteration), then set lr/wd."""
@@ -95,8 +113,10 @@ class OptimizerParamScheduler:
             group["weight_decay"] = self.weight_decay * group.get("wd_mult", 1.0)
 
     def state_dict(self) -> Dict[str, Any]:
-        """Megatron's keys: max_lr, warmup_steps, num_steps, decay_style, decay_steps, min_lr."""
-        return {
+        """Megatron's keys: max_lr, warmup_steps, num_steps, decay_style, decay_steps, min_lr;
+        a WSD schedule adds wsd_decay_steps and lr_wsd_decay_style (which Megatron-Core does not
+        save), so a resume keeps its final decay too."""
+        state = {
             "max_lr": self.max_lr,
             "warmup_steps": self.warmup_steps,
             "num_steps": self.num_steps,
@@ -104,11 +124,16 @@ class OptimizerParamScheduler:
             "decay_steps": self.decay_steps,
             "min_lr": self.min_lr,
         }
+        if self.decay_style == "WSD":
+            state["wsd_decay_steps"] = self.wsd_decay_steps
+            state["lr_wsd_decay_style"] = self.lr_wsd_decay_style
+        return state
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Restore the sample count and reconcile the schedule values (see the class docstring).
 
         Older Megatron key names (start_lr, warmup_iter, end_iter, num_iters) are accepted.
+        The WSD keys are compared only where the checkpoint has them (Megatron-Core's do not).
         Raises ValueError naming every value that differs, unless one of the two rules is set.
         """
         saved = {
@@ -118,6 +143,9 @@ class OptimizerParamScheduler:
             "decay_steps": _first(state_dict, "end_iter", "decay_steps"),
             "decay_style": state_dict["decay_style"],
         }
+        for name in _WSD_KEYS:
+            if name in state_dict:
+                saved[name] = state_dict[name]
         current = {name: getattr(self, name) for name in saved}
         differing = [name for name in saved if saved[name] != current[name]]
         if differing and not (
@@ -152,7 +180,34 @@ _SCHEDULE_FLAGS = {
     "decay_steps": "samples: --lr-decay-iters (default --train-iters) x --global-batch-size, or "
     "--lr-decay-samples (default --train-samples)",
     "decay_style": "--lr-decay-style",
+    "wsd_decay_steps": "samples: --lr-wsd-decay-iters x --global-batch-size, or "
+    "--lr-wsd-decay-samples",
+    "lr_wsd_decay_style": "--lr-wsd-decay-style",
 }
+_WSD_KEYS = ("wsd_decay_steps", "lr_wsd_decay_style")
+
+# Each shape maps the decayed fraction r in [0, 1] to the share of max_lr - min_lr left.
+_DECAY_SHAPES = {
+    "linear": lambda ratio: 1.0 - ratio,
+    "cosine": lambda ratio: 0.5 * (math.cos(math.pi * ratio) + 1.0),
+    "exponential": lambda ratio: 2.0 * math.pow(0.5, ratio) - 1.0,
+    "minus_sqrt": lambda ratio: 1.0 - math.sqrt(ratio),
+}
+
+
+def _check_wsd(wsd_decay_steps: float | None, style: str, decay_steps: float) -> None:
+    if wsd_decay_steps is None:
+        raise ValueError(
+            "--lr-decay-style WSD needs the length of its final decay: add "
+            "--lr-wsd-decay-iters or --lr-wsd-decay-samples"
+        )
+    if not 0 <= wsd_decay_steps <= decay_steps:
+        raise ValueError(
+            f"WSD's final decay ({wsd_decay_steps} samples) must lie within the decay length "
+            f"({decay_steps} samples): check --lr-wsd-decay-* and --lr-decay-*"
+        )
+    if style not in LR_WSD_DECAY_STYLES:
+        raise ValueError(f"--lr-wsd-decay-style {style!r} is not one of {LR_WSD_DECAY_STYLES}")
 
 
 def build_lr_scheduler(
@@ -165,7 +220,8 @@ def build_lr_scheduler(
     """The scheduler for a run, with warmup and decay lengths converted to samples.
 
     Runs measured in iterations multiply by the global batch size; a warmup fraction is a
-    fraction of the decay samples. A missing decay length defaults to the run length. What
+    fraction of the decay samples. A missing decay length defaults to the run length; WSD's
+    final decay is counted in the same unit as the run (Megatron-Core ignores the other). What
     a resume does with the checkpoint's schedule comes from the config's
     --override-opt_param-scheduler / --use-checkpoint-opt_param-scheduler unless given here.
     """
@@ -180,11 +236,15 @@ def build_lr_scheduler(
             decay_iters = training_config.train_iters
         decay_steps = decay_iters * training_config.global_batch_size
         warmup_steps: float = config.lr_warmup_iters * training_config.global_batch_size
+        wsd_decay_steps = None
+        if config.lr_wsd_decay_iters is not None:
+            wsd_decay_steps = config.lr_wsd_decay_iters * training_config.global_batch_size
     elif training_config.train_samples is not None:
         decay_steps = config.lr_decay_samples
         if decay_steps is None:
             decay_steps = training_config.train_samples
         warmup_steps = config.lr_warmup_samples
+        wsd_decay_steps = config.lr_wsd_decay_samples
     else:
         raise ValueError("the training config has neither train_iters nor train_samples")
     if config.lr_warmup_fraction is not None:
@@ -199,6 +259,8 @@ def build_lr_scheduler(
         weight_decay=config.weight_decay,
         use_checkpoint_opt_param_scheduler=use_checkpoint_opt_param_scheduler,
         override_opt_param_scheduler=override_opt_param_scheduler,
+        wsd_decay_steps=wsd_decay_steps,
+        lr_wsd_decay_style=config.lr_wsd_decay_style,
     )
 
 

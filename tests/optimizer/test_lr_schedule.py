@@ -141,3 +141,104 @@ def test_invalid_schedules_are_rejected():
         OptimizerParamScheduler(two_group_optimizer(), 1.0, 0.0, 400, 400, "linear", 0.0)
     with pytest.raises(ValueError, match="lr-decay-style"):
         OptimizerParamScheduler(two_group_optimizer(), 1.0, 0.0, 0, 400, "exponential", 0.0)
+
+
+def wsd_schedule(wsd_style: str, **overrides) -> OptimizerParamScheduler:
+    # Warmup 80 and decay 400 samples as above; the final 20 iterations (160 samples) decay,
+    # so the lr holds at 1.0 from sample 80 to 240.
+    return iteration_schedule(
+        "WSD", lr_wsd_decay_style=wsd_style, lr_wsd_decay_iters=20, **overrides
+    )
+
+
+@pytest.mark.parametrize(
+    "wsd_style, middle",
+    [
+        ("linear", 0.1 + 0.9 * 0.5),
+        ("cosine", 0.1 + 0.9 * 0.5),
+        ("exponential", 0.1 + 0.9 * (2 * 0.5**0.5 - 1)),
+        ("minus_sqrt", 0.1 + 0.9 * (1 - math.sqrt(0.5))),
+    ],
+)
+def test_wsd_warms_up_holds_then_decays_over_its_last_phase(wsd_style, middle):
+    scheduler = wsd_schedule(wsd_style)
+    assert scheduler.wsd_decay_steps == 160
+    assert lr_at(scheduler, 40) == pytest.approx(0.5)
+    assert lr_at(scheduler, 80) == pytest.approx(1.0)  # warmup end
+    assert lr_at(scheduler, 160) == 1.0  # stable
+    assert lr_at(scheduler, 240) == 1.0  # the decay's start
+    assert lr_at(scheduler, 320) == pytest.approx(middle)
+    assert lr_at(scheduler, 400) == pytest.approx(0.1)  # the decay's end
+    assert lr_at(scheduler, 401) == 0.1
+
+
+def test_wsd_quarter_of_the_decay_by_shape():
+    # 40 of the 160 decay samples: r = 0.25.
+    expected = {"linear": 0.75, "cosine": 0.5 * (1 + math.sqrt(2) / 2), "minus_sqrt": 0.5}
+    expected["exponential"] = 2 * 0.5**0.25 - 1
+    for wsd_style, coefficient in expected.items():
+        assert lr_at(wsd_schedule(wsd_style), 280) == pytest.approx(0.1 + 0.9 * coefficient)
+
+
+def test_wsd_counted_in_samples():
+    config = OptimizerConfig(
+        lr=1.0, lr_decay_style="WSD", lr_wsd_decay_style="linear", lr_wsd_decay_samples=100
+    )
+    scheduler = build_lr_scheduler(
+        two_group_optimizer(), config, training(train_iters=None, train_samples=1000)
+    )
+    assert (scheduler.decay_steps, scheduler.wsd_decay_steps) == (1000, 100)
+    assert lr_at(scheduler, 900) == 1.0
+    assert lr_at(scheduler, 950) == pytest.approx(0.5)
+
+
+def test_wsd_resume_keeps_the_final_decay():
+    scheduler = wsd_schedule("minus_sqrt")
+    scheduler.step(320)
+    state = scheduler.state_dict()
+    assert (state["wsd_decay_steps"], state["lr_wsd_decay_style"]) == (160, "minus_sqrt")
+    restored = wsd_schedule("minus_sqrt")
+    restored.load_state_dict(state)
+    assert restored.num_steps == 320
+    assert restored.optimizer.param_groups[0]["lr"] == scheduler.optimizer.param_groups[0]["lr"]
+
+    with pytest.raises(ValueError, match="lr_wsd_decay_style 'minus_sqrt' in the checkpoint"):
+        wsd_schedule("linear").load_state_dict(state)
+    with pytest.raises(ValueError, match="wsd_decay_steps 160 in the checkpoint, 80 now"):
+        iteration_schedule(
+            "WSD", lr_wsd_decay_style="minus_sqrt", lr_wsd_decay_iters=10
+        ).load_state_dict(state)
+    from_checkpoint = wsd_schedule("linear", use_checkpoint_opt_param_scheduler=True)
+    from_checkpoint.load_state_dict(state)
+    assert from_checkpoint.lr_wsd_decay_style == "minus_sqrt"
+    assert from_checkpoint.optimizer.param_groups[0]["lr"] == pytest.approx(
+        0.1 + 0.9 * (1 - math.sqrt(0.5))
+    )
+
+
+def test_wsd_resume_from_a_checkpoint_without_its_keys():
+    # Megatron-Core saves no WSD keys: the run's own final decay is kept.
+    state = wsd_schedule("cosine").state_dict()
+    del state["wsd_decay_steps"], state["lr_wsd_decay_style"]
+    state["num_steps"] = 320
+    restored = wsd_schedule("cosine")
+    restored.load_state_dict(state)
+    assert restored.optimizer.param_groups[0]["lr"] == pytest.approx(0.55)
+
+
+def test_invalid_wsd_schedules_are_rejected():
+    def wsd(wsd_decay_steps, style="linear"):
+        optimizer = two_group_optimizer()
+        return OptimizerParamScheduler(
+            optimizer, 1.0, 0.0, 0, 400, "WSD", 0.0,
+            wsd_decay_steps=wsd_decay_steps, lr_wsd_decay_style=style,
+        )  # fmt: skip
+
+    with pytest.raises(ValueError, match="WSD needs the length of its final decay"):
+        wsd(None)
+    with pytest.raises(ValueError, match="must lie within the decay length"):
+        wsd(401)
+    with pytest.raises(ValueError, match="--lr-wsd-decay-style 'square'"):
+        wsd(100, style="square")
+    no_final_decay = wsd(0)  # as in Megatron-Core: max_lr to the decay's end, then min_lr
+    assert (lr_at(no_final_decay, 400), lr_at(no_final_decay, 401)) == (1.0, 0.0)
