@@ -139,7 +139,7 @@ def _setup_and_train(
         final_iteration=total_train_iters(config),
     )
 
-    datasets = build_datasets(config)
+    datasets = build_datasets(config, tokenizer)
     barrier()
     return pretrain(
         config,

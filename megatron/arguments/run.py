@@ -339,6 +339,13 @@ def add_data_args(parser: argparse.ArgumentParser) -> None:
             default=None,
             help=f"The {split} dataset: a prefix or 'WEIGHT PREFIX ...' pairs.",
         )
+    group.add_argument(
+        "--mock-data",
+        action="store_true",
+        help="Train, validate and test on synthetic tokens (megatron/data/mock_dataset.py) "
+        "instead of a dataset: for throughput runs without a corpus. Exclusive with "
+        "--data-path and --train/valid/test-data-path.",
+    )
     group.add_argument("--vocab-file", type=str, default=None, help="GPT-2 BPE vocab.json.")
     group.add_argument("--merge-file", type=str, default=None, help="GPT-2 BPE merges.txt.")
     group.add_argument("--seq-length", type=int, default=None, help="Tokens per training sample.")

@@ -10,11 +10,16 @@ from megatron.config import Config
 from megatron.data.dataset_splits import get_train_valid_test_num_samples
 from megatron.data.errors import check_datasets_serve_run
 from megatron.data.gpt_dataset import SPLIT_NAMES, build_train_valid_test_datasets
+from megatron.data.mock_dataset import MockGPTDataset
 from megatron.initialize import print_rank_0
+from megatron.tokenizer import MegatronTokenizer
 
 
-def build_datasets(config: Config) -> Dict[str, Optional[torch.utils.data.Dataset]]:
-    """Train/valid/test GPT datasets with Megatron's sample counts.
+def build_datasets(
+    config: Config, tokenizer: MegatronTokenizer
+) -> Dict[str, Optional[torch.utils.data.Dataset]]:
+    """Train/valid/test GPT datasets with Megatron's sample counts; with --mock-data synthetic
+    ones (megatron/data/mock_dataset.py) over `tokenizer`'s vocabulary and end-of-document id.
 
     Raises `DatasetError` (a UserError, one line) when they cannot serve the run: no train
     samples, a split without tokens, token ids at or above the padded vocabulary size.
@@ -28,17 +33,29 @@ def build_datasets(config: Config) -> Dict[str, Optional[torch.utils.data.Datase
         train_samples=training.train_samples,
     )
     print_rank_0("> building train, validation, and test datasets ...")
-    datasets = build_train_valid_test_datasets(
-        data.data_path,
-        data.split,
-        num_samples,
-        data.seq_length,
-        training.seed,
-        train_data_path=data.train_data_path,
-        valid_data_path=data.valid_data_path,
-        test_data_path=data.test_data_path,
-        vocab_size=config.model.padded_vocab_size or None,
-    )
+    if data.mock_data:
+        datasets = tuple(
+            MockGPTDataset(
+                name, index, count, data.seq_length, training.seed, tokenizer.vocab_size,
+                tokenizer.eod,
+            )
+            if count > 0
+            else None
+            for index, (name, count) in enumerate(zip(SPLIT_NAMES, num_samples))
+        )  # fmt: skip
+        print_rank_0("    synthetic tokens (--mock-data), no dataset files read")
+    else:
+        datasets = build_train_valid_test_datasets(
+            data.data_path,
+            data.split,
+            num_samples,
+            data.seq_length,
+            training.seed,
+            train_data_path=data.train_data_path,
+            valid_data_path=data.valid_data_path,
+            test_data_path=data.test_data_path,
+            vocab_size=config.model.padded_vocab_size or None,
+        )
     for name, dataset, requested in zip(SPLIT_NAMES, datasets, num_samples):
         size = len(dataset) if dataset is not None else 0
         print_rank_0(f"    {name}: {size} samples (requested {requested})")

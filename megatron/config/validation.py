@@ -266,7 +266,9 @@ def _resolve_recompute(args: argparse.Namespace, notes: List[str]) -> None:
 def _check_data(args: argparse.Namespace, notes: List[str]) -> None:
     per_split = {name: getattr(args, f"{name}_data_path") for name in ("train", "valid", "test")}
     given_per_split = {name: paths for name, paths in per_split.items() if paths is not None}
-    if args.data_path is None and not given_per_split:
+    if args.mock_data:
+        _check_mock_data(args, given_per_split)
+    elif args.data_path is None and not given_per_split:
         raise ConfigError(
             "no training data: give --data-path (divided by --split), or "
             "--train-data-path/--valid-data-path/--test-data-path"
@@ -311,6 +313,18 @@ def _check_data(args: argparse.Namespace, notes: List[str]) -> None:
             )
     elif args.tokenizer_model is None:
         raise ConfigError(f"--tokenizer-type {tokenizer} needs --tokenizer-model")
+
+
+def _check_mock_data(args: argparse.Namespace, given_per_split: dict) -> None:
+    # Megatron-Core also takes a single data source: mock data, --data-path or the per-split paths.
+    given = (["--data-path"] if args.data_path is not None else []) + [
+        f"--{name}-data-path" for name in given_per_split
+    ]
+    if given:
+        raise ConfigError(
+            f"--mock-data and {', '.join(given)} were both given: --mock-data trains on "
+            "synthetic tokens instead of a dataset; drop one of them"
+        )
 
 
 def _check_checkpointing(args: argparse.Namespace, notes: List[str]) -> None:
