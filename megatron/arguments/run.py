@@ -340,6 +340,13 @@ def add_data_args(parser: argparse.ArgumentParser) -> None:
             help=f"The {split} dataset: a prefix or 'WEIGHT PREFIX ...' pairs.",
         )
     group.add_argument(
+        "--data-cache-path",
+        type=str,
+        default=None,
+        help="Directory for the datasets' index caches (written by global rank 0, read by every "
+        "rank), instead of beside the data: for a read-only or shared dataset directory.",
+    )
+    group.add_argument(
         "--mock-data",
         action="store_true",
         help="Train, validate and test on synthetic tokens (megatron/data/mock_dataset.py) "

@@ -55,6 +55,7 @@ def build_datasets(
             valid_data_path=data.valid_data_path,
             test_data_path=data.test_data_path,
             vocab_size=config.model.padded_vocab_size or None,
+            cache_path=data.data_cache_path,
         )
     for name, dataset, requested in zip(SPLIT_NAMES, datasets, num_samples):
         size = len(dataset) if dataset is not None else 0

@@ -180,6 +180,7 @@ class DataConfig:
     valid_data_path: Tuple[str, ...] | None = None
     test_data_path: Tuple[str, ...] | None = None
     split: str = "969, 30, 1"
+    data_cache_path: str | None = None  # where the index caches go; None: beside the data
     mock_data: bool = False  # synthetic tokens instead of the paths (megatron/data/mock_dataset.py)
     tokenizer_type: str = "GPT2BPETokenizer"
     vocab_file: str | None = None

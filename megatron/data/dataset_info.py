@@ -33,6 +33,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--merge-file")
     parser.add_argument("--tokenizer-type", default="GPT2BPETokenizer")
     parser.add_argument("--tokenizer-model")
+    parser.add_argument(
+        "--data-cache-path", help="directory for the index caches (default: beside the data)"
+    )
     args = parser.parse_args(argv)
     try:
         for prefix in parse_data_path(args.data_path).prefixes:
@@ -47,6 +50,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             [args.train_samples, args.valid_samples, args.test_samples],
             args.seq_length,
             args.seed,
+            cache_path=args.data_cache_path,
         )
     except (IndexedDatasetError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)

@@ -62,8 +62,8 @@ def _open_indexed_dataset(prefix: str, flag: str) -> MMapIndexedDataset:
 class GPTDataset(torch.utils.data.Dataset):
     """`num_samples` (or more) samples of `seq_length + 1` tokens from `documents`.
 
-    Index arrays are built by global rank 0 only and cached next to `data_prefix`
-    (megatron/data/index_cache.py); every rank then calls `barrier` and memory-maps them. The
+    Index arrays are built by global rank 0 only and cached next to `data_prefix`, or in
+    `cache_path` when given (megatron/data/index_cache.py); every rank then calls `barrier` and memory-maps them. The
     default barrier is `torch.distributed.barrier()` when a process group is initialized;
     callers that build datasets on a subset of ranks must pass a barrier over exactly those
     ranks. `split` (the `--split` string, None when all documents are used) and `blend` (the
@@ -86,6 +86,7 @@ class GPTDataset(torch.utils.data.Dataset):
         split: str | None = None,
         blend: DataBlend | None = None,
         vocab_size: int | None = None,
+        cache_path: str | None = None,
     ):
         self.name = name
         self.data_prefix = data_prefix
@@ -132,7 +133,7 @@ class GPTDataset(torch.utils.data.Dataset):
             None if blend is None else {"weights": blend.weights, "prefixes": blend.prefixes},
         )
         cache = IndexCache(
-            legacy_stem(data_prefix, name, num_samples, seq_length, seed), description
+            legacy_stem(data_prefix, name, num_samples, seq_length, seed), description, cache_path
         )
         self.index_paths = cache.paths
         self.description_hash = cache.hash
@@ -215,6 +216,7 @@ def _build_split_datasets(
     barrier: Callable[[], None] | None,
     blend: DataBlend | None,
     vocab_size: int | None,
+    cache_path: str | None,
 ) -> list[GPTDataset | None]:
     indexed_dataset = _open_indexed_dataset(data_prefix, "--data-path")
     datasets = []
@@ -238,6 +240,7 @@ def _build_split_datasets(
                 split=split,
                 blend=blend,
                 vocab_size=vocab_size,
+                cache_path=cache_path,
             )
         )
     return datasets
@@ -278,8 +281,10 @@ def build_dataset(
     barrier: Callable[[], None] | None = None,
     flag: str = "--data-path",
     vocab_size: int | None = None,
+    cache_path: str | None = None,
 ) -> torch.utils.data.Dataset:
-    """One split from `data_path` (a prefix or a weighted blend), using all documents of each."""
+    """One split from `data_path` (a prefix or a weighted blend), using all documents of each;
+    index caches in `cache_path` (--data-cache-path) when given, else beside the data."""
     blend = parse_data_path(data_path, flag)
 
     def whole(prefix: str, count: int) -> GPTDataset:
@@ -299,6 +304,7 @@ def build_dataset(
             barrier,
             blend=blend if blend.is_blended else None,
             vocab_size=vocab_size,
+            cache_path=cache_path,
         )
 
     if not blend.is_blended:
@@ -320,13 +326,15 @@ def build_train_valid_test_datasets(
     use_cpp: bool | None = None,
     barrier: Callable[[], None] | None = None,
     vocab_size: int | None = None,
+    cache_path: str | None = None,
 ) -> Tuple[torch.utils.data.Dataset | None, ...]:
     """Train, valid and test datasets as Megatron builds them (None where a split is empty).
 
     `data_path` is divided by `split`; without it, `train_data_path`, `valid_data_path` and
     `test_data_path` each give one split using all their documents. A blended split is
     as long as the sum of the per-dataset sample counts, as in Megatron. With `vocab_size`
-    (the padded vocabulary), token ids at or above it raise DatasetError.
+    (the padded vocabulary), token ids at or above it raise DatasetError. The index caches go
+    to `cache_path` (--data-cache-path) when given, else beside each dataset.
     """
     if len(train_valid_test_num_samples) != 3:
         raise ValueError(
@@ -349,6 +357,7 @@ def build_train_valid_test_datasets(
                 barrier,
                 f"--{name}-data-path",
                 vocab_size,
+                cache_path,
             )
             if paths
             else None
@@ -368,6 +377,7 @@ def build_train_valid_test_datasets(
                 barrier,
                 None,
                 vocab_size,
+                cache_path,
             )
         )
     per_dataset_counts = [
@@ -384,6 +394,7 @@ def build_train_valid_test_datasets(
             barrier,
             blend,
             vocab_size,
+            cache_path,
         )
         for index, prefix in enumerate(blend.prefixes)
     ]

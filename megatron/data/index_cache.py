@@ -1,6 +1,8 @@
 """The on-disk cache of a GPT dataset's index arrays, keyed on everything that determines them.
 
-Next to the dataset, under Megatron's legacy stem followed by the hash of a description:
+Next to the dataset (or in the directory --data-cache-path names, Megatron-Core's flag for a
+dataset directory that is read-only or shared), under Megatron's legacy stem followed by the
+hash of a description:
 
     {prefix}_{split}_indexmap_{N}ns_{L}sl_{S}s_{hash}_doc_idx.npy      (and _sample_idx, _shuffle_idx)
     {prefix}_{split}_indexmap_{N}ns_{L}sl_{S}s_{hash}_description.json
@@ -214,11 +216,18 @@ def _check_arrays(arrays: dict, recorded: dict) -> None:
 class IndexCache:
     """The cache files of one description; `load` and `save` follow the module docstring."""
 
-    def __init__(self, stem_without_hash: str, description: dict):
+    def __init__(
+        self, stem_without_hash: str, description: dict, cache_path: str | None = None
+    ) -> None:
         text = json.dumps(description, sort_keys=True)
         # Compared as it reads back from the file (tuples become lists).
         self.description = json.loads(text)
         self.hash = hashlib.sha256(text.encode()).hexdigest()[:DESCRIPTION_HASH_LENGTH]
+        # --data-cache-path keeps the file names and moves them out of the dataset's directory.
+        if cache_path is not None:
+            stem_without_hash = os.path.join(cache_path, os.path.basename(stem_without_hash))
+        self.cache_path = cache_path
+        self.directory = os.path.dirname(stem_without_hash) or "."
         self.stem = f"{stem_without_hash}_{self.hash}"
         self.paths = {name: f"{self.stem}_{name}.npy" for name in INDEX_ARRAY_NAMES}
         self.paths["description"] = f"{self.stem}_description.json"
@@ -260,6 +269,8 @@ class IndexCache:
 
     def save(self, indices: GPTIndices, max_token_id: int) -> None:
         """Write the arrays, then the JSON that commits them."""
+        if self.cache_path is not None:
+            os.makedirs(self.cache_path, exist_ok=True)
         if os.path.exists(self.paths["description"]):
             os.remove(self.paths["description"])  # uncommit a damaged cache before rewriting it
         arrays = [getattr(indices, name) for name in INDEX_ARRAY_NAMES]
@@ -311,10 +322,7 @@ def load_or_build(
             try:
                 cache.save(indices, max_token_id)
             except OSError as error:
-                raise DatasetError(
-                    f"{where}: cannot write the index cache {cache.stem} "
-                    f"({error.strerror or error}): global rank 0 must be able to write there"
-                ) from None
+                raise DatasetError(_unwritable(cache, where, error)) from None
     barrier()
     if cached is None:
         try:
@@ -326,3 +334,17 @@ def load_or_build(
                 f"rank 0 wrote ({problem}): every rank must see it on a shared filesystem"
             ) from None
     return cached
+
+
+def _unwritable(cache: IndexCache, where: str, error: OSError) -> str:
+    reason = error.strerror or error
+    if cache.cache_path is not None:
+        return (
+            f"{where}: cannot write the index cache {cache.name} into --data-cache-path "
+            f"{cache.cache_path} ({reason}): global rank 0 must be able to write there"
+        )
+    return (
+        f"{where}: cannot write the index cache {cache.name} beside the data in "
+        f"{cache.directory} ({reason}): give --data-cache-path DIR, a directory global rank 0 "
+        "can write and every rank can read"
+    )
