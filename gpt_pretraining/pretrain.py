@@ -1,6 +1,12 @@
 """pretrain_gpt.py's run: flags to Config (gpt_pretraining.GPT_RUN), distributed set-up, the
 memory plan, the model built on the meta device and parallelized, the datasets, then
-megatron.training.loop.pretrain; errors a user can fix end in one line and a non-zero exit."""
+megatron.training.loop.pretrain; errors a user can fix end in one line and a non-zero exit.
+
+The same run without the checkout, once the package is installed:
+
+    torchrun --nproc_per_node 8 -m gpt_pretraining.pretrain --num-layers 12 ...
+    megatron-dmoe-pretrain --num-layers 12 ...    # one process, or under torchrun's --no-python
+"""
 
 from __future__ import annotations
 
@@ -151,3 +157,14 @@ def _setup_and_train(
         hooks=hooks,
         flops_per_iteration=GPT_RUN.flops_per_iteration(config),
     )
+
+
+def command_line() -> None:
+    """`python -m gpt_pretraining.pretrain` and the megatron-dmoe-pretrain console script: main on
+    sys.argv. Its result is dropped: a console script exits with what its function returns, and a
+    finished run exits 0."""
+    main()
+
+
+if __name__ == "__main__":
+    command_line()
