@@ -39,6 +39,8 @@ def parse_arguments(
     try:
         namespace, unknown = parser.parse_known_args(argv)
     except argparse.ArgumentError as error:
+        if error.argument_name is None:  # an argument file's error, which says what to do
+            raise ConfigError(str(error)) from None
         raise ConfigError(f"{error}; run with --help for the accepted flags") from None
     if unknown:
         raise ConfigError(
