@@ -41,6 +41,7 @@ from megatron.parallel.parallel_state import destroy_model_parallel
 from megatron.parallelize.steps import parallelize
 from megatron.tokenizer import MegatronTokenizer
 from megatron.training.loop import TrainingResult, pretrain, total_train_iters
+from megatron.training.memory_history import start_memory_history
 from megatron.training.progress_board import is_collective_timeout
 
 
@@ -124,6 +125,7 @@ def _setup_and_train(
     print_rank_0(f"> setting random seeds to {config.training.seed} ...")
     set_random_seed(config.training.seed)
 
+    start_memory_history(config.logging)  # where Megatron-Core starts it: before the model
     print_rank_0("building GPT model ...")
     with torch.device("meta"):  # no memory yet: parallelize keeps this rank's shards only
         whole_model = GPT_RUN.model(config)
