@@ -19,13 +19,13 @@ line saying what it chose and why. Flags after a final `--then` are applied afte
 The data files are never read: without a data source the tool passes a placeholder
 --data-path, and without --vocab-file/--merge-file the bundled GPT-2 vocabulary (only its size
 matters); it says so. Bad flags: one `error:` line, exit 1. The library is
-megatron.memory_plan.command_line, given the run pretrain_gpt.py trains (gpt_pretraining.GPT_RUN).
+megatron.memory_plan.command_line, given the run pretrain_gpt.py trains (gpt_pretraining.GPT_RUN)
+by gpt_pretraining.estimate_memory.
 """
 
 import sys
 
-from gpt_pretraining import GPT_RUN
-from megatron.memory_plan.command_line import main
+from gpt_pretraining.estimate_memory import main
 
 if __name__ == "__main__":
-    sys.exit(main(GPT_RUN))
+    sys.exit(main())
