@@ -1,6 +1,12 @@
 """pretrain_gpt.py's run: flags to Config (gpt_pretraining.GPT_RUN), distributed set-up, the
 memory plan, the model built on the meta device and parallelized, the datasets, then
-megatron.training.loop.pretrain; errors a user can fix end in one line and a non-zero exit."""
+megatron.training.loop.pretrain; errors a user can fix end in one line and a non-zero exit.
+
+The same run without the checkout, once the package is installed:
+
+    torchrun --nproc_per_node 8 -m gpt_pretraining.pretrain --num-layers 12 ...
+    megatron-dmoe-pretrain --num-layers 12 ...    # one process, or under torchrun's --no-python
+"""
 
 from __future__ import annotations
 
@@ -35,6 +41,7 @@ from megatron.parallel.parallel_state import destroy_model_parallel
 from megatron.parallelize.steps import parallelize
 from megatron.tokenizer import MegatronTokenizer
 from megatron.training.loop import TrainingResult, pretrain, total_train_iters
+from megatron.training.memory_history import start_memory_history
 from megatron.training.progress_board import is_collective_timeout
 
 
@@ -118,6 +125,7 @@ def _setup_and_train(
     print_rank_0(f"> setting random seeds to {config.training.seed} ...")
     set_random_seed(config.training.seed)
 
+    start_memory_history(config.logging)  # where Megatron-Core starts it: before the model
     print_rank_0("building GPT model ...")
     with torch.device("meta"):  # no memory yet: parallelize keeps this rank's shards only
         whole_model = GPT_RUN.model(config)
@@ -151,3 +159,14 @@ def _setup_and_train(
         hooks=hooks,
         flops_per_iteration=GPT_RUN.flops_per_iteration(config),
     )
+
+
+def command_line() -> None:
+    """`python -m gpt_pretraining.pretrain` and the megatron-dmoe-pretrain console script: main on
+    sys.argv. Its result is dropped: a console script exits with what its function returns, and a
+    finished run exits 0."""
+    main()
+
+
+if __name__ == "__main__":
+    command_line()

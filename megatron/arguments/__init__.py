@@ -2,7 +2,8 @@
 
 Validation, derived defaults and the typed config live in `megatron.config`. Another module
 (e.g. the MoE layers) adds its own flags by passing a callable to `build_parser(extra_groups=...)`
-that receives the parser and calls `parser.add_argument_group(...)` on it.
+that receives the parser and calls `parser.add_argument_group(...)` on it. `@FILE` stands for the
+flags written in FILE (megatron.arguments.argument_files).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import argparse
 from typing import Callable, Mapping, Sequence, Union
 
+from megatron.arguments.argument_files import ArgumentFileParser
 from megatron.arguments.distributed import add_distributed_args
 from megatron.arguments.model import (
     add_initialization_args,
@@ -37,9 +39,10 @@ def build_parser(
 
     Every callable in `extra_groups` is called with the parser and registers its own argument
     group. With `exit_on_error=False`, bad values raise `argparse.ArgumentError` instead of
-    exiting, so `megatron.config.parse_arguments` can report them as a `ConfigError`.
+    exiting, so `megatron.config.parse_arguments` can report them as a `ConfigError`; so does an
+    `@FILE` that cannot be read.
     """
-    parser = argparse.ArgumentParser(
+    parser = ArgumentFileParser(
         description="Megatron-LM-style GPT pretraining arguments",
         allow_abbrev=False,
         exit_on_error=exit_on_error,

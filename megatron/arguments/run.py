@@ -483,3 +483,18 @@ def add_logging_args(parser: argparse.ArgumentParser) -> None:
         default=[0],
         help="Global ranks to profile.",
     )
+    # Megatron-Core's names and meaning (megatron.training.memory_history).
+    group.add_argument(
+        "--record-memory-history",
+        action="store_true",
+        help="Record the CUDA caching allocator's history from before the model is built, and "
+        "write a snapshot of it to --memory-snapshot-path on the last rank at every log line "
+        "(for https://pytorch.org/memory_viz). Needs a GPU.",
+    )
+    group.add_argument(
+        "--memory-snapshot-path",
+        type=str,
+        default=None,
+        help="Where --record-memory-history writes its snapshot, a pickle "
+        "(default: snapshot.pickle in the working directory).",
+    )

@@ -75,7 +75,13 @@ class RunComposition:
     ) -> Tuple[argparse.Namespace, List[str]]:
         """The flags parsed, checked and resolved for `world_size` ranks, and the notes to print;
         ConfigError names what is wrong."""
-        args, notes = resolve_arguments_with_notes(self.parse_arguments(argv), world_size)
+        return self.resolve_parsed(self.parse_arguments(argv), world_size)
+
+    def resolve_parsed(
+        self, parsed: argparse.Namespace, world_size: int
+    ) -> Tuple[argparse.Namespace, List[str]]:
+        """`resolve` of flags already parsed (`parse_arguments`), left untouched."""
+        args, notes = resolve_arguments_with_notes(parsed, world_size)
         unsupported = [flag for flag, name in _NOT_SUPPORTED if getattr(args, name, False)]
         if unsupported:
             raise ConfigError(f"{', '.join(unsupported)} are not supported yet")

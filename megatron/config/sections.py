@@ -235,6 +235,8 @@ class LoggingConfig:
     profile_step_start: int = 10
     profile_step_end: int = 12
     profile_ranks: Tuple[int, ...] = (0,)
+    record_memory_history: bool = False
+    memory_snapshot_path: str | None = None  # snapshot.pickle once --record-memory-history
 
     @property
     def writes_metrics(self) -> bool:

@@ -40,6 +40,8 @@ def parse_arguments(
     try:
         namespace, unknown = parser.parse_known_args(argv)
     except argparse.ArgumentError as error:
+        if error.argument_name is None:  # an argument file's error, which says what to do
+            raise ConfigError(str(error)) from None
         raise ConfigError(f"{error}; run with --help for the accepted flags") from None
     if unknown:
         raise ConfigError(
@@ -80,6 +82,7 @@ def resolve_arguments_with_notes(
     _check_data(args, notes)
     _check_checkpointing(args, notes)
     _check_profiling(args)
+    _resolve_memory_history(args)
     _check_wandb(args)
     return args, notes
 
@@ -383,6 +386,27 @@ def _check_profiling(args: argparse.Namespace) -> None:
         raise ConfigError(
             "--use-pytorch-profiler writes its trace to --tensorboard-dir; set --tensorboard-dir DIR"
         )
+
+
+# Megatron-Core's default for --memory-snapshot-path: the working directory.
+DEFAULT_MEMORY_SNAPSHOT_PATH = "snapshot.pickle"
+
+
+def _resolve_memory_history(args: argparse.Namespace) -> None:
+    if not args.record_memory_history:
+        if args.memory_snapshot_path is not None:
+            raise ConfigError(
+                f"--memory-snapshot-path {args.memory_snapshot_path} only takes effect with "
+                "--record-memory-history; add --record-memory-history"
+            )
+        return
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            "--record-memory-history records the CUDA caching allocator and needs a GPU; none "
+            "is visible: drop --record-memory-history"
+        )
+    if args.memory_snapshot_path is None:
+        args.memory_snapshot_path = DEFAULT_MEMORY_SNAPSHOT_PATH
 
 
 def _check_wandb(args: argparse.Namespace) -> None:

@@ -7,7 +7,10 @@ the same Config from the same flags): the run's flags plus `--world-size` and
 the flags that would make it fit out. `choose` picks the first of several flag sets that fits
 (`--choose`, as examples/common.sh asks). The data files are never read: without a data source a
 placeholder --data-path stands in, and without --vocab-file/--merge-file the checkout's bundled
-GPT-2 vocabulary (data/sample; only its size matters).
+GPT-2 vocabulary (data/sample; only its size matters). The learning rate and the run's length do
+not change a step's memory: without --lr, --train-iters or --train-samples, values that pass the
+run's validation stand in (`_with_schedule_placeholders`), and the training run still asks for
+them.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import sys
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
+from megatron.arguments.argument_files import ArgumentFileParser
 from megatron.composition.run import RunComposition, tokenizer_and_padded_vocab
 from megatron.config import Config, ConfigError
 from megatron.memory_plan import (
@@ -34,10 +38,13 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 SAMPLE_VOCAB = REPO_ROOT / "data" / "sample" / "gpt2-vocab.json"
 SAMPLE_MERGES = REPO_ROOT / "data" / "sample" / "gpt2-merges.txt"
 PLACEHOLDER_DATA = "estimate-memory-placeholder"
+# Longer than any warmup or decay a command sets, so that the schedule's checks pass.
+PLACEHOLDER_TRAIN_LENGTH = 10**12
 
 
 def _tool_flags(argv: Sequence[str]) -> Tuple[argparse.Namespace, List[str]]:
-    parser = argparse.ArgumentParser(add_help=False, exit_on_error=False)
+    # Expands @FILE, so that the placeholders below see the flags written in one.
+    parser = ArgumentFileParser(add_help=False, exit_on_error=False)
     parser.add_argument("--world-size", type=int, default=1)
     parser.add_argument("--gpu-memory-gib", default="80")
     parser.add_argument("--choose", action="append", default=None)
@@ -122,13 +129,38 @@ def _with_placeholders(argv: List[str]) -> Tuple[List[str], List[str]]:
     return argv, notes
 
 
+def _with_schedule_placeholders(args: argparse.Namespace) -> List[str]:
+    """Fill in --lr and the run's length where `args` has none (the smallest learning rate that
+    passes, --min-lr; a length in the unit of the schedule's flags), and notes saying so."""
+    missing = []
+    if args.lr is None:
+        args.lr = args.min_lr
+        missing.append("--lr")
+    if args.train_iters is None and args.train_samples is None:
+        in_samples = any(
+            getattr(args, name, None)
+            for name in vars(args)
+            if name.startswith("lr_") and name.endswith("_samples")
+        )
+        unit = "samples" if in_samples else "iters"
+        setattr(args, f"train_{unit}", PLACEHOLDER_TRAIN_LENGTH)
+        missing.append(f"--train-{unit}")
+    if not missing:
+        return []
+    return [
+        f"no {' or '.join(missing)}: placeholders stand in (a step's memory does not depend on them)"
+    ]
+
+
 def build_config(
     run: RunComposition, argv: Sequence[str], world_size: int
 ) -> Tuple[Config, List[str]]:
     """The Config `run` builds for `argv` on `world_size` ranks (with GPT_RUN, the one
     pretrain_gpt.py builds), and notes."""
     argv, notes = _with_placeholders(list(argv))
-    args, config_notes = run.resolve(argv, world_size)
+    parsed = run.parse_arguments(argv)
+    notes += _with_schedule_placeholders(parsed)
+    args, config_notes = run.resolve_parsed(parsed, world_size)
     try:
         _, padded = tokenizer_and_padded_vocab(args)
     except (OSError, ValueError) as error:

@@ -35,6 +35,7 @@ from megatron.training.logging import (
     format_memory_report,
     format_validation_block,
 )
+from megatron.training.memory_history import dump_memory_snapshot
 from megatron.training.profiling import StepProfiler
 from megatron.training.trainer import ForwardStep, Trainer
 
@@ -220,6 +221,7 @@ def _train_loop(
                 extra=trainer.hooks.iteration_fields(trainer.unwrapped_model),
             )
             print_rank_0(format_iteration_line(stats))
+            dump_memory_snapshot(logging_config, trainer.context)
             if report_memory and trainer.context.device.type == "cuda":
                 print_rank_0(
                     format_memory_report(
