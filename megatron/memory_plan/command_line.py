@@ -114,7 +114,10 @@ def choose(
 def _with_placeholders(argv: List[str]) -> Tuple[List[str], List[str]]:
     """`argv` with the data and vocabulary flags filled in where absent, and notes saying so."""
     notes, argv = [], list(argv)
-    data_flags = ("--data-path", "--train-data-path", "--valid-data-path", "--test-data-path")
+    # --mock-data is a data source too: a placeholder path beside it would be refused.
+    data_flags = (
+        "--data-path", "--train-data-path", "--valid-data-path", "--test-data-path", "--mock-data"
+    )  # fmt: skip
     if not any(flag in argv for flag in data_flags):
         argv += ["--data-path", PLACEHOLDER_DATA]
         notes.append("no --data-path: a placeholder is used (the estimate reads no data)")

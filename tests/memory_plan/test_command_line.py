@@ -51,3 +51,11 @@ def test_flags_from_an_argument_file(tmp_path, capsys):
     from_file = capsys.readouterr().out
     assert main(GPT_RUN, [*DMOE_125M, "--world-size", "8"]) == 0
     assert from_file == capsys.readouterr().out
+
+
+def test_mock_data_is_a_data_source_of_its_own():
+    """A command with --mock-data gets no placeholder --data-path, which the run would refuse
+    beside it, and its estimate equals the same command's on a dataset."""
+    estimate, notes = _estimate([*DMOE_125M, "--mock-data"])
+    assert estimate == _estimate(DMOE_125M)[0]
+    assert not any("no --data-path" in note for note in notes)
