@@ -61,6 +61,19 @@ def force_kernel_mode(monkeypatch, mode: str) -> None:
     monkeypatch.setenv("MEGATRON_KERNELS", mode)
 
 
+def why_quack_cannot_run_here() -> str:
+    """Why QuACK's real kernels (moe.kernels.quack_grouped_gemm) cannot run here; "" where they
+    can: an sm90+ NVIDIA GPU with quack-kernels installed."""
+    from moe.kernels.quack_grouped_gemm import quack_missing, quack_runs_on
+
+    if not torch.cuda.is_available():
+        return "needs a CUDA GPU"
+    if not quack_runs_on(torch.device("cuda")):
+        return "QuACK's kernels need an NVIDIA GPU of sm90 or newer"
+    missing = quack_missing()
+    return f"quack.gemm_interface does not import ({missing})" if missing else ""
+
+
 @pytest.fixture
 def reference_kernels(monkeypatch):
     """The plain-PyTorch references of every kernel, here and in started processes."""

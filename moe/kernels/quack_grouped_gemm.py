@@ -77,10 +77,15 @@ def _k_major(rows: torch.Tensor) -> torch.Tensor:
     return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
+def _varlen_m_product(rows: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor):
+    """rows [N, K] grouped by cu_seqlens, each group times its weight [E, K, N'] -> [N, N']."""
+    return _gemm()(_k_major(rows), weight, cu_seqlens_m=cu_seqlens, tuned=_TUNED)
+
+
 @torch.library.custom_op("moe_quack::grouped_mm", mutates_args=())
 def _grouped_mm(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     """y_e = x_e @ weight[e]: x [N, K], weight [E, K, N'] -> [N, N']."""
-    return _gemm()(_k_major(x), weight, cu_seqlens_m=cu_seqlens, tuned=_TUNED)
+    return _varlen_m_product(x, weight, cu_seqlens)
 
 
 @_grouped_mm.register_fake
@@ -95,7 +100,7 @@ def _grouped_mm_input_grad(
     """dx_e = dy_e @ weight[e]^T: grad_out [N, N'], weight [E, K, N'] -> [N, K]."""
     # The transpose is taken here, a view, so that no compiler pass copies the weight to
     # hand the op a transposed layout.
-    return _gemm()(_k_major(grad_out), weight.mT, cu_seqlens_m=cu_seqlens, tuned=_TUNED)
+    return _varlen_m_product(grad_out, weight.mT, cu_seqlens)
 
 
 @_grouped_mm_input_grad.register_fake
