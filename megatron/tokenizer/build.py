@@ -1,17 +1,29 @@
-"""Tokenizer construction from Megatron's flags, and the vocab padding for the embedding table."""
+"""Tokenizer construction from Megatron-Core's flags, and the vocab padding for the embedding table."""
 
 from __future__ import annotations
 
 import os
+import re
 from typing import Callable, Union
 
+from megatron.tokenizer.flags import (
+    SENTENCEPIECE_TYPES,
+    TIKTOKEN_DEFAULT_PATTERN,
+    TokenizerFlags,
+)
 from megatron.tokenizer.gpt2_bpe import GPT2BPETokenizer
 from megatron.tokenizer.huggingface_tokenizer import HuggingFaceTokenizer
+from megatron.tokenizer.null_tokenizer import NullTokenizer
 from megatron.tokenizer.sentencepiece_tokenizer import SentencePieceTokenizer
+from megatron.tokenizer.tiktoken_tokenizer import TikTokenizer
 
-MegatronTokenizer = Union[GPT2BPETokenizer, SentencePieceTokenizer, HuggingFaceTokenizer]
+MegatronTokenizer = Union[
+    GPT2BPETokenizer, SentencePieceTokenizer, HuggingFaceTokenizer, TikTokenizer, NullTokenizer
+]
 
-TOKENIZER_TYPES = ("GPT2BPETokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer")
+# A Hugging Face hub id ("meta-llama/Llama-2-7b-hf"): what Megatron-Core's HuggingFaceTokenizer
+# would download when no such local path exists.
+_HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
 def _require_path(path: str | None, flag: str, tokenizer_type: str, allow_dir: bool = False) -> str:
@@ -19,13 +31,19 @@ def _require_path(path: str | None, flag: str, tokenizer_type: str, allow_dir: b
     if path is None:
         raise ValueError(f"--tokenizer-type {tokenizer_type} needs {flag}; none was given")
     exists = os.path.isfile(path) or (allow_dir and os.path.isdir(path))
-    if not exists:
-        kind = "file or directory" if allow_dir else "file"
+    if exists:
+        return path
+    if tokenizer_type == "HuggingFaceTokenizer" and _HUB_ID.fullmatch(path):
         raise ValueError(
-            f"{flag} {path} does not exist (needed by --tokenizer-type {tokenizer_type}); "
-            f"pass an existing {kind}"
+            f"{flag} {path} is not a local file or directory, and this project does not "
+            f"download tokenizers (no network): get a local copy with `huggingface-cli download "
+            f"{path} --local-dir DIR` and pass {flag} DIR"
         )
-    return path
+    kind = "file or directory" if allow_dir else "file"
+    raise ValueError(
+        f"{flag} {path} does not exist (needed by --tokenizer-type {tokenizer_type}); "
+        f"pass an existing {kind}"
+    )
 
 
 def build_tokenizer(
@@ -34,27 +52,42 @@ def build_tokenizer(
     merge_file: str | None = None,
     tokenizer_model: str | None = None,
     eod_token: str | None = None,
+    **options,
 ) -> MegatronTokenizer:
-    """Build the tokenizer named by --tokenizer-type from the file flags it needs.
+    """Build the tokenizer named by --tokenizer-type from the flags it needs (the meanings:
+    megatron.tokenizer.flags). `options` are TokenizerFlags's other fields (vocab_size,
+    tiktoken_pattern, tiktoken_num_special_tokens, tokenizer_special_tokens); `eod_token`
+    names HuggingFaceTokenizer's end-of-document token."""
+    flags = TokenizerFlags(tokenizer_type, vocab_file, merge_file, tokenizer_model, **options)
+    return build_tokenizer_from_flags(flags, eod_token)
 
-    GPT2BPETokenizer needs --vocab-file and --merge-file; SentencePieceTokenizer needs
-    --tokenizer-model (a .model file); HuggingFaceTokenizer needs --tokenizer-model (a
-    tokenizer.json or a directory holding one) and optionally `eod_token`.
-    """
-    if tokenizer_type == "GPT2BPETokenizer":
+
+def build_tokenizer_from_flags(
+    flags: TokenizerFlags, eod_token: str | None = None
+) -> MegatronTokenizer:
+    """The tokenizer of `flags`; ValueError, one line naming the flag, when a flag is missing
+    or bad or a file is absent or unreadable."""
+    flags.check()
+    kind = flags.tokenizer_type
+    if kind == "GPT2BPETokenizer":
         return GPT2BPETokenizer(
-            _require_path(vocab_file, "--vocab-file", tokenizer_type),
-            _require_path(merge_file, "--merge-file", tokenizer_type),
+            _require_path(flags.vocab_file, "--vocab-file", kind),
+            _require_path(flags.merge_file, "--merge-file", kind),
         )
-    if tokenizer_type == "SentencePieceTokenizer":
-        return SentencePieceTokenizer(
-            _require_path(tokenizer_model, "--tokenizer-model", tokenizer_type)
-        )
-    if tokenizer_type == "HuggingFaceTokenizer":
-        path = _require_path(tokenizer_model, "--tokenizer-model", tokenizer_type, allow_dir=True)
+    if kind == "NullTokenizer":
+        return NullTokenizer(flags.vocab_size)
+    allow_dir = kind == "HuggingFaceTokenizer"
+    path = _require_path(flags.tokenizer_model, "--tokenizer-model", kind, allow_dir)
+    if kind in SENTENCEPIECE_TYPES:
+        return SentencePieceTokenizer(path)
+    if kind == "HuggingFaceTokenizer":
         return HuggingFaceTokenizer(path, eod_token=eod_token)
-    raise ValueError(
-        f"unknown --tokenizer-type {tokenizer_type!r}; choose one of {', '.join(TOKENIZER_TYPES)}"
+    return TikTokenizer(
+        path,
+        pattern=flags.tiktoken_pattern or TIKTOKEN_DEFAULT_PATTERN,
+        vocab_size=flags.tiktoken_vocab_size,
+        num_special_tokens=flags.tiktoken_num_special_tokens,
+        special_tokens=flags.tiktoken_special_tokens,
     )
 
 

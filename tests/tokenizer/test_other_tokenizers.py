@@ -83,6 +83,26 @@ def test_sentencepiece_matches_library(sentencepiece_model: str, documents: list
     assert tokenizer.detokenize(tokenizer.tokenize(text)) == text
 
 
+@pytest.mark.parametrize(
+    "tokenizer_type", ["SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer"]
+)
+def test_sentencepiece_types_are_megatron_cores_one_tokenizer(
+    sentencepiece_model: str, documents: list[str], tokenizer_type: str
+) -> None:
+    # Megatron-Core builds one SentencePiece wrapper for the three names: the model's encoding
+    # (encode_as_ids), nothing added per text, eod its EOS piece, its pieces the vocabulary.
+    tokenizer = build_tokenizer(tokenizer_type, tokenizer_model=sentencepiece_model)
+    processor = sentencepiece.SentencePieceProcessor(model_file=sentencepiece_model)
+    assert isinstance(tokenizer, SentencePieceTokenizer)
+    assert (tokenizer.vocab_size, tokenizer.eod, tokenizer.bos, tokenizer.pad) == (500, 2, 1, -1)
+    assert (processor.eos_id(), processor.bos_id(), processor.pad_id()) == (2, 1, -1)
+    sample = documents[:20]
+    expected = [processor.encode_as_ids(document) for document in sample]
+    assert tokenizer.tokenize_batch(sample) == expected
+    assert all(ids[0] != processor.bos_id() for ids in expected)  # Llama2Tokenizer adds no BOS
+    assert tokenizer.tokenize("") == []
+
+
 # --- Hugging Face tokenizer.json ------------------------------------------------------------
 
 
@@ -197,7 +217,7 @@ def test_build_tokenizer_nonexistent_path(
 
 
 def test_build_tokenizer_unknown_type() -> None:
-    with pytest.raises(ValueError, match="GPT2BPETokenizer, SentencePieceTokenizer, HuggingFace"):
+    with pytest.raises(ValueError, match="unknown --tokenizer-type 'BertWordPieceLowerCase'"):
         build_tokenizer("BertWordPieceLowerCase")
 
 
