@@ -30,7 +30,12 @@ from megatron.checkpointing.torch_dist import is_sharded_checkpoint, read_common
 from megatron.config import Config
 from megatron.errors import UserError
 from megatron.model import GPTModel
-from megatron.tokenizer import MegatronTokenizer, build_tokenizer
+from megatron.tokenizer import (
+    TOKENIZER_TYPES,
+    MegatronTokenizer,
+    TokenizerFlags,
+    build_tokenizer_from_flags,
+)
 from moe.config import MoEConfig
 
 
@@ -108,11 +113,15 @@ def read_checkpoint_model(
     return CheckpointModel(args, config, model_state, iteration, directory)
 
 
-# The files each tokenizer type reads, by the saved argument and the flag that replaces it.
+# The files each tokenizer type reads, by the saved argument and the flag that replaces it
+# (NullTokenizer reads none).
 TOKENIZER_FILES = {
     "GPT2BPETokenizer": {"vocab_file": "--vocab-file", "merge_file": "--merge-file"},
-    "SentencePieceTokenizer": {"tokenizer_model": "--tokenizer-model"},
-    "HuggingFaceTokenizer": {"tokenizer_model": "--tokenizer-model"},
+    **{
+        name: {"tokenizer_model": "--tokenizer-model"}
+        for name in TOKENIZER_TYPES
+        if name not in ("GPT2BPETokenizer", "NullTokenizer")
+    },
 }
 
 
@@ -133,7 +142,7 @@ def checkpoint_tokenizer(
             )
         files[name] = path
     try:
-        return build_tokenizer(tokenizer_type, **files)
+        return build_tokenizer_from_flags(TokenizerFlags.from_args(saved, **files))
     except (ValueError, OSError) as error:  # a missing or unreadable file, named by its flag
         raise UserError(str(error)) from None
 

@@ -28,6 +28,7 @@ from megatron.arguments.run import (
     add_training_args,
     add_validation_args,
 )
+from megatron.arguments.tokenizer import add_tokenizer_args
 
 ArgumentGroupAdder = Callable[[argparse.ArgumentParser], object]
 
@@ -59,6 +60,7 @@ def build_parser(
         add_distributed_args,
         add_validation_args,
         add_data_args,
+        add_tokenizer_args,
         add_logging_args,
         *extra_groups,
     ):

@@ -353,23 +353,8 @@ def add_data_args(parser: argparse.ArgumentParser) -> None:
         "instead of a dataset: for throughput runs without a corpus. Exclusive with "
         "--data-path and --train/valid/test-data-path.",
     )
-    group.add_argument("--vocab-file", type=str, default=None, help="GPT-2 BPE vocab.json.")
-    group.add_argument("--merge-file", type=str, default=None, help="GPT-2 BPE merges.txt.")
     group.add_argument("--seq-length", type=int, default=None, help="Tokens per training sample.")
     group.add_argument("--num-workers", type=int, default=2, help="DataLoader worker processes.")
-    group.add_argument(
-        "--tokenizer-type",
-        type=str,
-        default="GPT2BPETokenizer",
-        choices=["GPT2BPETokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer"],
-        help="Tokenizer (pretrain_gpt's default is GPT2BPETokenizer).",
-    )
-    group.add_argument(
-        "--tokenizer-model",
-        type=str,
-        default=None,
-        help="SentencePiece .model file, or a HuggingFace tokenizer.json or its directory.",
-    )
     group.add_argument(
         "--data-impl",
         "--dataset-impl",

@@ -18,7 +18,12 @@ from megatron.composition.forward_step import make_forward_step
 from megatron.config import Config, ConfigError, parse_arguments
 from megatron.config.validation import resolve_arguments_with_notes
 from megatron.model import DENSE_MLP, GPTModel, MlpSpec, num_floating_point_operations
-from megatron.tokenizer import MegatronTokenizer, build_tokenizer, vocab_size_with_padding
+from megatron.tokenizer import (
+    MegatronTokenizer,
+    TokenizerFlags,
+    build_tokenizer_from_flags,
+    vocab_size_with_padding,
+)
 from megatron.training.hooks import TrainingHooks
 from megatron.training.trainer import ForwardStep
 
@@ -34,13 +39,11 @@ def tokenizer_and_padded_vocab(
 ) -> Tuple[MegatronTokenizer, int]:
     """The tokenizer that resolved flags name, and its vocabulary padded as Megatron pads it (a
     multiple of --make-vocab-size-divisible-by times the tensor-parallel size): part of the
-    model's shape."""
-    tokenizer = build_tokenizer(
-        args.tokenizer_type,
-        vocab_file=args.vocab_file,
-        merge_file=args.merge_file,
-        tokenizer_model=args.tokenizer_model,
-    )
+    model's shape. ConfigError, one line naming the flag, when a file is missing or unreadable."""
+    try:
+        tokenizer = build_tokenizer_from_flags(TokenizerFlags.from_args(args))
+    except (OSError, ValueError) as error:
+        raise ConfigError(str(error)) from None
     padded = vocab_size_with_padding(
         tokenizer.vocab_size,
         args.make_vocab_size_divisible_by,

@@ -25,6 +25,7 @@ from megatron.config.lr_schedule_validation import resolve_lr_schedule
 from megatron.config.optimizer_memory import check_optimizer_memory
 from megatron.data.dataset_splits import parse_data_path, split_note
 from megatron.kernels.dispatch import kernel_mode_from_environment
+from megatron.tokenizer.flags import TokenizerFlags
 
 __all__ = ["ConfigError", "parse_arguments", "resolve_arguments", "resolve_arguments_with_notes"]
 
@@ -307,15 +308,16 @@ def _check_data(args: argparse.Namespace, notes: List[str]) -> None:
             "(use --data-impl mmap or infer, and tools/preprocess_data.py to convert)"
         )
 
-    tokenizer = args.tokenizer_type
-    if tokenizer == "GPT2BPETokenizer":
-        missing = [flag for flag in ("vocab_file", "merge_file") if getattr(args, flag) is None]
-        if missing:
-            raise ConfigError(
-                f"--tokenizer-type GPT2BPETokenizer needs {' and '.join(map(_flag, missing))}"
-            )
-    elif args.tokenizer_model is None:
-        raise ConfigError(f"--tokenizer-type {tokenizer} needs --tokenizer-model")
+    try:
+        TokenizerFlags.from_args(args).check()
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    if args.vocab_size is not None and args.tokenizer_type not in ("TikTokenizer", "NullTokenizer"):
+        # Megatron-Core reads --vocab-size for these two types only, and so does this project.
+        notes.append(
+            f"--vocab-size {args.vocab_size} is not read by {args.tokenizer_type}: its "
+            "vocabulary is its files' (only TikTokenizer and NullTokenizer read --vocab-size)"
+        )
 
 
 def _check_mock_data(args: argparse.Namespace, given_per_split: dict) -> None:

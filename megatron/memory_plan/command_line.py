@@ -7,10 +7,11 @@ the same Config from the same flags): the run's flags plus `--world-size` and
 the flags that would make it fit out. `choose` picks the first of several flag sets that fits
 (`--choose`, as examples/common.sh asks). The data files are never read: without a data source a
 placeholder --data-path stands in, and without --vocab-file/--merge-file the checkout's bundled
-GPT-2 vocabulary (data/sample; only its size matters). The learning rate and the run's length do
-not change a step's memory: without --lr, --train-iters or --train-samples, values that pass the
-run's validation stand in (`_with_schedule_placeholders`), and the training run still asks for
-them.
+GPT-2 vocabulary (data/sample; only its size matters); the other tokenizer types read their
+--tokenizer-model for it, and NullTokenizer nothing (--vocab-size is its size). The learning rate
+and the run's length do not change a step's memory: without --lr, --train-iters or
+--train-samples, values that pass the run's validation stand in (`_with_schedule_placeholders`),
+and the training run still asks for them.
 """
 
 from __future__ import annotations

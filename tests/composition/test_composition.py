@@ -67,6 +67,25 @@ def test_an_moe_run_gets_the_extensions_parts():
     assert GPT_RUN.config_from_saved(older) == again
 
 
+def test_the_tokenizer_flags_give_the_padded_vocabulary_or_one_config_error(tmp_path):
+    null = FLAGS + ["--tokenizer-type", "NullTokenizer", "--vocab-size", "1000"]
+    config, tokenizer = GPT_RUN.config_from_argv(null, world_size=1)
+    assert (tokenizer.vocab_size, tokenizer.eod, config.model.padded_vocab_size) == (
+        1000,
+        999,
+        1024,
+    )
+    missing = str(tmp_path / "missing.model")
+    with pytest.raises(ConfigError) as error:
+        GPT_RUN.config_from_argv(
+            FLAGS + ["--tokenizer-type", "Llama2Tokenizer", "--tokenizer-model", missing], 1
+        )
+    assert str(error.value) == (
+        f"--tokenizer-model {missing} does not exist (needed by --tokenizer-type "
+        "Llama2Tokenizer); pass an existing file"
+    )
+
+
 def test_megatrons_unimplemented_flags_are_refused():
     with pytest.raises(ConfigError, match="--reset-position-ids are not supported yet"):
         GPT_RUN.resolve(FLAGS + ["--reset-position-ids"], 1)

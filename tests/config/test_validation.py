@@ -114,6 +114,24 @@ from tests.config.command_lines import config, error_message
             1,
             ["SentencePieceTokenizer", "--tokenizer-model"],
         ),
+        (
+            ("--tokenizer-type", "NullTokenizer"),
+            {},
+            1,
+            ["--tokenizer-type NullTokenizer needs --vocab-size N"],
+        ),
+        (
+            "--tokenizer-type TikTokenizer --tokenizer-model v.json --vocab-size 1000".split(),
+            {},
+            1,
+            ["--tiktoken-num-special-tokens 1000 leaves no id", "--vocab-size 1000"],
+        ),
+        (
+            ("--tokenizer-special-tokens", "<unk>"),
+            {},
+            1,
+            ["--tokenizer-special-tokens is read only with --tokenizer-type TikTokenizer"],
+        ),
         (("--save-interval", "5"), {}, 1, ["--save-interval 5", "--save"]),
         (("--save", "ckpt"), {}, 1, ["--save ckpt", "--save-interval"]),
         (("--rampup-batch-size", "16", "8", "1000"), {}, 1, ["--rampup-batch-size", "supported"]),
@@ -251,6 +269,15 @@ def test_load_dir_missing_is_only_a_note(tmp_path):
     assert cfg.checkpoint.load == str(missing)
     assert any("does not exist" in note and str(missing) in note for note in cfg.notes)
     assert not any("--load" in note for note in config("--load", str(tmp_path)).notes)
+
+
+def test_vocab_size_beside_a_tokenizer_that_does_not_read_it_is_a_note():
+    (note,) = [note for note in config("--vocab-size", "50000").notes if "--vocab-size" in note]
+    assert note == (
+        "--vocab-size 50000 is not read by GPT2BPETokenizer: its vocabulary is its files' (only "
+        "TikTokenizer and NullTokenizer read --vocab-size)"
+    )
+    assert not any("--vocab-size" in note for note in config().notes)
 
 
 def test_per_split_data_paths():

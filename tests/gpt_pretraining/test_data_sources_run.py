@@ -31,6 +31,15 @@ def test_mock_data_trains_without_a_dataset_and_repeats():
     assert second.validation == first.validation
 
 
+def test_mock_data_trains_with_megatron_cores_null_tokenizer():
+    # No tokenizer file at all: --vocab-size 512 ids, the last the end of each mock document.
+    # The GPT-2 files mock_data_args names are not read, as in Megatron-Core.
+    null = ("--tokenizer-type", "NullTokenizer", "--vocab-size", "512", "--train-iters", "3")
+    losses = [step["lm loss"] for step in pretrain_gpt.main(mock_data_args(*null)).losses]
+    # The first loss is about ln(512) = 6.2 (GPT-2's padded 50304 would give about 10.8).
+    assert len(losses) == 3 and 5.5 < losses[0] < 7.0, losses
+
+
 def test_read_only_dataset_trains_with_a_data_cache_path(sample_prefix, tmp_path, monkeypatch):
     data_dir, cache_dir = tmp_path / "data", tmp_path / "cache"
     data_dir.mkdir()
