@@ -11,10 +11,11 @@ import argparse
 import sys
 from typing import List, Optional
 
+from megatron.arguments.tokenizer import add_tokenizer_args
 from megatron.data.dataset_splits import parse_data_path
 from megatron.data.gpt_dataset import SPLIT_NAMES, build_train_valid_test_datasets
 from megatron.data.indexed_dataset import IndexedDatasetError, MMapIndexedDataset
-from megatron.tokenizer import build_tokenizer
+from megatron.tokenizer import TokenizerFlags, build_tokenizer_from_flags
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -29,14 +30,19 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--train-samples", type=int, default=1000)
     parser.add_argument("--valid-samples", type=int, default=100)
     parser.add_argument("--test-samples", type=int, default=10)
-    parser.add_argument("--vocab-file")
-    parser.add_argument("--merge-file")
-    parser.add_argument("--tokenizer-type", default="GPT2BPETokenizer")
-    parser.add_argument("--tokenizer-model")
+    add_tokenizer_args(parser)
     parser.add_argument(
         "--data-cache-path", help="directory for the index caches (default: beside the data)"
     )
     args = parser.parse_args(argv)
+    tokenizer = None
+    # A preview needs a tokenizer's files (or NullTokenizer's --vocab-size); none given, none shown.
+    if args.vocab_file or args.tokenizer_model or args.tokenizer_type == "NullTokenizer":
+        try:
+            tokenizer = build_tokenizer_from_flags(TokenizerFlags.from_args(args))
+        except (OSError, ValueError) as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 1
     try:
         for prefix in parse_data_path(args.data_path).prefixes:
             dataset = MMapIndexedDataset(prefix)
@@ -55,14 +61,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     except (IndexedDatasetError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
-    tokenizer = None
-    if args.vocab_file or args.tokenizer_model:
-        tokenizer = build_tokenizer(
-            args.tokenizer_type,
-            vocab_file=args.vocab_file,
-            merge_file=args.merge_file,
-            tokenizer_model=args.tokenizer_model,
-        )
     for name, dataset in zip(SPLIT_NAMES, datasets):
         if dataset is None:
             print(f"{name}: empty split")

@@ -17,16 +17,14 @@ from typing import List, Optional, Sequence
 import numpy as np
 
 from megatron.data.json_lines import LineChunk
+from megatron.tokenizer.flags import TokenizerFlags
 
 
 @dataclass(frozen=True)
 class EncoderSettings:
     """What a worker needs to rebuild the tokenizer and apply the document options."""
 
-    tokenizer_type: str
-    vocab_file: Optional[str]
-    merge_file: Optional[str]
-    tokenizer_model: Optional[str]
+    tokenizer: TokenizerFlags
     json_keys: Sequence[str]
     append_eod: bool
     split_sentences: bool
@@ -68,33 +66,22 @@ class EncodedChunk:
 
 
 _tokenizer = None
-_tokenizer_files: Optional[tuple] = None
+_tokenizer_flags: Optional[TokenizerFlags] = None
 _sentence_splitter = None
 _settings: Optional[EncoderSettings] = None
 
 
-def shared_tokenizer(
-    tokenizer_type: str,
-    vocab_file: Optional[str],
-    merge_file: Optional[str],
-    tokenizer_model: Optional[str],
-):
-    """This process's tokenizer of these files, built on the first call. Built in the main
+def shared_tokenizer(flags: TokenizerFlags):
+    """This process's tokenizer of these flags, built on the first call. Built in the main
     process before the pool starts, it reaches forked workers ready to use."""
-    global _tokenizer, _tokenizer_files
-    files = (tokenizer_type, vocab_file, merge_file, tokenizer_model)
-    if _tokenizer is None or _tokenizer_files != files:
+    global _tokenizer, _tokenizer_flags
+    if _tokenizer is None or _tokenizer_flags != flags:
         # One process per core: the tokenizer's own thread pool would only contend.
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
-        from megatron.tokenizer import build_tokenizer
+        from megatron.tokenizer import build_tokenizer_from_flags
 
-        _tokenizer = build_tokenizer(
-            tokenizer_type,
-            vocab_file=vocab_file,
-            merge_file=merge_file,
-            tokenizer_model=tokenizer_model,
-        )
-        _tokenizer_files = files
+        _tokenizer = build_tokenizer_from_flags(flags)
+        _tokenizer_flags = flags
     return _tokenizer
 
 
@@ -102,9 +89,7 @@ def init_worker(settings: EncoderSettings) -> None:
     """Pool initializer: this process's tokenizer (and sentence splitter), built once."""
     global _sentence_splitter, _settings
     _settings = settings
-    shared_tokenizer(
-        settings.tokenizer_type, settings.vocab_file, settings.merge_file, settings.tokenizer_model
-    )
+    shared_tokenizer(settings.tokenizer)
     _sentence_splitter = (
         build_sentence_splitter(settings.sentence_language) if settings.split_sentences else None
     )
@@ -213,9 +198,15 @@ def encode_chunk(chunk: LineChunk) -> EncodedChunk:
 
     dtype = np.dtype(settings.token_dtype)
     for key in settings.json_keys:
-        result.keys[key] = _encode_key(
-            [document[key] for document in documents], settings, dtype, result
-        )
+        try:
+            result.keys[key] = _encode_key(
+                [document[key] for document in documents], settings, dtype, result
+            )
+        except ValueError as error:  # a text the tokenizer refuses (e.g. NullTokenizer's)
+            last_line = chunk.first_line + len(chunk.lines) - 1
+            raise ValueError(
+                f"{chunk.path}, lines {chunk.first_line}-{last_line}, key '{key}': {error}"
+            ) from None
     return result
 
 

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
+from megatron.arguments.tokenizer import add_tokenizer_args
 from megatron.data.document_encoder import (
     EncodedChunk,
     EncoderSettings,
@@ -33,8 +34,8 @@ from megatron.data.indexed_dataset import (
     index_file_path,
 )
 from megatron.data.json_lines import InputError, expand_inputs, read_line_chunks
+from megatron.tokenizer.flags import TokenizerFlags
 
-TOKENIZER_TYPES = ("GPT2BPETokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer")
 PROBLEMS_SHOWN = 10
 # Input bytes handed to the workers and not yet written: with --chunk-size lines per chunk
 # and 8 MiB at most per chunk (megatron.data.json_lines), a few chunks per worker.
@@ -66,13 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="skip unusable lines (bad UTF-8 or JSON, missing key, non-string value, lone surrogate) and report them at the end",
     )
 
-    group = parser.add_argument_group("tokenizer")
-    group.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
-    group.add_argument("--vocab-file", help="GPT-2 vocab.json (GPT2BPETokenizer)")
-    group.add_argument("--merge-file", help="GPT-2 merges.txt (GPT2BPETokenizer)")
-    group.add_argument(
-        "--tokenizer-model", help="SentencePiece .model or HF tokenizer.json / directory"
-    )
+    add_tokenizer_args(parser, require_type=True)
+    group = parser.add_argument_group("tokenization process")
     group.add_argument(
         "--append-eod",
         action="store_true",
@@ -231,18 +227,15 @@ class InvalidLines:
 
 def run(args: argparse.Namespace) -> Dict[str, str]:
     """Preprocess the corpus; returns {json key: output prefix}."""
+    tokenizer_flags = TokenizerFlags.from_args(args)
+    tokenizer_flags.check()  # before the input is opened: the command line comes first
     input_paths = expand_inputs(args.input)
-    tokenizer = shared_tokenizer(
-        args.tokenizer_type, args.vocab_file, args.merge_file, args.tokenizer_model
-    )
+    tokenizer = shared_tokenizer(tokenizer_flags)
     engine = getattr(tokenizer, "engine", None)
     print(f"> {args.tokenizer_type}" + (f" on {engine}" if engine else ""), file=sys.stderr)
     dtype = best_fitting_dtype(tokenizer.vocab_size)
     settings = EncoderSettings(
-        tokenizer_type=args.tokenizer_type,
-        vocab_file=args.vocab_file,
-        merge_file=args.merge_file,
-        tokenizer_model=args.tokenizer_model,
+        tokenizer=tokenizer_flags,
         json_keys=tuple(args.json_keys),
         append_eod=args.append_eod,
         split_sentences=args.split_sentences,
