@@ -1,10 +1,11 @@
 """Megatron-Core's NullTokenizer: no vocabulary file, the text is the token ids.
 
 For data that is already token ids and for runs on --mock-data: `--vocab-size N` gives ids
-0..N-1, the last of them (N - 1) the end-of-document id, as Megatron-Core defines it. A text
-is read as Megatron-Core reads it, integers separated by single spaces ("17 4 9"); an empty
-text has no ids (Megatron-Core would stop on it). Unlike Megatron-Core, an id outside 0..N-1
-or a piece that is not an integer is refused with the piece named, rather than written.
+0..N-1, the last of them (N - 1) the end-of-document id, as Megatron-Core defines it since 0.18
+(before, N + 1 ids with N the end of a document). A text is read as Megatron-Core reads it,
+integers separated by single spaces ("17 4 9"); an empty text has no ids (Megatron-Core would
+stop on it). Unlike Megatron-Core, an id outside 0..N-1 or a piece that is not an integer is
+refused with the piece named, rather than written.
 """
 
 from __future__ import annotations
