@@ -164,9 +164,10 @@ class MoELayer(nn.Module):
         Called by `forward` at the start of each training forward, so the bias moves once per
         micro-batch and never between a forward and its recomputation in backward.
         """
-        pending = getattr(self, "pending_tokens_per_expert", None)
-        if pending is None or not bool(pending.any()):
-            return
+        # No test of whether any token is pending: that would read the counts on the host (a
+        # sync and a graph break in every layer's forward), and the update of zero counts moves
+        # no expert's bias (the sign of 0 is 0).
+        pending = self.pending_tokens_per_expert
         # Summed over the ranks holding this layer: under pipeline parallelism the other
         # stages hold other layers (and run their forwards at other times).
         group = (

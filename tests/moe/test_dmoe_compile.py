@@ -128,6 +128,23 @@ def test_gpt_model_with_dmoe_layers_traces_as_one_graph_under_bf16_autocast():
 
 
 @needs_torch_grouped_mm
+def test_gpt_model_with_the_expert_bias_traces_as_one_graph():
+    """DeepSeek-V3's bias update runs at the start of each training forward, in the graph: a
+    host read of the pending counts there broke it in every layer (8 graphs for a 12-layer
+    dMoE's training step)."""
+    assert_gpt_model_is_one_graph(
+        MoEConfig(
+            num_experts=4,
+            top_k=2,
+            mlp_impl="grouped",
+            grouped_gemm=TORCH,
+            router_score="sigmoid",
+            router_bias_update_rate=1e-3,
+        )
+    )
+
+
+@needs_torch_grouped_mm
 @pytest.mark.parametrize("accumulate_in_place", [True, False])
 def test_compiled_gpt_uses_the_refreshed_expert_weight_copies(accumulate_in_place):
     """Training in bf16 keeps bf16 copies of the fp32 expert weights (refreshed each step, see

@@ -37,9 +37,9 @@ def _layer(backend, num_experts: int, hidden: int, ffn: int, seq_length: int):
     return build_moe_layer(model, moe).cuda().to(torch.bfloat16)
 
 
-# dMoE-125M's layer (64 experts of 3072 at hidden 768) on 2 x 1024 tokens; then 32 tokens over 64
-# experts at top-2, which leaves at least half of them without rows.
-@pytest.mark.parametrize("tokens", [2048, 32], ids=["125m-layer", "empty-experts"])
+# dMoE-125M's layer (64 experts of 3072 at hidden 768) on 2 x 1024 tokens; then 16 tokens over 64
+# experts at top-2: 32 assignments, so at least 32 experts get no rows.
+@pytest.mark.parametrize("tokens", [2048, 16], ids=["125m-layer", "empty-experts"])
 def test_the_compiled_dmoe_layer_on_quack_matches_the_runs_other_grouped_gemm(tokens, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     force_kernel_mode(monkeypatch, "auto")
@@ -67,7 +67,7 @@ def test_the_compiled_dmoe_layer_on_quack_matches_the_runs_other_grouped_gemm(to
     for name, value, expected in zip(("output", "input grad", "w1 grad", "w2 grad"), got, want):
         assert _relative_error(value, expected) < 2e-2, name
     empty = (counts == 0).nonzero().flatten().tolist()
-    if tokens == 32:
+    if tokens == 16:
         assert len(empty) >= 32
     for expert in empty:
         assert torch.count_nonzero(got[2][expert]) == 0 and torch.count_nonzero(got[3][expert]) == 0
