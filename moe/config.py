@@ -38,13 +38,17 @@ class MoEConfig:
 
     dropless=True builds MegaBlocks' dMoE (every token reaches its experts, capacity_factor
     unused); dropless=False builds MegaBlocks' MoE, whose experts take at most
-    `int(capacity_factor * top_k * tokens / num_experts)` assignments each (0: no limit).
+    `int(capacity_factor * top_k * tokens / num_experts)` assignments each (0: no limit), or
+    its ceil with `capacity_rounds_up` (Megatron-Core's --moe-expert-capacity-factor), and drop
+    the last ones past it, or the lowest-weight ones with `drop_by_weight` (its `probs` policy).
     """
 
     num_experts: int
     top_k: int = 1
     dropless: bool = True
     capacity_factor: float = 1.0
+    capacity_rounds_up: bool = False
+    drop_by_weight: bool = False
     loss_weight: float = 0.1
     zloss_weight: float = 0.0
     jitter_eps: Optional[float] = None
