@@ -93,12 +93,14 @@ def upcycle(
         parsed = parser.parse_args(moe_flags)
     except (argparse.ArgumentError, SystemExit) as error:
         raise UserError(f"upcycling flags {shlex.join(moe_flags)}: {error}") from None
-    if parsed.moe_num_experts is None:
+    if parsed.moe_num_experts is None and parsed.num_experts is None:
         raise UserError("give --moe-num-experts N: the experts each MoE layer gets")
     args = copy.deepcopy(dense.args)
     for name, value in vars(parsed).items():
         setattr(args, name, value)
     try:
+        # Saved as a run saves its arguments: every MoE setting resolved.
+        GPT_RUN.resolve_extension_arguments(args)
         config = GPT_RUN.config_from_saved(args)
     except ConfigError as error:
         raise UserError(str(error)) from None
@@ -164,6 +166,8 @@ def _flag(name: str, value, default) -> List[str]:
     flag = "--" + name.replace("_", "-")
     if value is True:
         return [flag]
+    if value is False:  # a flag on by default, or unset until resolved: its --no- form
+        return ["--no-" + flag[2:]]
     return [flag, str(value)]
 
 

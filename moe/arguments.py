@@ -1,6 +1,11 @@
-"""The `--moe-*` flags, MegaBlocks' names and defaults; pass `add_moe_args` to `build_parser`.
+"""The `--moe-*` flags, MegaBlocks' names (and Megatron-Core's, moe.megatron_core_flags); pass
+`add_moe_args` to `build_parser`.
 
 namespace = parse_arguments(argv, extra_groups=[add_moe_args])
+
+A setting with a Megatron-Core spelling too, or whose default depends on which name declared
+the experts, parses to None when not given; moe.megatron_core_flags.resolve_moe_arguments fills
+it, the one place its default is decided (MEGABLOCKS_DEFAULTS for --moe-num-experts).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from moe.config import (
     ROUTER_SCORES,
 )
 from moe.exchange_flags import DEFAULT_EXCHANGE_CHUNKS
+from moe.megatron_core_flags import add_megatron_core_moe_args
 
 # The flags (namespace attributes) that define an MoE model, which a checkpoint's saved
 # arguments are compared on when it is loaded (megatron.checkpointing.model_arguments).
@@ -35,6 +41,10 @@ MOE_MODEL_ARGUMENTS = (
     "moe_shared_expert",
     "moe_shared_expert_ffn_hidden_size",
     "moe_ffn_hidden_size",
+    # Megatron-Core's capacity rounds up (moe.megatron_core_flags.capacity_rounds_up), and
+    # its default policy drops by weight.
+    "moe_expert_capacity_factor",
+    "moe_token_drop_policy",
 )
 
 # Flags that choose the saving run's kernels, which a checkpoint's saved config does not keep
@@ -43,40 +53,51 @@ MOE_KERNEL_ARGUMENTS = ("moe_grouped_gemm_kernel",)
 
 
 def add_moe_args(parser: argparse.ArgumentParser) -> None:
-    """Register the mixture-of-experts argument group on `parser`."""
-    group = parser.add_argument_group(title="mixture of experts")
+    """Register the mixture-of-experts argument groups on `parser`: MegaBlocks' and this
+    project's names, then Megatron-Core's."""
+    group = parser.add_argument_group(
+        title="mixture of experts",
+        description="MegaBlocks' names (--moe-num-experts, --moe-top-k, --moe-loss-weight, ...), "
+        "Megatron-Core's where marked, and this project's. Defaults below are those of "
+        "--moe-num-experts; --num-experts takes Megatron-Core's (its group, further down).",
+    )
     group.add_argument(
         "--moe-num-experts",
         type=int,
         default=None,
-        help="Experts per MoE layer; unset: every layer keeps its dense MLP.",
+        help="Experts per MoE layer, with MegaBlocks' defaults; unset (and no --num-experts): "
+        "every layer keeps its dense MLP.",
     )
-    group.add_argument("--moe-top-k", type=int, default=1, help="Experts each token is routed to.")
+    group.add_argument(
+        "--moe-top-k", type=int, default=None, help="Experts each token is routed to (1)."
+    )
     group.add_argument(
         "--moe-dropless",
         action=argparse.BooleanOptionalAction,
-        default=True,
+        default=None,
         help="Dropless dMoE (default). --no-moe-dropless builds MegaBlocks' MoE, whose "
         "experts drop assignments beyond --moe-capacity-factor.",
     )
     group.add_argument(
         "--moe-capacity-factor",
         type=float,
-        default=1.0,
+        default=None,
         help="With --no-moe-dropless: expert capacity is int(factor * top_k * tokens / "
-        "experts) assignments; 0 means no limit. Unused by the dropless dMoE.",
+        "experts) assignments (1.0); 0 means no limit. Unused by the dropless dMoE.",
     )
     group.add_argument(
         "--moe-loss-weight",
         type=float,
-        default=0.1,
-        help="Weight of the load-balancing loss (averaged over MoE layers).",
+        default=None,
+        help="Weight of the MEAN of the MoE layers' load-balancing losses (0.1); Megatron-Core's "
+        "--moe-aux-loss-coeff weights each layer's, so this is it times the MoE layers.",
     )
     group.add_argument(
         "--moe-zloss-weight",
         type=float,
-        default=0.0,
-        help="Weight of the router z-loss mean(logsumexp(logits)^2) (1e-3 is typical); 0: off.",
+        default=None,
+        help="Weight of the mean of the MoE layers' router z-losses mean(logsumexp(logits)^2) "
+        "(1e-3 is typical); 0 (default): off.",
     )
     group.add_argument(
         "--moe-jitter-eps",
@@ -134,17 +155,20 @@ def add_moe_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--moe-router-score",
-        default="softmax",
+        default=None,
         choices=ROUTER_SCORES,
-        help="Router score function: softmax over experts, or per-expert sigmoid.",
+        help="Router score function: softmax over experts (default), or per-expert sigmoid, "
+        "its chosen scores the weights as they are (Megatron-Core's "
+        "--moe-router-score-function sigmoid normalizes them).",
     )
     group.add_argument(
         "--moe-router-bias-update-rate",
         type=float,
-        default=0.0,
-        help="DeepSeek-V3 auxiliary-loss-free balancing: a per-expert bias added to the "
-        "scores for expert selection only, moved by this rate toward balance after each "
-        "micro-batch. 0: off.",
+        default=None,
+        help="(Megatron-Core's flag) DeepSeek-V3 auxiliary-loss-free balancing: a per-expert "
+        "bias added to the scores for expert selection only, moved by this rate toward balance "
+        "after each micro-batch. With --moe-num-experts a rate > 0 turns it on; with "
+        "--num-experts only --moe-router-enable-expert-bias does (rate 1e-3 unless given).",
     )
     group.add_argument(
         "--moe-router-load-balancing-type",
@@ -152,7 +176,8 @@ def add_moe_args(parser: argparse.ArgumentParser) -> None:
         help="(Megatron-Core's flag) What the load-balancing loss balances: aux_loss, each "
         "micro-batch's assignments (MegaBlocks'; default); seq_aux_loss, each sequence's "
         "(DeepSeek-V2's); global_aux_loss, the step's over all micro-batches and data-parallel "
-        f"ranks (Qwen's global-batch balancing); none, no loss. One of {LOAD_BALANCING_TYPES}.",
+        f"ranks (Qwen's global-batch balancing); none, no loss. One of {LOAD_BALANCING_TYPES} "
+        "(Megatron-Core's sinkhorn and quantile_balancing are not implemented).",
     )
     group.add_argument(
         "--moe-router-dtype",
@@ -163,11 +188,12 @@ def add_moe_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--moe-router-pre-softmax",
         action=argparse.BooleanOptionalAction,
-        default=True,
-        help="(Megatron-Core's flag, another default) Weight each chosen expert by its softmax "
-        "score over all experts (MegaBlocks' and Switch's rule; on by default here). "
+        default=None,
+        help="(Megatron-Core's flag) Weight each chosen expert by its softmax score over all "
+        "experts (MegaBlocks' and Switch's rule; the default with --moe-num-experts). "
         "--no-moe-router-pre-softmax takes the softmax over the chosen experts' logits alone "
-        "(Megatron-Core's default, Mixtral's weights; at top-1 every weight is 1).",
+        "(the default with --num-experts, Megatron-Core's, Mixtral's weights; at top-1 every "
+        "weight is 1).",
     )
     group.add_argument(
         "--moe-router-topk-scaling-factor",
@@ -233,3 +259,4 @@ def add_moe_args(parser: argparse.ArgumentParser) -> None:
         help="Recompute the expert activation (and second projection) in backward instead "
         "of storing them.",
     )
+    add_megatron_core_moe_args(parser)

@@ -20,6 +20,8 @@ from megatron.initialize import compute_device
 from moe.exchange_flags import check_exchange, exchange_chunks, routed_rows_per_rank
 from moe.kernels import grouped_gemm, quack_grouped_gemm
 from moe.kernels.grouped_gemm import MOE, GroupedGemmBackend
+from moe.megatron_core_flags import MEGABLOCKS_DEFAULTS as DEFAULTS
+from moe.megatron_core_flags import capacity_rounds_up, resolve_moe_arguments
 
 MLP_IMPLS = ("grouped", "sparse", "reference")
 MLP_TYPES = ("mlp", "glu")
@@ -38,15 +40,19 @@ class MoEConfig:
 
     dropless=True builds MegaBlocks' dMoE (every token reaches its experts, capacity_factor
     unused); dropless=False builds MegaBlocks' MoE, whose experts take at most
-    `int(capacity_factor * top_k * tokens / num_experts)` assignments each (0: no limit).
+    `int(capacity_factor * top_k * tokens / num_experts)` assignments each (0: no limit), or
+    its ceil with `capacity_rounds_up` (Megatron-Core's --moe-expert-capacity-factor), and drop
+    the last ones past it, or the lowest-weight ones with `drop_by_weight` (its `probs` policy).
     """
 
     num_experts: int
-    top_k: int = 1
-    dropless: bool = True
-    capacity_factor: float = 1.0
-    loss_weight: float = 0.1
-    zloss_weight: float = 0.0
+    top_k: int = DEFAULTS.top_k
+    dropless: bool = DEFAULTS.dropless
+    capacity_factor: float = DEFAULTS.capacity_factor
+    capacity_rounds_up: bool = False
+    drop_by_weight: bool = False
+    loss_weight: float = DEFAULTS.loss_weight
+    zloss_weight: float = DEFAULTS.zloss_weight
     jitter_eps: Optional[float] = None
     normalize_expert_weights: Optional[float] = None  # p of the p-norm; None: no normalization
     # Every layer_freq-th layer from 0, or one mark per layer (--moe-layer-freq's pattern form,
@@ -54,14 +60,14 @@ class MoEConfig:
     layer_freq: Union[int, Tuple[bool, ...]] = 1
     mlp_impl: str = "grouped"
     mlp_type: str = "mlp"
-    router_score: str = "softmax"
+    router_score: str = DEFAULTS.router_score
     router_bias_update_rate: float = 0.0  # DeepSeek-V3 aux-loss-free bias; 0 disables it
     load_balancing_type: str = "aux_loss"
     # The precision of the gate's logits and the routing weights; None: the compute dtype.
     router_dtype: Optional[str] = None
     # The weights are the chosen experts' softmax over all experts (MegaBlocks); False: the
     # softmax over the chosen logits alone (Megatron-Core's default).
-    router_pre_softmax: bool = True
+    router_pre_softmax: bool = DEFAULTS.router_pre_softmax
     router_topk_scaling_factor: Optional[float] = None  # the weights' multiplier; None: 1
     # Benchmarks only: experts drawn uniformly at random instead of the top-k (moe.router).
     router_force_load_balancing: bool = False
@@ -103,10 +109,13 @@ class MoEConfig:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, model: ModelConfig) -> Optional[MoEConfig]:
-        """The MoE config of a parsed command line, or None when --moe-num-experts is unset.
-        How the experts are split over ranks is the layout's (ParallelConfig's
+        """The MoE config of a parsed command line (its settings resolved, if they are not yet:
+        moe.megatron_core_flags), or None without --moe-num-experts or --num-experts. How the
+        experts are split over ranks is the layout's (ParallelConfig's
         expert_model_parallel_size); `check_expert_parallelism` checks the two together."""
-        if getattr(args, "moe_num_experts", None) is None:
+        args = argparse.Namespace(**vars(args))
+        resolve_moe_arguments(args)
+        if args.moe_num_experts is None:
             if getattr(args, "expert_model_parallel_size", 1) != 1 or getattr(
                 args, "moe_expert_model_parallelism", False
             ):
@@ -127,6 +136,8 @@ class MoEConfig:
             top_k=args.moe_top_k,
             dropless=args.moe_dropless,
             capacity_factor=args.moe_capacity_factor,
+            capacity_rounds_up=capacity_rounds_up(args),
+            drop_by_weight=args.moe_token_drop_policy == "probs",
             loss_weight=args.moe_loss_weight,
             zloss_weight=args.moe_zloss_weight,
             jitter_eps=args.moe_jitter_eps,
@@ -183,8 +194,8 @@ class MoEConfig:
             notes.append(
                 "--moe-router-score sigmoid: the load-balancing loss sees little of a sigmoid "
                 "router's imbalance (its per-token normalized scores stay near uniform); "
-                "DeepSeek-V3 balances sigmoid routing with the expert bias, e.g. "
-                "--moe-router-bias-update-rate 0.001"
+                "DeepSeek-V3 balances sigmoid routing with the expert bias, "
+                "--moe-router-enable-expert-bias"
             )
         if self.router_force_load_balancing:
             notes.append(
@@ -272,9 +283,9 @@ class MoEConfig:
         nothing with the score function chosen."""
         if self.load_balancing_type not in LOAD_BALANCING_TYPES:
             hint = (
-                " (Sinkhorn balancing is not implemented here; global_aux_loss or "
-                "--moe-router-bias-update-rate balance without a per-batch loss)"
-                if self.load_balancing_type == "sinkhorn"
+                f" ({self.load_balancing_type} is not implemented here; global_aux_loss, or none "
+                "with --moe-router-enable-expert-bias, balance without a per-batch loss)"
+                if self.load_balancing_type in ("sinkhorn", "quantile_balancing")
                 else ""
             )
             raise ConfigError(

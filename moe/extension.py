@@ -1,5 +1,5 @@
 """The MoE layers as an extension of a GPT run (megatron.composition.extension): the --moe-*
-flags, MoEConfig, MoE layers in place of the dense MLP, the training hooks (expert weight
+flags (MegaBlocks' and Megatron-Core's names, resolved in moe.megatron_core_flags), MoEConfig, MoE layers in place of the dense MLP, the training hooks (expert weight
 copies, expert-parallel blocks, expert-load logging), the load-balancing and router z losses,
 and the saved arguments that define the experts."""
 
@@ -9,6 +9,7 @@ from megatron.composition.extension import RunExtension
 from moe.arguments import MOE_KERNEL_ARGUMENTS, MOE_MODEL_ARGUMENTS, add_moe_args
 from moe.auxiliary_losses import MoEAuxiliaryLosses
 from moe.config import MoEConfig, moe_config
+from moe.megatron_core_flags import resolve_moe_arguments
 from moe.mlp_spec import MoEMlpSpec
 from moe.training_hooks import MoETrainingHooks
 
@@ -31,4 +32,6 @@ MOE_EXTENSION = RunExtension(
     ),
     notes=MoEConfig.notes,
     kernel_arguments=MOE_KERNEL_ARGUMENTS,
+    # Megatron-Core's MoE flags converted, and the settings left unset given their defaults.
+    resolve_arguments=resolve_moe_arguments,
 )

@@ -223,6 +223,7 @@ class MoELayer(nn.Module):
             self.experts.forward_expert,
             self.config.num_experts,
             capacity,
+            self.config.drop_by_weight,
         )
 
     def _sort(self, routing: Routing):
@@ -234,7 +235,8 @@ class MoELayer(nn.Module):
 
 class MoE(MoELayer):
     """MegaBlocks' MoE: each expert takes at most `expert_capacity(T)` assignments, the first
-    ones in token order (assignment t * k + j); the rest contribute nothing.
+    ones in token order (assignment t * k + j), or with `drop_by_weight` the highest-weight
+    ones (Megatron-Core's `probs` policy); the rest contribute nothing.
 
     Under expert parallelism each rank fills the capacity slots of all E experts with its own
     tokens, as one process would for its micro-batch, and sends each expert's slot block to the
@@ -244,9 +246,11 @@ class MoE(MoELayer):
     """
 
     def expert_capacity(self, num_tokens: int) -> int:
-        """int(capacity_factor * top_k * T / E), MegaBlocks' rule; 0 means no limit."""
+        """int(capacity_factor * top_k * T / E), MegaBlocks' rule, or its ceil with
+        `capacity_rounds_up` (Megatron-Core's); 0 means no limit."""
         config = self.config
-        return int(config.capacity_factor * config.top_k * num_tokens / config.num_experts)
+        capacity = config.capacity_factor * config.top_k * num_tokens / config.num_experts
+        return math.ceil(capacity) if config.capacity_rounds_up else int(capacity)
 
     def compute_experts(
         self, tokens: torch.Tensor, routing: Routing
@@ -254,7 +258,12 @@ class MoE(MoELayer):
         capacity = self.expert_capacity(tokens.shape[0])
         if self.config.mlp_impl == "reference":
             return self._reference(tokens, routing, capacity or None)
-        order, slot_of, tokens_per_expert = self._sort(routing)
+        if self.config.drop_by_weight:
+            order, slot_of, tokens_per_expert = capacity_rows.sort_assignments_by_weight(
+                routing.expert_indices, routing.expert_weights, self.config.num_experts
+            )
+        else:
+            order, slot_of, tokens_per_expert = self._sort(routing)
         if capacity == 0:
             capacity = self._unlimited_capacity(tokens_per_expert)
         slots = capacity_rows.capacity_slots(

@@ -3,7 +3,8 @@
 Used by the tests as the ground truth and by the layers as the `reference` backend. The token
 order that decides drops is MegaBlocks': assignment a = t * top_k + j (token t's j-th choice);
 an expert keeps its first `capacity` assignments in increasing a, i.e. in the order of the
-stable sort by expert that the permutation kernels use.
+stable sort by expert that the permutation kernels use. With `drop_by_weight` (Megatron-Core's
+`probs` policy) it keeps its `capacity` highest-weight ones, equal weights in increasing a.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ def reference_moe(
     expert_function: ExpertFunction,
     num_experts: int,
     capacity: Optional[int] = None,
+    drop_by_weight: bool = False,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """sum_j expert_weights[t, j] * expert_{indices[t, j]}(tokens[t]) over kept assignments.
 
@@ -37,6 +39,9 @@ def reference_moe(
     for expert in range(num_experts):
         assignments = torch.nonzero(flat_indices == expert).squeeze(1)
         if capacity is not None:
+            if drop_by_weight:
+                weights = flat_weights[assignments].detach()
+                assignments = assignments[torch.argsort(weights, descending=True, stable=True)]
             assignments = assignments[:capacity]
         if assignments.numel() == 0:
             continue

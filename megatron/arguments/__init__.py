@@ -13,6 +13,7 @@ from typing import Callable, Mapping, Sequence, Union
 
 from megatron.arguments.argument_files import ArgumentFileParser
 from megatron.arguments.distributed import add_distributed_args
+from megatron.arguments.megatron_core import add_megatron_core_model_args
 from megatron.arguments.model import (
     add_initialization_args,
     add_mixed_precision_args,
@@ -62,6 +63,7 @@ def build_parser(
         add_data_args,
         add_tokenizer_args,
         add_logging_args,
+        add_megatron_core_model_args,
         *extra_groups,
     ):
         add_group(parser)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -47,3 +47,8 @@ class RunExtension:
     # config takes their defaults, so that a process reading it on another device (a tool on a
     # CPU, generation) chooses its own rather than refusing the run's.
     kernel_arguments: Tuple[str, ...] = ()
+    # Fills the extension's settings the flags left unset, in place, and returns the notes to
+    # print (ConfigError for a bad combination): called on the resolved flags, and on a
+    # checkpoint's saved arguments, so that the arguments printed and saved hold the values the
+    # run uses. Applying it twice changes nothing.
+    resolve_arguments: Optional[Callable[[argparse.Namespace], List[str]]] = None

@@ -88,7 +88,17 @@ class RunComposition:
         unsupported = [flag for flag, name in _NOT_SUPPORTED if getattr(args, name, False)]
         if unsupported:
             raise ConfigError(f"{', '.join(unsupported)} are not supported yet")
-        return args, notes
+        return args, notes + self.resolve_extension_arguments(args)
+
+    def resolve_extension_arguments(self, args: argparse.Namespace) -> List[str]:
+        """Every extension's settings that `args` leaves unset filled in, in place (each
+        extension's `resolve_arguments`); the notes they print. A tool that writes arguments
+        it parsed itself (an upcycled checkpoint's) calls this before saving them."""
+        notes: List[str] = []
+        for extension in self.extensions:
+            if extension.resolve_arguments is not None:
+                notes += extension.resolve_arguments(args)
+        return notes
 
     def config(
         self, args: argparse.Namespace, notes: Sequence[str], padded_vocab_size: int
@@ -114,10 +124,12 @@ class RunComposition:
         """The Config of a checkpoint's saved arguments (resolved when saved, with the padded
         vocabulary size). A flag added since the checkpoint was saved has no attribute there:
         it takes its default, as the run that saved it behaved; so do the extensions'
-        `kernel_arguments`, chosen again for the device that reads it."""
+        `kernel_arguments`, chosen again for the device that reads it. The extensions resolve
+        the rest as a run does (`resolve_extension_arguments`; their notes are not kept)."""
         defaults = vars(self.parse_arguments([]))
         saved = {k: v for k, v in vars(args).items() if k not in self.kernel_arguments}
         args = argparse.Namespace(**{**defaults, **saved})
+        self.resolve_extension_arguments(args)
         return self.config(args, [], args.padded_vocab_size)
 
     def notes(self, config: Config) -> List[str]:

@@ -86,13 +86,13 @@ def same_marked_layers(
     the same layers agree. False for anything that is not such a value."""
     if not (is_pattern(first) or is_pattern(second)):
         return False
-    first_marks = _marks(first, first_num_layers)
-    return first_marks is not None and first_marks == _marks(second, second_num_layers)
+    first_marks = marked_layers(first, first_num_layers)
+    return first_marks is not None and first_marks == marked_layers(second, second_num_layers)
 
 
-def _marks(value: object, num_layers: Optional[int]) -> Optional[Tuple[bool, ...]]:
-    """The marks of a valid value for `num_layers` layers, else None (None too where the
-    number of layers is unknown)."""
+def marked_layers(value: object, num_layers: Optional[int]) -> Optional[Tuple[bool, ...]]:
+    """The marks of a valid value (an integer or a pattern) for `num_layers` layers, else None
+    (None too where the number of layers is unknown)."""
     if num_layers is None:
         return None
     if isinstance(value, int) and not isinstance(value, bool):

@@ -22,6 +22,7 @@ from megatron.config.layout_validation import (
     resolve_parallelism,
 )
 from megatron.config.lr_schedule_validation import resolve_lr_schedule
+from megatron.config.megatron_core_switches import check_megatron_core_switches
 from megatron.config.optimizer_memory import check_optimizer_memory
 from megatron.data.dataset_splits import parse_data_path, split_note
 from megatron.kernels.dispatch import kernel_mode_from_environment
@@ -76,6 +77,7 @@ def resolve_arguments_with_notes(
     _resolve_kernels(args)
     resolve_lr_schedule(args)
     _resolve_model_shape(args, notes)
+    check_megatron_core_switches(args, notes)
     check_tensor_parallel(args, notes)
     check_pipeline_parallel(args)
     check_gradient_sync(args, notes)

@@ -8,6 +8,9 @@ its place in the stable sort by expert (moe.kernels.token_rows.sort_assignments)
 expert's start, so `capacity_slots` maps both ways with static shapes and no host sync:
 - `slot_of_assignment` [T * k]: e * C + rank, or E * C (one past the slots) when dropped;
 - `assignment_of_slot` [E * C]: the assignment a slot holds, or T * k when it is empty.
+Megatron-Core's `probs` drop policy keeps each expert's C highest-weight assignments instead:
+the same maps, from the sort by expert of the assignments in descending weight
+(`sort_assignments_by_weight`).
 
 Both directions are gathers, so every forward and backward below is one too (no atomics: the
 same numbers on every run, no contention on the many empty slots and dropped assignments):
@@ -26,8 +29,11 @@ norms and residuals.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Tuple
 
 import torch
+
+from moe.kernels.token_rows import inverse_permutation, sort_assignments
 
 
 @dataclass(frozen=True)
@@ -64,6 +70,21 @@ def capacity_slots(
     sorted_position = (starts[expert] + rank_in_expert).clamp(max=num_assignments - 1)
     assignment_of_slot = torch.where(holds, order.long()[sorted_position], num_assignments)
     return CapacitySlots(slot_of_assignment, assignment_of_slot, top_k)
+
+
+@torch.no_grad()
+def sort_assignments_by_weight(
+    expert_indices: torch.Tensor, expert_weights: torch.Tensor, num_experts: int
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`sort_assignments`' (order, slot_of, tokens_per_expert) with each expert's assignments
+    in descending router weight (equal weights in assignment order), for `capacity_slots` to
+    keep the C highest-weight ones (Megatron-Core's `probs` drop policy)."""
+    by_weight = torch.argsort(expert_weights.reshape(-1), descending=True, stable=True)
+    order, _, tokens_per_expert = sort_assignments(
+        expert_indices.reshape(-1)[by_weight], num_experts
+    )
+    order = by_weight[order]
+    return order, inverse_permutation(order), tokens_per_expert
 
 
 def _rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """MoE and dMoE layers against the dense MLP and the loop-over-experts reference."""
 
 import dataclasses
+import math
 from pathlib import Path
 
 import pytest
@@ -163,6 +164,37 @@ def test_small_capacity_drops_exactly_the_reference_assignments(top_k):
                     routing.expert_weights[t, j]
                     * grouped.experts.forward_expert(expert, tokens[t : t + 1])[0]
                 )
+    with torch.no_grad():
+        torch.testing.assert_close(grouped(x).view(-1, HIDDEN), expected)
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_megatron_cores_capacity_rounds_up_and_drops_the_lowest_weights(top_k):
+    """Megatron-Core's capacity (--moe-expert-capacity-factor): ceil(F k T / E), each expert
+    keeping its highest-weight assignments (its `probs` policy), the reference's and the
+    grouped layer's alike."""
+    kwargs = dict(top_k=top_k, dropless=False, capacity_factor=0.45)
+    kwargs.update(capacity_rounds_up=True, drop_by_weight=True)
+    reference = make_layer(mlp_impl="reference", **kwargs)
+    grouped = same_weights(reference, make_layer(mlp_impl="grouped", **kwargs))
+    x = torch.randn(2, 8, HIDDEN)
+    assert_same(run(reference, x), run(grouped, x))
+
+    tokens = x.view(-1, HIDDEN)
+    capacity = grouped.expert_capacity(tokens.shape[0])
+    assert capacity == math.ceil(0.45 * top_k * 16 / 4) == int(0.45 * top_k * 16 / 4) + 1
+    routing = grouped.router(tokens)
+    flat, weights = routing.expert_indices.reshape(-1), routing.expert_weights.reshape(-1)
+    kept = torch.zeros_like(flat, dtype=torch.bool)
+    for expert in range(4):
+        mine = torch.nonzero(flat == expert).squeeze(1)
+        kept[mine[weights[mine].argsort(descending=True)[:capacity]]] = True
+    assert not kept.all(), "the test should drop some assignments"
+    expected = torch.zeros_like(tokens)
+    for assignment in torch.nonzero(kept).squeeze(1).tolist():
+        t, expert = assignment // top_k, int(flat[assignment])
+        output = grouped.experts.forward_expert(expert, tokens[t : t + 1])[0]
+        expected[t] += weights[assignment] * output
     with torch.no_grad():
         torch.testing.assert_close(grouped(x).view(-1, HIDDEN), expected)
 

@@ -150,7 +150,7 @@ def test_losses_come_by_name_and_only_the_weighted_ones():
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (("--moe-router-load-balancing-type", "sinkhorn"), "Sinkhorn balancing is not implemented"),
+        (("--moe-router-load-balancing-type", "sinkhorn"), "(sinkhorn is not implemented here"),
         (("--moe-router-load-balancing-type", "aux"), "'aux' is not one of"),
         (("--moe-router-dtype", "bf16"), "--moe-router-dtype 'bf16' is not one of"),
         (
@@ -241,13 +241,13 @@ def test_a_sigmoid_router_without_the_expert_bias_gets_a_note():
     """The balancing loss of a sigmoid router reads near balance whatever the counts (its
     normalized scores stay near uniform), so a run without the expert bias is told."""
     sigmoid = MoEConfig(num_experts=4, router_score="sigmoid")
-    assert any("--moe-router-bias-update-rate" in note for note in sigmoid.notes())
+    assert any("--moe-router-enable-expert-bias" in note for note in sigmoid.notes())
     for quiet in (
         MoEConfig(num_experts=4),
         MoEConfig(num_experts=4, router_score="sigmoid", router_bias_update_rate=1e-3),
         MoEConfig(num_experts=4, router_score="sigmoid", load_balancing_type="none"),
     ):
-        assert not any("--moe-router-bias-update-rate" in note for note in quiet.notes())
+        assert not any("--moe-router-enable-expert-bias" in note for note in quiet.notes())
 
 
 def test_the_balancing_loss_of_near_uniform_sigmoid_scores_stays_near_balance():

@@ -1,6 +1,7 @@
 """moe.kernels.capacity_rows: the capacity MoE's rows into slots and back equal a plain loop over
 the assignments (MegaBlocks' drops: each expert keeps its first C assignments in assignment
-order), forward and backward, and need no host sync."""
+order; Megatron-Core's `probs` policy: its C highest-weight ones), forward and backward, and
+need no host sync."""
 
 import pytest
 import torch
@@ -73,6 +74,29 @@ def test_slots_and_combine_equal_a_loop_over_assignments(tokens, top_k, experts,
         results.append([gathered, combined] + [t.grad for t in inputs])
     for got, want in zip(*results):
         torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("tokens,top_k,experts,capacity", CASES)
+def test_the_weight_order_gives_each_experts_slots_to_its_highest_weights(
+    tokens, top_k, experts, capacity
+):
+    """Megatron-Core's `probs` policy: sorted by weight within each expert, the slots hold the
+    C highest-weight assignments, in descending weight; the rest are dropped."""
+    expert_indices = _routing(tokens, top_k, experts, seed=tokens + top_k)
+    weights = torch.rand(tokens, top_k, generator=torch.Generator().manual_seed(5))
+    order, slot_of, tokens_per_expert = capacity_rows.sort_assignments_by_weight(
+        expert_indices, weights, experts
+    )
+    slots = capacity_rows.capacity_slots(
+        expert_indices, order, slot_of, tokens_per_expert, capacity
+    )
+    flat_indices, flat_weights = expert_indices.reshape(-1), weights.reshape(-1)
+    expected = torch.full((tokens * top_k,), experts * capacity)
+    for expert in range(experts):
+        mine = torch.nonzero(flat_indices == expert).squeeze(1)
+        best = mine[flat_weights[mine].argsort(descending=True)[:capacity]]
+        expected[best] = expert * capacity + torch.arange(len(best))
+    assert torch.equal(slots.slot_of_assignment, expected)
 
 
 def test_bf16_rows_are_summed_in_fp32():
