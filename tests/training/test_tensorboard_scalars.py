@@ -19,9 +19,10 @@ from tests.tiny_gpt import tiny_gpt_args
 
 GLOBAL_BATCH = 8
 ITERATIONS = 4
-# Each evaluation and checkpoint save is slowed by this much: longer than a tiny iteration, so
-# that a window which counted one would show it.
-PAUSE_SECONDS = 0.5
+# The first evaluation and the first checkpoint save (after iteration 2) are each slowed by this
+# much: a window that counted them would be 2 x this longer, far beyond how much two tiny
+# iterations differ on a loaded machine (0.6 s seen with 0.5 s pauses on every call).
+PAUSE_SECONDS = 2.0
 ITERATION_LINE = re.compile(
     r" iteration +(\d+)/ +\d+ \|.* elapsed time per iteration \(ms\): ([0-9.]+) \|"
 )
@@ -39,13 +40,19 @@ def tiny_run(data_prefix, tmp_path_factory):
         train_iters=ITERATIONS, global_batch=GLOBAL_BATCH, micro_batch=4, eval_interval=2,
     )  # fmt: skip
     evaluate, save = Trainer.evaluate, Trainer.save
+    paused = set()
+
+    def pause_once(name):
+        if name not in paused:
+            paused.add(name)
+            time.sleep(PAUSE_SECONDS)
 
     def slow_evaluate(self, *args, **kwargs):
-        time.sleep(PAUSE_SECONDS)
+        pause_once("evaluate")
         return evaluate(self, *args, **kwargs)
 
     def slow_save(self, *args, **kwargs):
-        time.sleep(PAUSE_SECONDS)
+        pause_once("save")
         return save(self, *args, **kwargs)
 
     printed = io.StringIO()
@@ -99,5 +106,5 @@ def test_the_iteration_time_is_the_log_lines_without_evaluations_or_saves(tiny_r
     for iteration, seconds in lines.items():
         assert logged[iteration] == pytest.approx(seconds, abs=6e-5), iteration
     # The evaluation and the save after iteration 2 (a pause each) are not in the window of
-    # iteration 3, which takes about as long as iteration 4's.
+    # iteration 3, which takes about as long as iteration 4's (whose window has no pause).
     assert logged[3] < logged[4] + PAUSE_SECONDS, logged
