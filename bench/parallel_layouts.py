@@ -20,7 +20,7 @@ read-only):
     G="--global-batch-size 256"
     D="--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather"
     E="--expert-model-parallel-size 4 --moe-expert-parallel-buffer-factor 1.5"
-    E="$E --overlap-moe-expert-parallel-comm"
+    E="$E --moe-expert-parallel-chunked-overlap"
     python -m bench.parallel_layouts --data-path ../shared/data/gutenberg/g124_text_document \\
         --train-iters 400 --log-interval 25 --steady-from 250 --windows-table \\
         --log-dir /tmp/layouts --baseline "dMoE DP4" \\

@@ -220,17 +220,18 @@ def add_moe_args(parser: argparse.ArgumentParser) -> None:
         "factor stays grown.",
     )
     group.add_argument(
-        "--overlap-moe-expert-parallel-comm",
+        "--moe-expert-parallel-chunked-overlap",
         action="store_true",
-        help="(Megatron-core's flag) Hide the expert-parallel all-to-alls behind the experts: "
-        "the fixed-size blocks (--moe-expert-parallel-buffer-factor) are cut into chunks whose "
-        "exchanges run while the other chunks' experts compute, forward and backward.",
+        help="(This project's flag) Hide one micro-batch's expert-parallel all-to-alls behind "
+        "its own experts: the fixed-size blocks (--moe-expert-parallel-buffer-factor) are cut "
+        "into --moe-expert-parallel-comm-chunks chunks whose exchanges run while the other "
+        "chunks' experts compute, forward and backward.",
     )
     group.add_argument(
         "--moe-expert-parallel-comm-chunks",
         type=int,
         default=DEFAULT_EXCHANGE_CHUNKS,
-        help="Chunks per layer under --overlap-moe-expert-parallel-comm: about 1/K of the "
+        help="Chunks per layer under --moe-expert-parallel-chunked-overlap: about 1/K of the "
         "exchange stays exposed, at K times the launches (docs/moe.md).",
     )
     group.add_argument(

@@ -76,7 +76,7 @@ class MoEConfig:
     # splits.
     expert_parallel_buffer_factor: Optional[float] = None
     # Chunks the fixed-size blocks are cut into, each one's all-to-alls under the others'
-    # experts (--overlap-moe-expert-parallel-comm); 1: one exchange, no overlap.
+    # experts (--moe-expert-parallel-chunked-overlap); 1: one exchange, no overlap.
     expert_parallel_chunks: int = 1
     shared_expert: bool = False
     shared_expert_ffn_hidden_size: Optional[int] = None

@@ -1,5 +1,5 @@
 """The expert-parallel exchange's flags, read and checked against the run's layout:
---moe-expert-parallel-buffer-factor, --overlap-moe-expert-parallel-comm and
+--moe-expert-parallel-buffer-factor, --moe-expert-parallel-chunked-overlap and
 --moe-expert-parallel-comm-chunks (moe.exchange runs the exchanges they choose).
 """
 
@@ -19,20 +19,25 @@ DEFAULT_EXCHANGE_CHUNKS = 2  # --moe-expert-parallel-comm-chunks
 
 def exchange_chunks(args: argparse.Namespace) -> int:
     """The chunks each layer's fixed-size exchange is cut into: the flag's under
-    --overlap-moe-expert-parallel-comm, else one; ConfigError for a count that overlaps nothing
+    --moe-expert-parallel-chunked-overlap, else one; ConfigError for a count that overlaps nothing
     or that the overlap flag's absence leaves unused."""
     chunks = args.moe_expert_parallel_comm_chunks
-    if not args.overlap_moe_expert_parallel_comm:
+    # Checkpoints saved before the flag had a name of its own hold the chunked overlap under
+    # the attribute of Megatron-Core's spelling, which no parser here sets any more.
+    overlap = args.moe_expert_parallel_chunked_overlap or getattr(
+        args, "overlap_moe_expert_parallel_comm", False
+    )
+    if not overlap:
         # The default is in every saved namespace, so only another value says it was asked for.
         if chunks != DEFAULT_EXCHANGE_CHUNKS:
             raise ConfigError(
                 f"--moe-expert-parallel-comm-chunks {chunks} takes effect only under "
-                "--overlap-moe-expert-parallel-comm; add it or drop the flag"
+                "--moe-expert-parallel-chunked-overlap; add it or drop the flag"
             )
         return 1
     if chunks < 2:
         raise ConfigError(
-            f"--moe-expert-parallel-comm-chunks {chunks} under --overlap-moe-expert-parallel-comm: "
+            f"--moe-expert-parallel-comm-chunks {chunks} under --moe-expert-parallel-chunked-overlap: "
             "it needs 2 or more (one chunk leaves nothing to overlap); raise it or drop the "
             "overlap flag"
         )
@@ -51,7 +56,7 @@ def routed_rows_per_rank(moe: MoEConfig, config: Config) -> int:
 
 def check_exchange(moe: MoEConfig, expert_parallel_size: int, rows_per_rank: int) -> None:
     """The expert-parallel exchange's flags (--moe-expert-parallel-buffer-factor,
-    --overlap-moe-expert-parallel-comm and its chunks) against the layout: refused
+    --moe-expert-parallel-chunked-overlap and its chunks) against the layout: refused
     (ConfigError, one line) where they would do nothing or only slow the run.
     `rows_per_rank`: the rows a rank's MoE layer routes per micro-batch (tokens x top-k)."""
     factor = moe.expert_parallel_buffer_factor
@@ -72,19 +77,19 @@ def check_exchange(moe: MoEConfig, expert_parallel_size: int, rows_per_rank: int
         return
     if expert_parallel_size == 1:
         raise ConfigError(
-            "--overlap-moe-expert-parallel-comm overlaps the expert-parallel all-to-all, "
+            "--moe-expert-parallel-chunked-overlap overlaps the expert-parallel all-to-all, "
             "and there is none at expert parallel size 1; set "
             "--expert-model-parallel-size > 1 or drop the flag"
         )
     if not moe.dropless:
         raise ConfigError(
-            "--overlap-moe-expert-parallel-comm pipelines the dropless MoE's exchange; the "
+            "--moe-expert-parallel-chunked-overlap pipelines the dropless MoE's exchange; the "
             "capacity MoE (--no-moe-dropless) exchanges its slots in one all-to-all: drop "
             "the flag"
         )
     if factor is None:
         raise ConfigError(
-            "--overlap-moe-expert-parallel-comm cuts the fixed-size blocks exchange into "
+            "--moe-expert-parallel-chunked-overlap cuts the fixed-size blocks exchange into "
             "chunks; add --moe-expert-parallel-buffer-factor (e.g. 1.5) (the exact exchange "
             "already overlaps its all-to-alls with the rank's own rows)"
         )

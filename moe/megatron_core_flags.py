@@ -184,6 +184,16 @@ def add_megatron_core_moe_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--moe-enable-deepep", action="store_true", help="DeepEP: not implemented; refused."
     )
+    group.add_argument(
+        "--overlap-moe-expert-parallel-comm",
+        action="store_true",
+        # Not the attribute name: checkpoints saved before our chunked overlap had a name of
+        # its own hold it under that one (moe.exchange_flags.exchange_chunks reads it).
+        dest="megatron_core_overlap_moe_expert_parallel_comm",
+        help="Megatron-Core's overlap of one micro-batch's all-to-all with another's compute "
+        "in its 1F1B schedule: not implemented; refused (see "
+        "--moe-expert-parallel-chunked-overlap).",
+    )
     for name in _NO_EFFECT:
         group.add_argument(
             "--" + name.replace("_", "-"),
@@ -235,13 +245,20 @@ def _refuse_missing_features(args: argparse.Namespace) -> None:
         raise ConfigError(
             "--moe-token-dispatcher-type flex (DeepEP's or HybridEP's dispatch) is not "
             "implemented here; use alltoall (the expert-parallel exchange here is an all-to-all, "
-            "which --overlap-moe-expert-parallel-comm hides behind the experts)"
+            "which --moe-expert-parallel-chunked-overlap hides behind the experts)"
         )
     if _value(args, "moe_enable_deepep"):
         raise ConfigError(
             "--moe-enable-deepep: DeepEP is not implemented here; drop it (the expert-parallel "
-            "exchange here is an all-to-all, which --overlap-moe-expert-parallel-comm hides "
+            "exchange here is an all-to-all, which --moe-expert-parallel-chunked-overlap hides "
             "behind the experts)"
+        )
+    if _value(args, "megatron_core_overlap_moe_expert_parallel_comm"):
+        raise ConfigError(
+            "--overlap-moe-expert-parallel-comm is Megatron-Core's overlap of one micro-batch's "
+            "expert-parallel all-to-all with another micro-batch's compute in its 1F1B "
+            "schedule, which this project does not have; drop it, or hide the exchange under "
+            "the same micro-batch's experts with --moe-expert-parallel-chunked-overlap"
         )
     if _value(args, "moe_router_score_function") == "sqrtsoftplus":
         raise ConfigError(

@@ -15,7 +15,7 @@
   moe.kernels.grouped_gemm.choose_backend); other MoE layers
   launch Triton kernels from Python and run faster eagerly, and so does a capacity of 0 (the
   busiest expert's count, a new size, hence a recompile, at every step). Under
-  --overlap-moe-expert-parallel-comm the chunks' all-to-alls are meant to run under the other
+  --moe-expert-parallel-chunked-overlap the chunks' all-to-alls are meant to run under the other
   chunks' experts, which Inductor keeps only with its communication passes
   (megatron.parallelize.steps.COLLECTIVES_UNDER_COMPUTE).
 """

@@ -99,13 +99,22 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
         "Experts shard over the expert-data-parallel ranks.",
     )
     group.add_argument(
-        "--num-distributed-optimizer-instances",
+        "--data-parallel-replicate-degree",
         type=int,
         default=1,
         help="With --use-torch-fsdp2: hybrid sharding (HSDP). The data-parallel ranks split into "
-        "this many groups of consecutive ranks (e.g. one per node); weights, gradients and "
-        "optimizer state shard within a group and are replicated across groups, whose "
-        "gradients are all-reduced (Megatron-Core's flag). 1: shard over every data-parallel rank.",
+        "this many replicas, each a group of consecutive ranks (e.g. one per node); weights, "
+        "gradients and optimizer state shard within a replica and are replicated across them, "
+        "whose gradients are all-reduced (torchtitan's name). 1: shard over every data-parallel "
+        "rank.",
+    )
+    group.add_argument(
+        "--num-distributed-optimizer-instances",
+        type=int,
+        default=1,
+        help="Megatron-Core's partial distributed optimizer (several instances, each sharding "
+        "over a subset of the data-parallel ranks): not implemented; refused above 1 (see "
+        "--data-parallel-replicate-degree).",
     )
     group.add_argument(
         "--grad-reduce-in-bf16",

@@ -126,14 +126,20 @@ def check_gradient_sync(args: argparse.Namespace, notes: List[str]) -> None:
     """The distributed optimizer's overlaps build on each other, as in Megatron; FSDP2 takes
     the place of both data-parallel modes, composes with none of what it cannot, and says which
     of their flags it does without."""
-    instances = args.num_distributed_optimizer_instances
+    if args.num_distributed_optimizer_instances != 1:
+        count = args.num_distributed_optimizer_instances
+        raise ConfigError(
+            f"--num-distributed-optimizer-instances {count} is Megatron-Core's partial "
+            "distributed optimizer (instances each sharding the optimizer state over a subset "
+            "of the data-parallel ranks), which this project does not have; drop it, or shard "
+            f"within replicas with --use-torch-fsdp2 --data-parallel-replicate-degree {count}"
+        )
+    replicas = args.data_parallel_replicate_degree
     if args.use_torch_fsdp2:
         _check_fully_shard(args)
         _drop_what_fully_shard_does_itself(args, notes)
-    elif instances != 1 or args.grad_reduce_in_bf16:
-        flag = (
-            "--grad-reduce-in-bf16" if instances == 1 else "--num-distributed-optimizer-instances"
-        )
+    elif replicas != 1 or args.grad_reduce_in_bf16:
+        flag = "--grad-reduce-in-bf16" if replicas == 1 else "--data-parallel-replicate-degree"
         raise ConfigError(f"{flag} needs --use-torch-fsdp2 here; add it or drop {flag}")
     if args.overlap_param_gather and not (
         args.use_distributed_optimizer and args.overlap_grad_reduce
@@ -190,7 +196,7 @@ def _check_fully_shard(args: argparse.Namespace) -> None:
             f"(torch.distributed.fsdp.fully_shard); this is torch {torch.__version__}: upgrade "
             f"torch or use --use-distributed-optimizer"
         )
-    instances = args.num_distributed_optimizer_instances
+    replicas = args.data_parallel_replicate_degree
     refused = [
         (
             args.use_distributed_optimizer,
@@ -201,8 +207,8 @@ def _check_fully_shard(args: argparse.Namespace) -> None:
         (args.use_precision_aware_optimizer, "--use-precision-aware-optimizer"),
         (args.optimizer_cpu_offload, "--optimizer-cpu-offload"),
         (
-            instances > 1 and args.expert_model_parallel_size > 1,
-            "--num-distributed-optimizer-instances > 1 with --expert-model-parallel-size > 1",
+            replicas > 1 and args.expert_model_parallel_size > 1,
+            "--data-parallel-replicate-degree > 1 with --expert-model-parallel-size > 1",
         ),
         (args.grad_reduce_in_bf16 and not args.bf16, "--grad-reduce-in-bf16 without --bf16"),
         (
@@ -213,9 +219,9 @@ def _check_fully_shard(args: argparse.Namespace) -> None:
     for bad, flag in refused:
         if bad:
             raise ConfigError(f"--use-torch-fsdp2 does not compose with {flag}; drop one")
-    if instances < 1 or args.data_parallel_size % instances != 0:
+    if replicas < 1 or args.data_parallel_size % replicas != 0:
         raise ConfigError(
-            f"--num-distributed-optimizer-instances {instances} does not divide the "
+            f"--data-parallel-replicate-degree {replicas} does not divide the "
             f"{args.data_parallel_size} data-parallel ranks into equal groups; choose a divisor "
             f"of {args.data_parallel_size}"
         )

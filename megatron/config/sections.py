@@ -78,7 +78,7 @@ class ParallelConfig:
     # torch's fully_shard (megatron.parallelize.data_parallel.FullyShard): hybrid sharding
     # over this many replica groups, and bf16 instead of fp32 gradient reduce-scatters.
     use_torch_fsdp2: bool = False
-    num_distributed_optimizer_instances: int = 1
+    data_parallel_replicate_degree: int = 1
     grad_reduce_in_bf16: bool = False
     # The distributed optimizer's reduce-scatter, bucket by bucket during the last backward
     # (megatron.optimizer.grad_reduce); torch DDP always overlaps its all-reduce.
@@ -355,7 +355,16 @@ class Config:
                 # Absent from the arguments of checkpoints saved before expert parallelism was
                 # a layout degree of its own.
                 expert_model_parallel_size=getattr(args, "expert_model_parallel_size", 1),
-                **_pick(args, ParallelConfig, skip=("ddp_impl", "expert_model_parallel_size")),
+                data_parallel_replicate_degree=_replicate_degree(args),
+                **_pick(
+                    args,
+                    ParallelConfig,
+                    skip=(
+                        "ddp_impl",
+                        "expert_model_parallel_size",
+                        "data_parallel_replicate_degree",
+                    ),
+                ),
             ),
             notes=tuple(notes),
             arguments=MappingProxyType(dict(vars(args))),
@@ -409,3 +418,13 @@ def _pick(args: argparse.Namespace, section: type, skip: Sequence[str] = ()) -> 
 
 def _as_tuple(paths: Sequence[str] | None) -> Tuple[str, ...] | None:
     return None if paths is None else tuple(paths)
+
+
+def _replicate_degree(args: argparse.Namespace) -> int:
+    """--data-parallel-replicate-degree. Checkpoints saved before it had a name of its own hold
+    it as num_distributed_optimizer_instances; a run refuses that attribute above 1
+    (megatron.config.layout_validation), so a value above 1 is such a checkpoint's."""
+    saved_under_the_old_name = getattr(args, "num_distributed_optimizer_instances", 1)
+    if saved_under_the_old_name > 1:
+        return saved_under_the_old_name
+    return getattr(args, "data_parallel_replicate_degree", 1)

@@ -126,7 +126,7 @@ def _expert_parallel_size_to_try(config: Config, mlp_spec: MlpSpec) -> Optional[
     the model's expert layers allow; None if there is none (or under hybrid FSDP2, which
     expert parallelism does not compose with)."""
     parallel = config.parallel
-    if parallel.num_distributed_optimizer_instances > 1:
+    if parallel.data_parallel_replicate_degree > 1:
         return None
     sizes = mlp_spec.expert_parallel_sizes(parallel.data_parallel_size)
     larger = [size for size in sizes if size > parallel.expert_model_parallel_size]

@@ -13,7 +13,7 @@ backward the previous one's.
 
 Meshes, in Megatron-Core's rank order (megatron.parallel.parallel_state):
 - the dense weights shard over the data-parallel ranks, or with
-  --num-distributed-optimizer-instances R (hybrid sharding, HSDP) within each of R groups of
+  --data-parallel-replicate-degree R (hybrid sharding, HSDP) within each of R groups of
   consecutive data-parallel ranks, replicated across the groups, whose gradients FSDP2
   all-reduces;
 - the expert-parallel weights over the expert-data-parallel ranks (the ranks that hold the same
@@ -67,7 +67,7 @@ class FullyShard(DataParallel):
 
     def optimizer_shards(self) -> Tuple[int, int]:
         parallel = self.config.parallel
-        dense = parallel.data_parallel_size // parallel.num_distributed_optimizer_instances
+        dense = parallel.data_parallel_size // parallel.data_parallel_replicate_degree
         ep = parallel.expert_model_parallel_size
         if ep == 1:
             return dense, dense  # the experts are in their layer's unit, on the dense mesh
@@ -123,7 +123,7 @@ class FullyShard(DataParallel):
     def _dense_mesh(self, device: str):
         """The data-parallel ranks as a mesh: 1-D, or (replicate, shard) for hybrid sharding."""
         parallel = self.config.parallel
-        replicas = parallel.num_distributed_optimizer_instances
+        replicas = parallel.data_parallel_replicate_degree
         dims = (("replicate", replicas), ("shard", parallel.data_parallel_size // replicas))
         picked = ("replicate", "shard") if replicas > 1 else "shard"
         group = parallel_state.get_data_parallel_group()

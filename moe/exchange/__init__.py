@@ -5,7 +5,7 @@
 - moe.exchange.fixed_blocks: blocks of a fixed size between every two ranks
   (`--moe-expert-parallel-buffer-factor`): no host sync, fixed shapes that torch.compile traces
   whole, optionally cut in chunks whose all-to-alls run under the other chunks' experts
-  (`--overlap-moe-expert-parallel-comm`);
+  (`--moe-expert-parallel-chunked-overlap`);
 - moe.exchange.capacity_slots: the capacity-limited MoE's slots, balanced by construction;
 - moe.exchange.primitives: the all-to-alls and the count exchange they are made of.
 """

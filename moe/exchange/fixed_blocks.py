@@ -1,6 +1,6 @@
 """The dMoE's expert-parallel exchange with fixed shapes and no host sync
 (`--moe-expert-parallel-buffer-factor`), optionally in chunks whose all-to-alls run under the
-other chunks' experts (`--overlap-moe-expert-parallel-comm`).
+other chunks' experts (`--moe-expert-parallel-chunked-overlap`).
 
 moe.exchange.exact moves exactly the rows each rank needs, which takes split sizes on the host:
 one device-to-host sync per layer and micro-batch, after which the host launches the rest of

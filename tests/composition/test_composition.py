@@ -58,11 +58,11 @@ def test_an_moe_run_gets_the_extensions_parts():
     )
     # A checkpoint's saved arguments build the same config again; those of a checkpoint saved
     # before a flag existed, with the flag's default (an extension's flags too: the dMoE's
-    # checkpoints from before --overlap-moe-expert-parallel-comm had crashed the tools).
+    # checkpoints from before --moe-expert-parallel-chunked-overlap had crashed the tools).
     again = GPT_RUN.config_from_saved(config.saved_arguments())
     assert again.model == config.model and again.extensions == config.extensions
     older = config.saved_arguments()
-    del older.overlap_moe_expert_parallel_comm, older.moe_expert_parallel_comm_chunks
+    del older.moe_expert_parallel_chunked_overlap, older.moe_expert_parallel_comm_chunks
     del older.check_for_nan_in_loss_and_grad
     assert GPT_RUN.config_from_saved(older) == again
 

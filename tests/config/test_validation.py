@@ -50,23 +50,23 @@ from tests.config.command_lines import config, error_message
                 (("--ckpt-format", "torch"), 2, ["--ckpt-format torch", "torch_dist"]),
                 (("--grad-reduce-in-bf16",), 2, ["--grad-reduce-in-bf16 without --bf16"]),
                 (
-                    "--num-distributed-optimizer-instances 2 --expert-model-parallel-size 2".split(),
+                    "--data-parallel-replicate-degree 2 --expert-model-parallel-size 2".split(),
                     4,
-                    ["--num-distributed-optimizer-instances > 1", "--expert-model-parallel-size"],
+                    ["--data-parallel-replicate-degree > 1", "--expert-model-parallel-size"],
                 ),
             )
         ),
         (
-            ("--use-torch-fsdp2", "--num-distributed-optimizer-instances", "3"),
+            ("--use-torch-fsdp2", "--data-parallel-replicate-degree", "3"),
             {},
             4,
-            ["--num-distributed-optimizer-instances 3", "4 data-parallel ranks"],
+            ["--data-parallel-replicate-degree 3", "4 data-parallel ranks"],
         ),
         (
-            ("--num-distributed-optimizer-instances", "2"),
+            ("--data-parallel-replicate-degree", "2"),
             {},
             2,
-            ["--num-distributed-optimizer-instances needs --use-torch-fsdp2"],
+            ["--data-parallel-replicate-degree needs --use-torch-fsdp2"],
         ),
         ((), {"seq_length": "64"}, 1, ["--seq-length 64", "--max-position-embeddings 32"]),
         (
@@ -360,3 +360,30 @@ def test_saved_arguments_from_before_a_flag_existed_build_with_its_default():
     del saved.check_for_nan_in_loss_and_grad
     rebuilt = Config.from_resolved(saved, [], 50304)
     assert rebuilt.training.check_for_nan_in_loss_and_grad is True
+
+
+def test_megatron_cores_distributed_optimizer_instances_are_refused_naming_hybrid_fsdp2():
+    for flags in (("--use-distributed-optimizer",), ("--use-torch-fsdp2",)):
+        message = error_message(*flags, "--num-distributed-optimizer-instances", "2", world_size=4)
+        assert message == (
+            "--num-distributed-optimizer-instances 2 is Megatron-Core's partial distributed "
+            "optimizer (instances each sharding the optimizer state over a subset of the "
+            "data-parallel ranks), which this project does not have; drop it, or shard within "
+            "replicas with --use-torch-fsdp2 --data-parallel-replicate-degree 2"
+        )
+    # One instance is Megatron-Core's plain distributed optimizer: accepted.
+    one = config("--use-distributed-optimizer", "--num-distributed-optimizer-instances", "1")
+    assert one.parallel.use_distributed_optimizer
+
+
+def test_hybrid_fsdp2_replicas_and_the_checkpoints_saved_under_the_old_name():
+    """--data-parallel-replicate-degree R: R replicas of data-parallel size / R shards each.
+    Checkpoints saved when it was spelled --num-distributed-optimizer-instances hold it under
+    that attribute and build the same layout."""
+    hybrid = config("--use-torch-fsdp2", "--data-parallel-replicate-degree", "2", world_size=4)
+    assert hybrid.parallel.data_parallel_replicate_degree == 2
+    older = argparse.Namespace(**dict(hybrid.arguments))
+    older.data_parallel_replicate_degree = 1  # the default a reader fills in for a missing flag
+    older.num_distributed_optimizer_instances = 2
+    again = Config.from_resolved(older, [], hybrid.model.padded_vocab_size)
+    assert again.parallel == hybrid.parallel

@@ -146,7 +146,7 @@ def test_fully_shard_keeps_a_shard_of_everything(flags):
     per parameter), with no bf16 weights or fp32 masters beside them as the distributed
     optimizer has; hybrid sharding in 2 groups of 4 keeps 1/4 (the experts too, which are in
     their layers' units)."""
-    hybrid_flags = ("--use-torch-fsdp2", "--num-distributed-optimizer-instances", "2")
+    hybrid_flags = ("--use-torch-fsdp2", "--data-parallel-replicate-degree", "2")
     replicated = state_bytes(*flags, world_size=8)
     fully_shard = state_bytes(*flags, "--use-torch-fsdp2", world_size=8)
     hybrid = state_bytes(*flags, *hybrid_flags, world_size=8)
@@ -220,7 +220,7 @@ def test_fully_shard_gathers_the_root_and_two_layers():
     "flags, gib",
     [
         (("--use-torch-fsdp2", "--micro-batch-size", "1"), 9),
-        (("--use-torch-fsdp2", "--num-distributed-optimizer-instances", "2"), 24),
+        (("--use-torch-fsdp2", "--data-parallel-replicate-degree", "2"), 24),
     ],
     ids=["fsdp2", "hybrid"],
 )

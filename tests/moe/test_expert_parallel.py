@@ -191,7 +191,7 @@ def test_fixed_size_blocks_match_one_process(impl, grouped_gemm):
     """--moe-expert-parallel-buffer-factor (blocks large enough): the layer's outputs and
     every gradient are one process's, on each backend (the grouped products leave the padding
     rows out of every pass, the block-sparse one computes them as zeros), in one exchange and
-    in chunks (--overlap-moe-expert-parallel-comm)."""
+    in chunks (--moe-expert-parallel-chunked-overlap)."""
     overrides = {"expert_parallel_buffer_factor": 4.0, "grouped_gemm": grouped_gemm}
     check_against_one_process(impl, 2, world_size=2, ep=2, overrides=overrides)
     targets = [[2, 3, 2, 2, 3, 3], [3, 3, 2, 3, 2, 2]]

@@ -1,6 +1,6 @@
 """The expert-parallel dMoE layer in fixed-size blocks compiled (torch._grouped_mm, gloo):
 as one graph equal to eager, also after its blocks grew, and under
---overlap-moe-expert-parallel-comm with Inductor's schedule keeping the chunks' all-to-alls
+--moe-expert-parallel-chunked-overlap with Inductor's schedule keeping the chunks' all-to-alls
 under the other chunks' products. The layers are tests/moe/test_expert_parallel.py's."""
 
 from __future__ import annotations
@@ -141,14 +141,14 @@ def _hidden_by_products(events: list) -> int:
 @needs_torch_grouped_mm
 def test_inductor_keeps_the_chunks_exchanges_under_the_products():
     """Compiled by Inductor (which, left alone, emits each all-to-all right before its wait: the
-    chunks one after the other), the layer of a run with --overlap-moe-expert-parallel-comm
+    chunks one after the other), the layer of a run with --moe-expert-parallel-chunked-overlap
     issues chunk 1's dispatch (rows and weights) before chunk 0's products and waits after
     them, and chunk 0's combine under chunk 1's; in the backward the reverse exchanges run under
     the input- and weight-gradient products. The passes that do it come from the flag through
     the run's hooks to the compile step, for this model's graphs only, not for the process."""
     flags = ("--expert-model-parallel-size", "2", "--moe-expert-parallel-buffer-factor", "4")
     (forward, backward), untouched = run_distributed(
-        _inductor_schedule, 2, (*flags, "--overlap-moe-expert-parallel-comm"), timeout_s=600
+        _inductor_schedule, 2, (*flags, "--moe-expert-parallel-chunked-overlap"), timeout_s=600
     )[0]
     assert sum(kind == "issue" for kind, _ in forward) == 6, forward
     assert _hidden_by_products(forward) >= 3, forward

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from gpt_pretraining import GPT_RUN
 from megatron.config import Config, ConfigError, parse_arguments
 from megatron.config.validation import resolve_arguments_with_notes
 from moe.arguments import add_moe_args
@@ -81,3 +82,37 @@ def test_expert_parallel_flags_without_experts():
     resolved, notes = resolve_arguments_with_notes(namespace, 2)
     with pytest.raises(ConfigError, match="the model has none"):
         Config.from_resolved(resolved, notes, 64, extensions=[moe_config])
+
+
+CHUNKED = ("--expert-model-parallel-size", "2", "--moe-expert-parallel-buffer-factor", "1.5")
+
+
+def test_the_chunked_overlap_has_a_name_of_its_own():
+    """--moe-expert-parallel-chunked-overlap cuts one micro-batch's blocks into the chunks of
+    --moe-expert-parallel-comm-chunks; without it the exchange is one chunk."""
+    overlapped = run_config(*CHUNKED, "--moe-expert-parallel-chunked-overlap", world_size=2)
+    assert overlapped.extension(MoEConfig).expert_parallel_chunks == 2
+    assert run_config(*CHUNKED, world_size=2).extension(MoEConfig).expert_parallel_chunks == 1
+
+
+def test_megatron_cores_overlap_flag_is_refused_naming_ours():
+    with pytest.raises(ConfigError) as error:
+        run_config(*CHUNKED, "--overlap-moe-expert-parallel-comm", world_size=2)
+    assert str(error.value) == (
+        "--overlap-moe-expert-parallel-comm is Megatron-Core's overlap of one micro-batch's "
+        "expert-parallel all-to-all with another micro-batch's compute in its 1F1B schedule, "
+        "which this project does not have; drop it, or hide the exchange under the same "
+        "micro-batch's experts with --moe-expert-parallel-chunked-overlap"
+    )
+
+
+def test_a_checkpoint_saved_under_the_old_spelling_keeps_its_chunked_overlap():
+    """Saved arguments from before the rename hold the overlap as overlap_moe_expert_parallel_comm
+    (the attribute of Megatron-Core's spelling then): they build the same config as the new
+    name and are not refused as Megatron-Core's overlap."""
+    config = run_config(*CHUNKED, "--moe-expert-parallel-chunked-overlap", world_size=2)
+    older = config.saved_arguments()
+    del older.moe_expert_parallel_chunked_overlap
+    del older.megatron_core_overlap_moe_expert_parallel_comm
+    older.overlap_moe_expert_parallel_comm = True
+    assert GPT_RUN.config_from_saved(older).extensions == config.extensions

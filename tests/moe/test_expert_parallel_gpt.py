@@ -192,17 +192,17 @@ def test_checkpoint_resumes_at_another_expert_parallel_size(
         ),
         (
             2,
-            "--expert-model-parallel-size 2 --overlap-moe-expert-parallel-comm",
+            "--expert-model-parallel-size 2 --moe-expert-parallel-chunked-overlap",
             "add --moe-expert-parallel-buffer-factor",
         ),
         (
             2,
-            "--overlap-moe-expert-parallel-comm --moe-expert-parallel-buffer-factor 2",
+            "--moe-expert-parallel-chunked-overlap --moe-expert-parallel-buffer-factor 2",
             "there is none at expert parallel size 1",
         ),
         (
             2,
-            "--expert-model-parallel-size 2 --overlap-moe-expert-parallel-comm --no-moe-dropless",
+            "--expert-model-parallel-size 2 --moe-expert-parallel-chunked-overlap --no-moe-dropless",
             "the capacity MoE (--no-moe-dropless) exchanges its slots in one all-to-all",
         ),
         # NaN and inf compare false with any bound: the planner once crashed on both ranks.
@@ -232,12 +232,12 @@ def test_checkpoint_resumes_at_another_expert_parallel_size(
             "--expert-model-parallel-size 2 --moe-expert-parallel-buffer-factor 1.5 "
             "--moe-expert-parallel-comm-chunks 4",
             "--moe-expert-parallel-comm-chunks 4 takes effect only under "
-            "--overlap-moe-expert-parallel-comm",
+            "--moe-expert-parallel-chunked-overlap",
         ),
         *(
             (
                 2,
-                f"{layout} --overlap-moe-expert-parallel-comm --moe-expert-parallel-comm-chunks 1",
+                f"{layout} --moe-expert-parallel-chunked-overlap --moe-expert-parallel-comm-chunks 1",
                 "one chunk leaves nothing to overlap",
             )
             for layout in (
@@ -249,7 +249,7 @@ def test_checkpoint_resumes_at_another_expert_parallel_size(
         (
             2,
             "--expert-model-parallel-size 2 --moe-expert-parallel-buffer-factor 1 "
-            "--overlap-moe-expert-parallel-comm --moe-expert-parallel-comm-chunks 4096",
+            "--moe-expert-parallel-chunked-overlap --moe-expert-parallel-comm-chunks 4096",
             "--moe-expert-parallel-comm-chunks 4096 cuts each expert-parallel block of 64 rows",
         ),
     ],
@@ -318,7 +318,7 @@ def test_fixed_size_blocks_rerun_under_a_pipeline(
     assert_same_run(single_and_expert_parallel["single"], parallel)
 
 
-OVERLAP = ["--moe-expert-parallel-buffer-factor", "1", "--overlap-moe-expert-parallel-comm"]
+OVERLAP = ["--moe-expert-parallel-buffer-factor", "1", "--moe-expert-parallel-chunked-overlap"]
 
 
 @pytest.mark.parametrize(
@@ -336,7 +336,7 @@ OVERLAP = ["--moe-expert-parallel-buffer-factor", "1", "--overlap-moe-expert-par
 def test_overlapped_exchange_matches_the_exchange_without_it(
     single_and_expert_parallel, data_prefix, tmp_path, layout
 ):
-    """--overlap-moe-expert-parallel-comm (the fixed-size blocks in two chunks whose all-to-alls
+    """--moe-expert-parallel-chunked-overlap (the fixed-size blocks in two chunks whose all-to-alls
     run under each other's experts) on four ranks, with blocks too small at first, so that the
     first steps run again: the single-process run (which the exchange without the flag gives
     too)."""

@@ -114,7 +114,7 @@ LAYOUTS = {
     "dp2_fsdp2": (2, ["--use-torch-fsdp2"]),
     "ep2_dp2_fsdp2": (4, ["--use-torch-fsdp2", "--expert-model-parallel-size", "2"]),
     "tp2_dp2_fsdp2": (4, ["--use-torch-fsdp2", "--tensor-model-parallel-size", "2"]),
-    "hybrid_2x2_fsdp2": (4, ["--use-torch-fsdp2", "--num-distributed-optimizer-instances", "2"]),
+    "hybrid_2x2_fsdp2": (4, ["--use-torch-fsdp2", "--data-parallel-replicate-degree", "2"]),
 }
 
 

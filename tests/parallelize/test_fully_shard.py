@@ -35,7 +35,7 @@ LAYOUTS = {
         (*FSDP2, *EP2, "--recompute-granularity", "full", "--recompute-method", "uniform"),
     ),
     "dense-tp2-sp": ("dense", 4, (*FSDP2, *TP2, "--sequence-parallel")),
-    "dense-hybrid-2x2": ("dense", 4, (*FSDP2, "--num-distributed-optimizer-instances", "2")),
+    "dense-hybrid-2x2": ("dense", 4, (*FSDP2, "--data-parallel-replicate-degree", "2")),
 }
 
 
@@ -222,7 +222,7 @@ def _one_step(rank: int, world_size: int, args: List[str]) -> Dict:
     "flags, shards",
     [
         ((*FSDP2, *EP2), 4),  # the dense weights over 4 ranks, each rank's experts over 2
-        ((*FSDP2, "--num-distributed-optimizer-instances", "2"), 2),  # 2 replicas of 2 shards
+        ((*FSDP2, "--data-parallel-replicate-degree", "2"), 2),  # 2 replicas of 2 shards
     ],
     ids=["fsdp2-ep2", "hybrid-2x2"],
 )
