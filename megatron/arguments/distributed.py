@@ -63,9 +63,11 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--DDP-impl",
-        default="local",
+        default=None,
         choices=["local", "torch"],
-        help="Data-parallel implementation: Megatron's local one or torch's DDP.",
+        help="Megatron-LM's data-parallel engine (its default: local). Accepted with a note and "
+        "no effect: here the data-parallel mode reduces the gradients (torch DDP, or "
+        "--use-distributed-optimizer's or --use-torch-fsdp2's reduce-scatter).",
     )
     group.add_argument(
         "--use-distributed-optimizer",

@@ -173,12 +173,6 @@ def _drop_what_fully_shard_does_itself(args: argparse.Namespace, notes: List[str
             "--overlap-param-gather has no effect under --use-torch-fsdp2: FSDP2 gathers each "
             "layer's weights just before its forward, prefetching the next layer's, anyway",
         ),
-        (
-            "DDP_impl",
-            "local",
-            "--DDP-impl torch has no effect under --use-torch-fsdp2: FSDP2 reduces the "
-            "gradients, not torch DDP",
-        ),
     ]
     for name, unused, note in ignored:
         if getattr(args, name) != unused:

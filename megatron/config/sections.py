@@ -72,7 +72,6 @@ class ParallelConfig:
     virtual_pipeline_model_parallel_size: int | None = None
     distributed_backend: str = "nccl"
     distributed_timeout_minutes: float = 10.0
-    ddp_impl: str = "local"  # --DDP-impl
     accumulate_allreduce_grads_in_fp32: bool = False
     use_distributed_optimizer: bool = False
     # torch's fully_shard (megatron.parallelize.data_parallel.FullyShard): hybrid sharding
@@ -351,7 +350,6 @@ class Config:
                 profile_ranks=tuple(args.profile_ranks),
             ),
             parallel=ParallelConfig(
-                ddp_impl=args.DDP_impl,
                 # Absent from the arguments of checkpoints saved before expert parallelism was
                 # a layout degree of its own.
                 expert_model_parallel_size=getattr(args, "expert_model_parallel_size", 1),
@@ -360,7 +358,6 @@ class Config:
                     args,
                     ParallelConfig,
                     skip=(
-                        "ddp_impl",
                         "expert_model_parallel_size",
                         "data_parallel_replicate_degree",
                     ),

@@ -161,6 +161,13 @@ def _resolve_precision(args: argparse.Namespace, notes: List[str]) -> None:
             f"--fp8-format {args.fp8_format} multiplies the projections in FP8 inside bf16 "
             "training: add --bf16"
         )
+    if args.DDP_impl is not None:
+        # Read by nothing else: the data-parallel mode decides (megatron.parallelize).
+        notes.append(
+            f"--DDP-impl {args.DDP_impl}: the gradients are reduced by the data-parallel mode here "
+            "(torch DDP, or --use-distributed-optimizer's or --use-torch-fsdp2's "
+            "reduce-scatter); no effect"
+        )
     if args.DDP_impl == "torch" and args.accumulate_allreduce_grads_in_fp32:
         raise ConfigError(
             "--accumulate-allreduce-grads-in-fp32 needs --DDP-impl local (torch DDP reduces "
@@ -173,7 +180,7 @@ def _resolve_precision(args: argparse.Namespace, notes: List[str]) -> None:
         )
     if args.main_grads_dtype != "fp32":
         return
-    if args.bf16 and args.DDP_impl == "local" and not args.accumulate_allreduce_grads_in_fp32:
+    if args.bf16 and args.DDP_impl != "torch" and not args.accumulate_allreduce_grads_in_fp32:
         # bf16 gradients lose too much precision when summed over micro-batches and ranks.
         args.accumulate_allreduce_grads_in_fp32 = True
         notes.append("accumulate and all-reduce gradients in fp32 for bfloat16 data type.")

@@ -31,7 +31,7 @@ def test_megablocks_125m_command_line_on_8_ranks():
     assert model.ffn_hidden_size == 3072 and model.kv_channels == 64
     assert model.init_method_std == 0.01 and model.padded_vocab_size == 0
     assert cfg.parallel.world_size == 8 and cfg.parallel.data_parallel_size == 8
-    assert cfg.parallel.ddp_impl == "local"
+    assert not hasattr(cfg.parallel, "ddp_impl")  # --DDP-impl has no effect (a note says so)
     assert cfg.parallel.accumulate_allreduce_grads_in_fp32  # implied by --bf16
     assert cfg.training.micro_batch_size == 8 and cfg.training.global_batch_size == 512
     assert cfg.training.num_micro_batches == 512 // (8 * 8)
@@ -87,7 +87,7 @@ def test_megatron_defaults():
     assert training.exit_interval is None and not training.exit_signal_handler
     assert cfg.data.split == "969, 30, 1" and cfg.data.num_workers == 2
     assert cfg.data.make_vocab_size_divisible_by == 128 and cfg.data.data_impl == "infer"
-    assert cfg.parallel.distributed_backend == "nccl" and cfg.parallel.ddp_impl == "local"
+    assert cfg.parallel.distributed_backend == "nccl"
     assert not cfg.parallel.accumulate_allreduce_grads_in_fp32
     assert cfg.logging.log_interval == 100 and cfg.logging.tensorboard_log_interval == 1
     assert cfg.logging.timing_log_level == 0

@@ -220,7 +220,6 @@ def test_fully_shard_refuses_the_optimizer_dtypes_without_sending_to_a_flag_it_r
     [
         (("--overlap-grad-reduce",), "overlap_grad_reduce", False),
         (("--overlap-param-gather",), "overlap_param_gather", False),
-        (("--DDP-impl", "torch"), "ddp_impl", "local"),
     ],
 )
 def test_fully_shard_notes_the_other_modes_flags_it_does_without(flags, name, default):
@@ -235,6 +234,19 @@ def test_fully_shard_notes_the_other_modes_flags_it_does_without(flags, name, de
     )
     assert getattr(cfg.parallel, name) == default
     assert not any("no effect" in note for note in config("--use-torch-fsdp2", world_size=2).notes)
+
+
+@pytest.mark.parametrize("value", ["local", "torch"])
+@pytest.mark.parametrize("mode", [(), ("--use-distributed-optimizer",)])
+def test_ddp_impl_is_accepted_with_one_note_saying_it_has_no_effect(value, mode):
+    """Megatron-LM's scripts pass --DDP-impl; nothing here reads it (the data-parallel mode
+    reduces the gradients), which the run says in one note instead of nothing."""
+    noted = [n for n in config("--DDP-impl", value, *mode, world_size=2).notes if "DDP" in n]
+    assert noted == [
+        f"--DDP-impl {value}: the gradients are reduced by the data-parallel mode here (torch "
+        "DDP, or --use-distributed-optimizer's or --use-torch-fsdp2's reduce-scatter); no effect"
+    ]
+    assert not any("DDP" in note for note in config(*mode, world_size=2).notes)
 
 
 def test_config_error_is_a_value_error():
