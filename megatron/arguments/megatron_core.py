@@ -12,6 +12,21 @@ import argparse
 # AttnBackend enum).
 TRANSFORMER_IMPLS = ("local", "transformer_engine", "inference_optimized")
 ATTENTION_BACKENDS = ("flash", "fused", "unfused", "local", "auto")
+# Megatron-Core's switches of a fusion, a kernel or a host-side habit, where this project has one
+# way of its own: accepted, a note each (megatron.config.megatron_core_switches), as the
+# --no-*-fusion flags Megatron-LM had are. The value is why it has no effect here.
+NO_EFFECT_SWITCHES = {
+    "--no-rope-fusion": "the rotary embedding is plain PyTorch ops (megatron.model.rotary), "
+    "which torch.compile fuses on GPUs",
+    "--no-bias-swiglu-fusion": "the SwiGLU is plain PyTorch ops, which torch.compile fuses on GPUs",
+    "--cross-entropy-loss-fusion": "the loss is this project's own cross-entropy kernel",
+    "--no-persist-layer-norm": "the norms are this project's (megatron.model.norms)",
+    "--attention-softmax-in-fp32": "torch SDPA's kernels keep the softmax in fp32",
+    "--no-create-attention-mask-in-dataloader": "the data loader makes no attention mask "
+    "(the attention is causal)",
+    "--manual-gc": "Python's garbage collector is left to run as it does",
+}
+CROSS_ENTROPY_FUSION_IMPLS = ("native", "te")
 
 
 def add_megatron_core_model_args(parser: argparse.ArgumentParser) -> None:
@@ -53,6 +68,15 @@ def add_megatron_core_model_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="Megatron-Core's switch for throughput in the iteration line: the line here always "
         "holds the TFLOP/s per GPU and the tokens per second; accepted, no effect.",
+    )
+    for flag, why in NO_EFFECT_SWITCHES.items():
+        group.add_argument(flag, action="store_true", help=f"Accepted, no effect: {why}.")
+    group.add_argument(
+        "--cross-entropy-fusion-impl",
+        default=None,
+        choices=CROSS_ENTROPY_FUSION_IMPLS,
+        help="Megatron-Core's cross-entropy kernel: accepted, no effect (the loss is this "
+        "project's own cross-entropy kernel).",
     )
     group.add_argument(
         "--kv-channels",

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 from typing import List
 
+from megatron.arguments.megatron_core import NO_EFFECT_SWITCHES
 from megatron.config.errors import ConfigError
 
 
@@ -39,6 +40,15 @@ def check_megatron_core_switches(args: argparse.Namespace, notes: List[str]) -> 
         notes.append(
             "--no-position-embedding: --position-embedding-type rope has no position table; "
             "no effect"
+        )
+    for flag, why in NO_EFFECT_SWITCHES.items():
+        if getattr(args, flag[2:].replace("-", "_"), False):
+            notes.append(f"{flag}: {why}; no effect")
+    impl = getattr(args, "cross_entropy_fusion_impl", None)
+    if impl is not None:
+        notes.append(
+            f"--cross-entropy-fusion-impl {impl}: the loss is this project's own cross-entropy "
+            "kernel; no effect"
         )
     if getattr(args, "log_throughput", False):
         notes.append(

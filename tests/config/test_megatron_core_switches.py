@@ -29,6 +29,15 @@ def test_implementation_choices_are_accepted_with_one_note_each():
     assert not any(note.endswith("no effect") for note in config().notes)
 
 
+def test_megatron_cores_fusion_and_kernel_switches_are_accepted_with_one_note_each():
+    from megatron.arguments.megatron_core import NO_EFFECT_SWITCHES
+
+    built = config(*NO_EFFECT_SWITCHES, "--cross-entropy-fusion-impl", "te")
+    noted = [note.split(":")[0] for note in built.notes if note.endswith("no effect")]
+    assert noted == [*NO_EFFECT_SWITCHES, "--cross-entropy-fusion-impl te"]
+    assert built.model == config().model and built.training == config().training
+
+
 @pytest.mark.parametrize(
     "extra, line",
     [
