@@ -250,9 +250,10 @@ def add_moe_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--moe-per-layer-logging",
         action="store_true",
-        help="After each iteration line, log each MoE layer's expert load (max and min tokens "
-        "per expert over the mean, over the --log-interval window). TensorBoard and W&B get "
-        "it whenever --tensorboard-dir or --wandb-project is set.",
+        help="(Megatron-Core's flag) Write each MoE layer's unweighted auxiliary losses, their "
+        "mean over the --log-interval window, to TensorBoard and W&B; and after each iteration "
+        "line, log each MoE layer's expert load (max and min tokens per expert over the mean; "
+        "TensorBoard and W&B get it whenever --tensorboard-dir or --wandb-project is set).",
     )
     group.add_argument(
         "--moe-memory-optimized-mlp",

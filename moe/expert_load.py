@@ -12,6 +12,11 @@ TensorBoard) holds every MoE layer's counts for the whole global batch:
   group contributes;
 - pipeline stages hold different layers, and each contributes its own layers' rows.
 
+With --moe-per-layer-logging each layer also sums its unweighted auxiliary losses (the
+load-balancing loss, the router z-loss) over the window's training forwards, and
+`gather_layer_losses` takes their mean over those forwards and the data-parallel ranks: each
+layer's losses as Megatron-Core's flag of that name writes them to TensorBoard and W&B.
+
 Under expert parallelism each layer also keeps, per training forward, how unevenly its
 expert-parallel group's ranks were loaded: the most rows any rank received over the mean
 (moe.exchange.primitives.ExchangeCounts.imbalance; every all-to-all waits for the busiest rank).
@@ -60,17 +65,47 @@ def gather_expert_load(
     table = torch.zeros(len(moe_layer_numbers), num_experts, dtype=torch.int64, device=device)
     row_of = {number: row for row, number in enumerate(moe_layer_numbers)}
     counts = take_window_counts(model)
-    counted_here = (
-        not parallel_state.model_parallel_is_initialized()
-        or parallel_state.get_tensor_model_parallel_rank() == 0
-    )
-    if counted_here:
+    if _counted_here():
         for number, layer_counts in counts.items():
             table[row_of[number]] += layer_counts.to(device)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(table)
     table = table.cpu()
     return {number: table[row] for number, row in row_of.items()}
+
+
+def _counted_here() -> bool:
+    """Whether this rank's windows count: tensor-parallel ranks route the same tokens, so only
+    the first of each group does."""
+    return (
+        not parallel_state.model_parallel_is_initialized()
+        or parallel_state.get_tensor_model_parallel_rank() == 0
+    )
+
+
+def gather_layer_losses(
+    model: nn.Module, moe_layer_numbers: List[int], names: Tuple[str, ...], device: torch.device
+) -> Dict[int, Dict[str, float]]:
+    """{layer number: {loss name: its mean over the window's training forwards on every rank}}
+    for every MoE layer of the model, from the layers' `window_auxiliary_losses` (which it
+    clears); NaN for a layer without a forward in the window. A collective over all ranks."""
+    table = torch.zeros(len(moe_layer_numbers), len(names) + 1, dtype=torch.float64, device=device)
+    row_of = {number: row for row, number in enumerate(moe_layer_numbers)}
+    counted_here = _counted_here()
+    for module in model.modules():
+        if isinstance(module, TransformerLayer) and isinstance(module.mlp, MoELayer):
+            window = module.mlp.window_auxiliary_losses
+            if counted_here:
+                table[row_of[module.layer_number]] += window.to(device, torch.float64)
+            window.zero_()
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(table)
+    table = table.cpu()
+    means = table[:, :-1] / table[:, -1:]  # 0 / 0 is NaN: no forward
+    return {
+        number: {name: means[row, column].item() for column, name in enumerate(names)}
+        for number, row in row_of.items()
+    }
 
 
 def load_spread(counts: torch.Tensor) -> Tuple[float, float]:

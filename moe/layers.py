@@ -5,7 +5,8 @@ leaves on the layer, for the training step to collect:
   `auxiliary_losses`: this layer's unweighted losses by name (moe.router.Router.auxiliary_losses);
   `tokens_per_expert`: a buffer with this forward's assignments per expert (before drops);
   `window_tokens_per_expert`: their sum over the training forwards since the trainer last took
-  it (moe.expert_load: the per-layer expert load in the log and TensorBoard).
+  it (moe.expert_load: the per-layer expert load in the log and TensorBoard); with
+  --moe-per-layer-logging, `window_auxiliary_losses` likewise for the unweighted losses.
 `moe.auxiliary_losses.MoEAuxiliaryLosses(model)()` turns them into the weighted terms added to
 the LM loss.
 
@@ -120,6 +121,15 @@ class MoELayer(nn.Module):
             torch.zeros(moe_config.num_experts, dtype=torch.long),
             False,
         )
+        # --moe-per-layer-logging (moe.expert_load.gather_layer_losses): each unweighted loss of
+        # `logged_losses` summed over the training forwards since the trainer last took them,
+        # then the number of those forwards.
+        self.logged_losses = (
+            tuple(self.router.loss_weights()) if moe_config.per_layer_logging else ()
+        )
+        self.register_buffer(
+            "window_auxiliary_losses", torch.zeros(len(self.logged_losses) + 1), False
+        )
         if moe_config.router_bias_update_rate > 0:
             # Counts since the last bias update; persistent so that a resumed run is exact.
             self.register_buffer("pending_tokens_per_expert", torch.zeros(moe_config.num_experts))
@@ -204,6 +214,10 @@ class MoELayer(nn.Module):
                 self.tokens_per_expert.copy_(tokens_per_expert)
                 if self.training:
                     self.window_tokens_per_expert += tokens_per_expert
+                    if self.logged_losses:
+                        values = [losses[name].float() for name in self.logged_losses]
+                        self.window_auxiliary_losses[:-1] += torch.stack(values)
+                        self.window_auxiliary_losses[-1] += 1
                 if bias_update:
                     self.pending_tokens_per_expert += tokens_per_expert.float()
         output = self.region.leave(output, hidden_states.shape)

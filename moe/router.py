@@ -149,12 +149,7 @@ class Router(nn.Module):
     def loss_weights(self) -> Dict[str, float]:
         """The auxiliary losses this router's layer adds to the LM loss, by name, and the
         weight of each one's mean over the MoE layers (MegaBlocks' rule)."""
-        weights = {}
-        if self.config.load_balancing_type != "none":
-            weights[LOAD_BALANCING_LOSS] = self.config.loss_weight
-        if self.config.zloss_weight > 0:
-            weights[ROUTER_Z_LOSS] = self.config.zloss_weight
-        return weights
+        return auxiliary_loss_weights(self.config)
 
     def auxiliary_losses(
         self,
@@ -269,6 +264,17 @@ def balancing_probabilities(routing: Routing, router_score: str) -> torch.Tensor
 def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
     """ST-MoE router z-loss of one layer, unweighted: mean over tokens of logsumexp(logits)^2."""
     return torch.logsumexp(logits.float(), dim=-1).square().mean()
+
+
+def auxiliary_loss_weights(config: MoEConfig) -> Dict[str, float]:
+    """The auxiliary losses the routers of `config` add to the LM loss, by name, and the weight
+    of each one's mean over the MoE layers."""
+    weights = {}
+    if config.load_balancing_type != "none":
+        weights[LOAD_BALANCING_LOSS] = config.loss_weight
+    if config.zloss_weight > 0:
+        weights[ROUTER_Z_LOSS] = config.zloss_weight
+    return weights
 
 
 @torch.no_grad()

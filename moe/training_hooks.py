@@ -38,11 +38,13 @@ from moe.expert_load import (
     format_expert_load_line,
     gather_expert_load,
     gather_expert_parallel_imbalance,
+    gather_layer_losses,
     load_spread,
     tokens_over_mean,
 )
 from moe.experts import expert_modules, flush_expert_gradients, refresh_compute_weights
 from moe.layers import moe_layers
+from moe.router import auxiliary_loss_weights
 
 # The iteration line's field (and TensorBoard scalar): the worst MoE layer's mean, over the
 # window's forwards, of the most rows an expert-parallel rank received over the mean.
@@ -211,6 +213,16 @@ class MoETrainingHooks(TrainingHooks):
                 metric_writers.log_scalars(
                     {f"{IMBALANCE_FIELD} layer {number}": imbalance}, iteration
                 )
+        if self.moe.per_layer_logging:
+            # A collective: every rank takes part, rank 0 writes.
+            names = tuple(auxiliary_loss_weights(self.moe))
+            losses = gather_layer_losses(model, self.moe_layer_numbers, names, self.device)
+            if metric_writers is not None:
+                for number, values in losses.items():
+                    metric_writers.log_scalars(
+                        {f"moe/{name} layer {number}": value for name, value in values.items()},
+                        iteration,
+                    )
         if not self.log_expert_load:
             return {}
         load = gather_expert_load(model, self.moe_layer_numbers, self.moe.num_experts, self.device)

@@ -128,6 +128,22 @@ def test_gpt_model_with_dmoe_layers_traces_as_one_graph_under_bf16_autocast():
 
 
 @needs_torch_grouped_mm
+def test_gpt_model_with_per_layer_loss_windows_traces_as_one_graph():
+    """--moe-per-layer-logging sums each layer's losses into a buffer in every training
+    forward, in the graph."""
+    assert_gpt_model_is_one_graph(
+        MoEConfig(
+            num_experts=4,
+            top_k=2,
+            mlp_impl="grouped",
+            grouped_gemm=TORCH,
+            zloss_weight=1e-3,
+            per_layer_logging=True,
+        )
+    )
+
+
+@needs_torch_grouped_mm
 def test_gpt_model_with_the_expert_bias_traces_as_one_graph():
     """DeepSeek-V3's bias update runs at the start of each training forward, in the graph: a
     host read of the pending counts there broke it in every layer (8 graphs for a 12-layer

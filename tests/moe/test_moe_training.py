@@ -102,6 +102,18 @@ def test_per_layer_expert_load_in_the_log_and_tensorboard(data_prefix, capsys, t
         highest = events.Scalars(f"moe/tokens-per-expert max-over-mean layer {layer}")
         last = expert_load[-1][layer]
         assert highest[-1].value == pytest.approx(max(last) / (sum(last) / 4))
+    # Megatron-Core's meaning of the flag too: each MoE layer's unweighted load-balancing loss,
+    # its mean over the window's training forwards, whose mean over the layers times
+    # --moe-loss-weight (0.1) is the window's mean of the logged, weighted loss.
+    per_layer = {
+        layer: events.Scalars(f"moe/load balancing loss layer {layer}") for layer in (0, 2)
+    }
+    assert [event.step for event in per_layer[0]] == [2, 4] == [e.step for e in per_layer[2]]
+    logged = [step["load balancing loss"] for step in result.losses]
+    for window, (first, second) in enumerate(zip(per_layer[0], per_layer[2])):
+        weighted = 0.1 * (first.value + second.value) / 2
+        assert weighted == pytest.approx(sum(logged[2 * window : 2 * window + 2]) / 2, rel=1e-5)
+    assert "moe/router z loss layer 0" not in events.Tags()["scalars"]  # no z-loss here
 
 
 @pytest.mark.parametrize(
