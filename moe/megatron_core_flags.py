@@ -185,6 +185,13 @@ def add_megatron_core_moe_args(parser: argparse.ArgumentParser) -> None:
         "--moe-enable-deepep", action="store_true", help="DeepEP: not implemented; refused."
     )
     group.add_argument(
+        "--expert-tensor-parallel-size",
+        type=int,
+        default=None,
+        help="Tensor-parallel ranks each expert is split over: accepted when it is "
+        "--tensor-model-parallel-size (Megatron-Core's default, the only split here).",
+    )
+    group.add_argument(
         "--overlap-moe-expert-parallel-comm",
         action="store_true",
         # Not the attribute name: checkpoints saved before our chunked overlap had a name of
@@ -241,6 +248,15 @@ def capacity_rounds_up(args: argparse.Namespace) -> bool:
 
 
 def _refuse_missing_features(args: argparse.Namespace) -> None:
+    expert_split = _value(args, "expert_tensor_parallel_size")
+    tensor_parallel = getattr(args, "tensor_model_parallel_size", 1)
+    if expert_split is not None and expert_split != tensor_parallel:
+        raise ConfigError(
+            f"--expert-tensor-parallel-size {expert_split}: the experts here are split over the "
+            f"--tensor-model-parallel-size {tensor_parallel} ranks as the dense MLP is "
+            "(Megatron-Core's default); another split of the experts is not implemented: drop "
+            f"the flag or give {tensor_parallel}"
+        )
     if _value(args, "moe_token_dispatcher_type") == "flex":
         raise ConfigError(
             "--moe-token-dispatcher-type flex (DeepEP's or HybridEP's dispatch) is not "

@@ -336,6 +336,10 @@ def test_both_spellings_that_agree_are_accepted():
         (("--moe-num-experts", "4", "--moe-token-dispatcher-type", "flex"),
          "--moe-token-dispatcher-type flex (DeepEP's or HybridEP's dispatch) is not implemented "
          "here; use alltoall"),
+        (("--moe-num-experts", "4", "--expert-tensor-parallel-size", "2"),
+         "--expert-tensor-parallel-size 2: the experts here are split over the "
+         "--tensor-model-parallel-size 1 ranks as the dense MLP is (Megatron-Core's default); "
+         "another split of the experts is not implemented: drop the flag or give 1"),
         (("--moe-num-experts", "4", "--moe-enable-deepep"),
          "--moe-enable-deepep: DeepEP is not implemented here; drop it"),
         (("--moe-num-experts", "4", "--moe-router-score-function", "sqrtsoftplus"),
@@ -357,3 +361,9 @@ def test_both_spellings_that_agree_are_accepted():
 )  # fmt: skip
 def test_what_is_missing_is_refused_in_one_line(flags, line):
     assert line in refusal(*flags)
+
+
+def test_the_expert_split_of_the_tensor_parallel_size_is_accepted():
+    config, moe = build("--moe-num-experts", "4", "--expert-tensor-parallel-size", "1")
+    plain_config, plain_moe = build("--moe-num-experts", "4")
+    assert moe == plain_moe and config.parallel == plain_config.parallel
