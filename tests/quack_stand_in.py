@@ -5,12 +5,10 @@ operand layouts its kernels assert. `install_stand_in` puts it in sys.modules (t
 
 What QuACK leaves unwritten the stand-in fills with NaN, so that a test sees anything that reads
 it: the output rows past the last group of a varlen M (QuACK reads cu_seqlens on the device and
-checks no total against it), and, in `gemm_leaving_empty_groups`, the output of a varlen-K group
-with no rows (torch._grouped_mm leaves those unwritten on sm100, pytorch/pytorch#172439; QuACK is
-not relied on to write them).
+checks no total against it). A varlen-K group with no rows gets zeros, as QuACK's kernels write
+(moe.kernels.quack_grouped_gemm relies on them; the GPU test checks QuACK itself).
 """
 
-import functools
 import sys
 import types
 
@@ -26,7 +24,6 @@ def varlen_gemm(
     cu_seqlens_k=None,
     A_idx=None,
     tuned=True,
-    writes_empty_groups=True,
 ):
     """QuACK's gemm for a varlen M (A [total_M, K], or rows of it by A_idx; B [L, K, N]) or a
     varlen K (A [M, total_K], B [total_K, N]), with QuACK's layout asserts."""
@@ -57,9 +54,8 @@ def varlen_gemm(
         assert B.stride(-1) == 1, "varlen_k requires B to be n-major"
         assert A.shape[1] == B.shape[0] >= cu_seqlens[-1]
         for expert, (start, end) in enumerate(bounds):
-            if end > start or writes_empty_groups:
-                product = A[:, start:end].float() @ B[start:end].float()
-                result[expert] = product.to(A.dtype)
+            product = A[:, start:end].float() @ B[start:end].float()  # zeros where empty
+            result[expert] = product.to(A.dtype)
     return _written(result, out)
 
 
@@ -70,16 +66,12 @@ def _written(result, out):
     return out.copy_(result)
 
 
-# A QuACK whose varlen-K kernel leaves an empty group's output as it found it.
-gemm_leaving_empty_groups = functools.partial(varlen_gemm, writes_empty_groups=False)
-
-
-def install_stand_in(monkeypatch, gemm=varlen_gemm) -> None:
-    """Make `import quack.gemm_interface` give a module whose gemm is `gemm`, for one test."""
+def install_stand_in(monkeypatch) -> None:
+    """Make `import quack.gemm_interface` give the stand-in, for one test."""
     package = types.ModuleType("quack")
     package.__version__ = "stand-in"
     interface = types.ModuleType("quack.gemm_interface")
-    interface.gemm = gemm
+    interface.gemm = varlen_gemm
     package.gemm_interface = interface
     monkeypatch.setitem(sys.modules, "quack", package)
     monkeypatch.setitem(sys.modules, "quack.gemm_interface", interface)

@@ -21,10 +21,12 @@ whatever QuACK does inside (QuACK's own custom-op route under compile is not rel
 the groups (expert-parallel padding, moe.exchange.fixed_blocks) are in no product: their outputs
 and input gradients are left unwritten, as by the Triton kernels (moe.kernels.grouped_gemm).
 
-An expert without rows has a zero weight gradient. QuACK's varlen-K kernel is not relied on to
-write an empty group's output (torch._grouped_mm leaves it unwritten on sm100,
-pytorch/pytorch#172439): the weight gradient op zeroes those experts with a masked fill whose
-mask comes from cu_seqlens on the device, one elementwise pass over dw and no host sync.
+An expert without rows has a zero weight gradient, written by QuACK itself: its varlen-K kernels
+clear a tile's accumulator when its group has no K tile and store it like any other (quack-kernels
+0.6.5, gemm_sm90.py and gemm_sm100.py). So no pass over dw zeroes them here: a masked fill over
+the whole 302 MB gradient of a dMoE-125M layer, two per layer and micro-batch, cost about 38 ms
+of a 780 ms step. tests/moe/kernels/test_quack_grouped_gemm_gpu.py checks it on memory left full
+of NaN (torch._grouped_mm leaves empty groups unwritten on sm100, pytorch/pytorch#172439).
 
 The ops run QuACK's default config for the GPU's architecture (tuned=False): one compile per
 operand layout shared by every shape, where its autotuner (tuned=True) would spend minutes at
@@ -116,11 +118,7 @@ def _grouped_mm_weight_grad(
     without rows."""
     # Varlen K reads A = x^T contiguous along its rows (x contiguous along K) and B = dy
     # contiguous along N'.
-    grad_weight = _gemm()(
-        _k_major(x).t(), _k_major(grad_out), cu_seqlens_k=cu_seqlens, tuned=_TUNED
-    )
-    empty_experts = cu_seqlens[1:] == cu_seqlens[:-1]
-    return grad_weight.masked_fill_(empty_experts[:, None, None], 0)
+    return _gemm()(_k_major(x).t(), _k_major(grad_out), cu_seqlens_k=cu_seqlens, tuned=_TUNED)
 
 
 @_grouped_mm_weight_grad.register_fake

@@ -71,3 +71,26 @@ def test_the_compiled_dmoe_layer_on_quack_matches_the_runs_other_grouped_gemm(to
         assert len(empty) >= 32
     for expert in empty:
         assert torch.count_nonzero(got[2][expert]) == 0 and torch.count_nonzero(got[3][expert]) == 0
+
+
+def test_quacks_weight_gradient_is_zero_for_experts_without_rows():
+    """moe_quack::grouped_mm_weight_grad zeroes no expert itself: QuACK's varlen-K kernel writes an
+    empty group's output. The op gets the block of NaN just freed (asserted), so an expert it left
+    unwritten would read NaN."""
+    experts, k, n, rows = 8, 256, 512, 64
+    tokens_per_expert = torch.tensor([rows, 0] * (experts // 2), device="cuda")
+    cu_seqlens = torch.nn.functional.pad(
+        torch.cumsum(tokens_per_expert, 0, dtype=torch.int32), (1, 0)
+    )
+    torch.manual_seed(0)
+    x = torch.randn(int(tokens_per_expert.sum()), k, device="cuda").to(torch.bfloat16)
+    grad_out = torch.randn(x.shape[0], n, device="cuda").to(torch.bfloat16)
+    dirty = torch.full((experts, k, n), torch.nan, dtype=torch.bfloat16, device="cuda")
+    dirty_address = dirty.data_ptr()
+    del dirty
+    grad_weight = torch.ops.moe_quack.grouped_mm_weight_grad(x, grad_out, cu_seqlens)
+    assert grad_weight.data_ptr() == dirty_address  # the premise: the op wrote into the NaN
+    assert torch.count_nonzero(grad_weight[1::2]) == 0
+    for expert, start in enumerate(range(0, x.shape[0], rows)):
+        exact = x[start : start + rows].double().T @ grad_out[start : start + rows].double()
+        assert _relative_error(grad_weight[2 * expert], exact) < 1e-2
