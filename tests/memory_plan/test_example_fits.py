@@ -1,6 +1,7 @@
-"""The Mixtral-shaped example (examples/mixtral_dmoe_1gpu.sh) fits one H100 and one H200 by the
-memory planner's estimate, as docs/examples.md says: its DRY_RUN picks a setting without the
-"no choice fits" warning."""
+"""The Mixtral-shaped example (examples/mixtral_dmoe_1gpu.sh) and the fine-grained dMoE-125M
+(examples/dmoe_fine_125m_1gpu.sh) fit one H100 and one H200 by the memory planner's estimate, as
+docs/examples.md and the script say: a DRY_RUN picks the setting without the "no choice fits"
+warning."""
 
 from __future__ import annotations
 
@@ -14,8 +15,19 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("gpu_memory_gib, expected", [(80, "--exp-avg-sq-dtype bf16"), (141, "")])
-def test_the_mixtral_shaped_example_fits_one_gpu(gpu_memory_gib, expected):
+BF16_STATE = "--exp-avg-sq-dtype bf16"
+
+
+@pytest.mark.parametrize(
+    "script, gpu_memory_gib, micro_batch, bf16_state",
+    [
+        ("mixtral_dmoe_1gpu", 80, 8, True),
+        ("mixtral_dmoe_1gpu", 141, 8, False),
+        ("dmoe_fine_125m_1gpu", 80, 32, True),
+        ("dmoe_fine_125m_1gpu", 141, 64, False),
+    ],
+)
+def test_the_example_fits_one_gpu(script, gpu_memory_gib, micro_batch, bf16_state):
     python = Path(sys.executable).parent
     env = dict(
         os.environ,
@@ -24,7 +36,7 @@ def test_the_mixtral_shaped_example_fits_one_gpu(gpu_memory_gib, expected):
         PATH=f"{python}{os.pathsep}{os.environ['PATH']}",
     )
     done = subprocess.run(
-        ["bash", str(REPO_ROOT / "examples" / "mixtral_dmoe_1gpu.sh")],
+        ["bash", str(REPO_ROOT / "examples" / f"{script}.sh")],
         env=env,
         capture_output=True,
         text=True,
@@ -34,4 +46,6 @@ def test_the_mixtral_shaped_example_fits_one_gpu(gpu_memory_gib, expected):
     assert done.returncode == 0, output[-2000:]
     chosen = [line for line in output.splitlines() if "memory settings:" in line]
     assert len(chosen) == 1 and not chosen[0].startswith("WARNING"), output[-2000:]
-    assert "--micro-batch-size 8" in chosen[0] and expected in chosen[0], chosen[0]
+    settings = chosen[0].split("(")[0]
+    assert f"--micro-batch-size {micro_batch} " in settings, chosen[0]
+    assert (BF16_STATE in settings) == bf16_state, chosen[0]
