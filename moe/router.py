@@ -111,7 +111,10 @@ class Router(nn.Module):
             scores = logits.sigmoid()
         selection_scores = scores
         if self.expert_bias is not None:
-            selection_scores = scores.detach() + self.expert_bias.to(scores.dtype)
+            # In fp32, as Megatron-Core's type promotion of bf16 scores and the fp32 bias gives:
+            # bf16 sigmoid scores near 0.5 lie 2^-8 apart, and would round a bias step of 1e-3
+            # away.
+            selection_scores = scores.detach().float() + self.expert_bias.float()
         if config.router_force_load_balancing:
             # Benchmarks: a uniformly random first expert and the k - 1 after it balance every
             # expert (and expert-parallel rank) up to sampling noise, at the cost of one small
@@ -120,18 +123,15 @@ class Router(nn.Module):
             first = torch.randint(config.num_experts, (scores.shape[0], 1), device=scores.device)
             steps = torch.arange(config.top_k, device=scores.device)
             expert_indices = (first + steps) % config.num_experts
-        elif config.top_k == 1 and self.expert_bias is None:
+        elif config.top_k == 1:
             # A plain reduction, where torch.topk's selection kernel costs a noticeable share of
-            # a dMoE 125M training step (docs/benchmark-log.md). Not with the expert bias:
-            # equally biased experts tie often there, and argmax breaks ties toward the lowest
-            # index where topk does not, which changes the balancing.
+            # a dMoE 125M training step (docs/benchmark-log.md); ties to the lower index.
             expert_indices = selection_scores.argmax(dim=-1, keepdim=True)
-        elif self.expert_bias is None:
-            # One pass over the scores where torch.topk runs a selection and a sort
-            # (docs/benchmark-log.md); ties go to the lower index, as argmax's.
-            expert_indices = router_topk.topk_indices(selection_scores, config.top_k)
         else:
-            _, expert_indices = torch.topk(selection_scores, config.top_k, dim=-1)
+            # One pass over the scores where torch.topk runs a selection and a sort (about 35 ms
+            # of a G = 4 dMoE-125M step on an H100, docs/benchmark-log.md); ties to the lower
+            # index, as argmax's.
+            expert_indices = router_topk.topk_indices(selection_scores, config.top_k)
         if config.router_score == "softmax" and not config.router_pre_softmax:
             # The chosen experts' logits alone, softmaxed: the same top-k (softmax keeps the
             # order), weights that sum to 1; in fp32 as autocast computes a softmax.

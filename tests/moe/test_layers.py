@@ -249,12 +249,17 @@ def test_expert_bias_update_moves_load_toward_balance():
         layer.router.layer.weight[0] += 1.0  # expert 0 attracts tokens whose sum is positive
     x = torch.randn(4, 16, HIDDEN).abs()
     layer.train()
-    layer(x)
-    first_max = layer.tokens_per_expert.max().item()
+    expert_0_rows = []
     for _ in range(60):
         layer(x)
-    assert layer.router.expert_bias[0] < 0
-    assert layer.tokens_per_expert.max().item() < first_max
+        expert_0_rows.append(layer.tokens_per_expert[0].item())
+    assert expert_0_rows[0] == 64  # all of them
+    # These tokens' scores are nearly alike, so their load swings from expert to expert as the
+    # biases pass each other (by equal steps, every bias may drift): the attracting expert's
+    # bias ends lowest, and its load falls on average.
+    bias = layer.router.expert_bias
+    assert bias[0] < bias[1:].min()
+    assert sum(expert_0_rows[-30:]) / 30 < 48
     layer.eval()  # no updates outside training
     bias = layer.router.expert_bias.clone()
     layer(x)

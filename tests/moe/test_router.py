@@ -125,6 +125,17 @@ def test_expert_bias_selects_but_does_not_weight():
     torch.testing.assert_close(routing.expert_weights.squeeze(1), routing.scores[:, 3])
 
 
+@pytest.mark.parametrize("top_k, chosen", [(1, [1]), (2, [1, 3])])
+def test_the_expert_bias_decides_in_fp32_where_bf16_scores_would_round_it_away(top_k, chosen):
+    """bf16 sigmoid scores of 0.5 lie 2^-8 apart: a bias of 1e-3 added in bf16 is lost and
+    every expert ties; in fp32 (Megatron-Core's promotion) it picks."""
+    router = _router(router_bias_update_rate=1e-3, top_k=top_k, router_score="sigmoid")
+    router.expert_bias.copy_(torch.tensor([0.0, 1.5e-3, 0.0, 1e-3]))
+    routing = router.route(torch.zeros(3, 4, dtype=torch.bfloat16))  # every score 0.5
+    assert routing.expert_indices.tolist() == [chosen] * 3
+    assert torch.all(routing.expert_weights == 0.5)  # the bias picks, it does not weight
+
+
 def test_update_expert_bias_moves_toward_balance():
     bias = torch.zeros(4)
     update_expert_bias(bias, torch.tensor([10, 2, 2, 2]), rate=0.01)

@@ -30,10 +30,9 @@ An MoE layer on tokens x [T, h], routed as the project's router (moe/router.py) 
 - logits = x W_router^T [T, E], in the model's dtype (in moe_router_dtype's when it is set);
 - scores: the softmax over the experts (in fp32 at least, as autocast runs it) or, with
   moe_router_score "sigmoid", sigmoid(logits) per expert (in the logits' dtype);
-- the k = moe_top_k experts with the highest scores, in descending order: ties to the lower
-  index (top-1 by argmax; top-k ranked in fp32 by a stable sort, as the project's top-k
-  kernel); with the expert bias, by torch.topk of scores + expert_bias, which ties break as
-  torch.topk does, the bias only choosing;
+- the k = moe_top_k experts with the highest scores (with the expert bias: of scores +
+  expert_bias in fp32, the bias only choosing), in descending order: ties to the lower index
+  (top-1 by argmax; top-k ranked in fp32 by a stable sort, as the project's top-k kernel);
 - weights: the chosen experts' scores (with the bias, still their scores without it), or with
   moe_router_pre_softmax False the softmax of their k logits alone (in fp32); divided by their
   p-norm with normalize_expert_weights = p, then multiplied by moe_router_topk_scaling_factor.

@@ -73,12 +73,10 @@ class Router(nn.Module):
         return weights.float(), experts
 
     def choose(self, scores_TE: torch.Tensor) -> torch.Tensor:
-        """The top-k experts [T, k] by score, as the project's router breaks their ties."""
+        """The top-k experts [T, k] by score, plus the expert bias in fp32 where there is one,
+        as the project's router chooses them and breaks their ties."""
         if self.expert_bias is not None:
-            # torch.topk, as the project's router with the bias: argmax and its own top-k
-            # kernel break the frequent ties of equally biased experts differently.
-            biased = scores_TE + self.expert_bias.to(scores_TE.dtype)
-            return torch.topk(biased, self.top_k, dim=-1).indices
+            scores_TE = scores_TE.float() + self.expert_bias.float()
         if self.top_k == 1:
             return scores_TE.argmax(dim=-1, keepdim=True)  # first maximum on ties
         # A stable descending sort keeps tied experts in index order: ties to the lower index,
