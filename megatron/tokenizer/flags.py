@@ -31,7 +31,16 @@ TOKENIZER_TYPES = (
     "TikTokenizer",
     "NullTokenizer",
 )
-TIKTOKEN_PATTERNS = ("v1", "v2")
+# Megatron-Core's split patterns, byte for byte (the ids depend on them).
+TIKTOKEN_PATTERN_V1 = (
+    r"[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"
+)
+TIKTOKEN_PATTERN_V2 = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+TIKTOKEN_PATTERNS = {"v1": TIKTOKEN_PATTERN_V1, "v2": TIKTOKEN_PATTERN_V2}
 # Megatron-Core's TikTokenizer defaults: the v2 pattern, 1000 special-token ids, 2**17 ids in all,
 # and these special tokens (every custom list must hold them; `</s>` is the end of a document).
 TIKTOKEN_DEFAULT_PATTERN = "v2"

@@ -24,17 +24,8 @@ import json
 from typing import Dict, List, Sequence, Tuple, Union
 
 from megatron.tokenizer.base import TokenizerBase
+from megatron.tokenizer.flags import TIKTOKEN_PATTERNS
 
-# Megatron-Core's split patterns, byte for byte (the ids depend on them).
-TIKTOKEN_PATTERN_V1 = (
-    r"[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"
-)
-TIKTOKEN_PATTERN_V2 = (
-    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
-    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
-    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-TIKTOKEN_PATTERNS = {"v1": TIKTOKEN_PATTERN_V1, "v2": TIKTOKEN_PATTERN_V2}
 SPECIAL_FILLER = "<SPECIAL_{}>"
 ENTRY_KEYS = {"rank", "token_bytes", "token_str"}
 

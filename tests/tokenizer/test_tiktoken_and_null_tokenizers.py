@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from megatron.tokenizer import NullTokenizer, TikTokenizer, build_tokenizer
-from megatron.tokenizer.tiktoken_tokenizer import TIKTOKEN_PATTERN_V1, TIKTOKEN_PATTERN_V2
+from megatron.tokenizer.flags import TIKTOKEN_PATTERN_V1, TIKTOKEN_PATTERN_V2
 from tests.tokenizer.tiktoken_vocabulary import (
     DEFAULT_SPECIAL_TOKENS,
     PATTERN_V1,
