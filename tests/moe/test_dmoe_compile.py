@@ -120,43 +120,23 @@ def assert_gpt_model_is_one_graph(moe: MoEConfig) -> None:
     assert explanation.graph_count == 1
 
 
+# Each option with state updated in every training forward keeps the graph whole: the
+# per-layer loss windows (--moe-per-layer-logging) sum each layer's losses into a buffer, and
+# DeepSeek-V3's bias update runs at the start of the forward (a host read of the pending counts
+# there broke it in every layer: 8 graphs for a 12-layer dMoE's training step).
 @needs_torch_grouped_mm
-def test_gpt_model_with_dmoe_layers_traces_as_one_graph_under_bf16_autocast():
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"zloss_weight": 1e-3, "per_layer_logging": True},
+        {"router_score": "sigmoid", "router_bias_update_rate": 1e-3},
+    ],
+    ids=["plain", "per-layer-loss-windows", "expert-bias"],
+)
+def test_gpt_model_with_dmoe_layers_traces_as_one_graph_under_bf16_autocast(options):
     assert_gpt_model_is_one_graph(
-        MoEConfig(num_experts=4, top_k=2, mlp_impl="grouped", grouped_gemm=TORCH)
-    )
-
-
-@needs_torch_grouped_mm
-def test_gpt_model_with_per_layer_loss_windows_traces_as_one_graph():
-    """--moe-per-layer-logging sums each layer's losses into a buffer in every training
-    forward, in the graph."""
-    assert_gpt_model_is_one_graph(
-        MoEConfig(
-            num_experts=4,
-            top_k=2,
-            mlp_impl="grouped",
-            grouped_gemm=TORCH,
-            zloss_weight=1e-3,
-            per_layer_logging=True,
-        )
-    )
-
-
-@needs_torch_grouped_mm
-def test_gpt_model_with_the_expert_bias_traces_as_one_graph():
-    """DeepSeek-V3's bias update runs at the start of each training forward, in the graph: a
-    host read of the pending counts there broke it in every layer (8 graphs for a 12-layer
-    dMoE's training step)."""
-    assert_gpt_model_is_one_graph(
-        MoEConfig(
-            num_experts=4,
-            top_k=2,
-            mlp_impl="grouped",
-            grouped_gemm=TORCH,
-            router_score="sigmoid",
-            router_bias_update_rate=1e-3,
-        )
+        MoEConfig(num_experts=4, top_k=2, mlp_impl="grouped", grouped_gemm=TORCH, **options)
     )
 
 
