@@ -8,7 +8,9 @@ evaluated once after training and kept apart from the validation curve), the tok
 on, its training time and tokens per second over that time, and the tokens and the training time
 at which its validation curve first reaches the target loss, with the speed-up over the first
 run in each (the first run's tokens or time to the target over this run's). The target is
---target-loss, by default the first run's final validation loss. Between the two evaluations
+--target-loss, by default the first run's final validation loss. Runs given the same --labels
+name are seeds of one recipe: a second table gives each recipe's mean and spread
+(gpt_pretraining.seed_spread). Between the two evaluations
 that bracket the target, tokens and time are interpolated linearly in the loss; a curve whose
 first evaluation is already at or below the target reaches it there; one that never reaches it
 is "not reached". Evaluations whose loss is not finite (a diverged run) are left out.
@@ -104,7 +106,11 @@ def parse_arguments(argv: Optional[List[str]] = None) -> argparse.Namespace:
         help="the validation loss to reach (default: the first run's final validation loss)",
     )
     parser.add_argument(
-        "--labels", nargs="+", default=None, help="one name per RUN_DIR (default: their names)"
+        "--labels",
+        nargs="+",
+        default=None,
+        help="one name per RUN_DIR (default: their names); runs of one name are one recipe's "
+        "seeds, summed up in a second table",
     )
     parser.add_argument(
         "--output", default=DEFAULT_OUTPUT, help=f"the PNG to write (default ./{DEFAULT_OUTPUT})"
@@ -379,6 +385,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         crossings = [first_crossing(measure.curve, target) for measure in measures]
         print(f"target validation loss {target:.4f} ({source})\n", flush=True)
         print(markdown_table(measures, crossings), flush=True)
+        # Here, not at the top: seed_spread builds on this module's measures and crossings.
+        from gpt_pretraining.seed_spread import has_seeds, seeds_table
+
+        if has_seeds(labels):
+            print(f"\nseeds: each recipe's runs against each run of {labels[0]}, the target that "
+                  "run's final validation loss\n", flush=True)  # fmt: skip
+            print(seeds_table(measures), flush=True)
         if not args.no_plot:
             draw(measures, crossings, target, args.output)
     except UserError as error:

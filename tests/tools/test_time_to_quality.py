@@ -208,6 +208,37 @@ def test_the_table_with_the_first_runs_final_loss_as_the_target(reference_run, t
     assert rows["c"]["time to target"] != NOT_REACHED  # 3.2 is below 3.25
 
 
+def test_runs_of_one_label_are_seeds_set_against_each_reference_run(tmp_path, capsys):
+    """Two dense seeds ending at 3.0 and 3.2 (the reference's clock: 17.5 s, 1280 tokens), two
+    MoE seeds: `fast` reaches 3.0 at 800 tokens and 12.5 s and 3.2 at 736 and 11.5 s; `slow`
+    ends at 3.2, so it reaches only the second dense seed's target, at its end (1.00x). The
+    first dense seed reaches 3.2 at iteration 18 (1152 tokens, 15.5 s); the second never 3.0."""
+    runs = {name: tmp_path / name for name in ("dense1", "dense2", "fast", "slow")}
+    write_job(runs["dense1"], REFERENCE_TIMES, {10: 4.0, 20: 3.0})
+    write_job(runs["dense2"], REFERENCE_TIMES, {10: 4.0, 20: 3.2})
+    write_job(runs["fast"], {5: 1.0, 10: 1.0, 15: 1.0, 20: 1.0}, {10: 3.5, 15: 2.5, 20: 2.0})
+    write_job(runs["slow"], REFERENCE_TIMES, {10: 4.5, 20: 3.2})
+    labels = ["dense", "dense", "moe", "moe"]
+    arguments = [str(path) for path in runs.values()] + ["--labels", *labels, "--no-plot"]
+    assert main(arguments) == 0
+    printed = capsys.readouterr().out
+    seeds = printed.split("\nseeds: ")[1]
+    assert seeds.startswith("each recipe's runs against each run of dense")
+    rows = _table_rows(seeds)
+    assert rows["dense"]["runs"] == "2"
+    assert rows["dense"]["final validation loss"] == "3.1000 (3.0000-3.2000)"
+    # 1.00, 1280 / 1152 and 1.00; 1.00, 17.5 / 15.5 and 1.00.
+    assert rows["dense"]["speed-up (tokens)"] == "1.04x (1.00x-1.11x), 1 of 4 not reached"
+    assert rows["dense"]["speed-up (time)"] == "1.04x (1.00x-1.13x), 1 of 4 not reached"
+    assert rows["moe"]["final validation loss"] == "2.6000 (2.0000-3.2000)"
+    # 1280 / 800, 1280 / 736 and 1.00; 17.5 / 12.5, 17.5 / 11.5 and 1.00.
+    assert rows["moe"]["speed-up (tokens)"] == "1.45x (1.00x-1.74x), 1 of 4 not reached"
+    assert rows["moe"]["speed-up (time)"] == "1.31x (1.00x-1.52x), 1 of 4 not reached"
+    # Without a repeated label there is no second table.
+    assert main([*arguments[:4], "--labels", "a", "b", "c", "d", "--no-plot"]) == 0
+    assert "seeds:" not in capsys.readouterr().out
+
+
 def test_the_picture(tmp_path, monkeypatch):
     """Two runs whose first evaluation (iteration 1, 64 tokens, before a tenth of the first run's
     1280) is the untrained loss: the loss axis spans the later evaluations alone, from the
