@@ -128,9 +128,8 @@ class Router(nn.Module):
             # a dMoE 125M training step (docs/benchmark-log.md); ties to the lower index.
             expert_indices = selection_scores.argmax(dim=-1, keepdim=True)
         else:
-            # One pass over the scores where torch.topk runs a selection and a sort (about 35 ms
-            # of a G = 4 dMoE-125M step on an H100, docs/benchmark-log.md); ties to the lower
-            # index, as argmax's.
+            # One pass over the scores where torch.topk runs a selection and a sort
+            # (docs/benchmark-log.md); ties to the lower index, as argmax's.
             expert_indices = router_topk.topk_indices(selection_scores, config.top_k)
         if config.router_score == "softmax" and not config.router_pre_softmax:
             # The chosen experts' logits alone, softmaxed: the same top-k (softmax keeps the

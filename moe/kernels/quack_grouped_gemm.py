@@ -23,10 +23,10 @@ and input gradients are left unwritten, as by the Triton kernels (moe.kernels.gr
 
 An expert without rows has a zero weight gradient, written by QuACK itself: its varlen-K kernels
 clear a tile's accumulator when its group has no K tile and store it like any other (quack-kernels
-0.6.5, gemm_sm90.py and gemm_sm100.py). So no pass over dw zeroes them here: a masked fill over
-the whole 302 MB gradient of a dMoE-125M layer, two per layer and micro-batch, cost about 38 ms
-of a 780 ms step. tests/moe/kernels/test_quack_grouped_gemm_gpu.py checks it on memory left full
-of NaN (torch._grouped_mm leaves empty groups unwritten on sm100, pytorch/pytorch#172439).
+0.6.5, gemm_sm90.py and gemm_sm100.py). So no pass over dw zeroes them here: a masked fill
+reads and writes the whole gradient, two per layer and micro-batch (docs/benchmark-log.md).
+tests/moe/kernels/test_quack_grouped_gemm_gpu.py checks QuACK's zeros on memory left full of NaN
+(torch._grouped_mm leaves empty groups unwritten on sm100, pytorch/pytorch#172439).
 
 The ops run QuACK's default config for the GPU's architecture (tuned=False): one compile per
 operand layout shared by every shape, where its autotuner (tuned=True) would spend minutes at
