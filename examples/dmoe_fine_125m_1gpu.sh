@@ -3,8 +3,8 @@
 # the dMoE-125M's active FLOPs and total expert weights (dmoe_125m_1gpu.sh: 64 experts of ffn 3072,
 # top-1) cut into experts a quarter the size, with sigmoid router scores and DeepSeek-V3's expert
 # bias for balance beside the load-balancing loss at 0.1. Of the routings measured on real text
-# it reaches the dense GPT-2 125M's loss soonest, in tokens and in time (docs/moe.md, "Which
-# routing to use"). The memory settings are chosen as in dmoe_125m_1gpu.sh (same weights, same
+# it reaches the dense GPT-2 125M's loss with the fewest tokens (docs/moe.md, "Which routing to
+# use"). The memory settings are chosen as in dmoe_125m_1gpu.sh (same weights, same
 # activations): micro batch 64 with fp32 optimizer state on a 141 GB H200, micro batch 32 with
 # bf16 gradients and Adam moments on an 80 GB H100. On Hopper with quack-kernels installed, add
 # --moe-grouped-gemm-kernel quack (faster grouped products at this shape: docs/moe.md).
