@@ -4,7 +4,8 @@
 # learning rates) and NPROC_PER_NODE's default, then calls `launch_pretraining NAME "$@"`. It may
 # set MEMORY_CHOICES, flag sets fastest first: the memory planner (tools/estimate_memory.py
 # --choose) takes the first whose run fits this machine's GPU, and the first line printed says
-# which and why (without MEMORY_CHOICES it checks the script's own settings the same way).
+# which and why (without MEMORY_CHOICES it checks the script's own settings the same way). The
+# one-GPU MoE scripts source this file first and set theirs with `moe_memory_choices`.
 #
 # Positional arguments, each falling back to the environment variable of the same name:
 #   1 DATA_PATH   indexed-dataset prefix, or a blend "W1 PREFIX1 W2 PREFIX2 ..."
@@ -42,6 +43,25 @@ SHARED_ARGS=(
     --eval-iters 100
     --save-interval 2000
 )
+
+# MEMORY_CHOICES of a one-GPU MoE script, whose expert state is what limits it, from micro batch
+# MB down: fp32 optimizer state; bf16 gradients and Adam moments (--use-precision-aware-optimizer,
+# the update still in fp32); half the micro batch; full recomputation; a quarter of it; with
+# `offload`, the optimizer state on the host last. Arguments: MB [offload].
+moe_memory_choices() {
+    local micro_batch=$1 offload=${2:-}
+    local bf16_state="--use-precision-aware-optimizer --main-grads-dtype bf16 --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16"
+    local recompute="--recompute-granularity full --recompute-method uniform"
+    local half=$((micro_batch / 2)) quarter=$((micro_batch / 4))
+    MEMORY_CHOICES=(
+        "--micro-batch-size $micro_batch"
+        "--micro-batch-size $micro_batch $bf16_state"
+        "--micro-batch-size $half $bf16_state"
+        "--micro-batch-size $half $bf16_state $recompute"
+        "--micro-batch-size $quarter $bf16_state $recompute"
+    )
+    [[ -z $offload ]] || MEMORY_CHOICES+=("--micro-batch-size $quarter $bf16_state $recompute --optimizer-cpu-offload")
+}
 
 die() {
     echo "error: $*" >&2

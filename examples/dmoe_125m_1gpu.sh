@@ -18,16 +18,6 @@ NPROC_PER_NODE=${NPROC_PER_NODE:-1}
 MODEL_ARGS=(--num-layers 12 --hidden-size 768 --num-attention-heads 12 --init-method-std 0.01
     --moe-num-experts 64 --moe-top-k 1 --moe-loss-weight 0.1 --moe-impl grouped)
 BATCH_ARGS=(--lr 0.0006 --min-lr 0.00006)
-BF16_STATE="--use-precision-aware-optimizer --main-grads-dtype bf16 --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16"
-RECOMPUTE="--recompute-granularity full --recompute-method uniform"
-MEMORY_CHOICES=(
-    "--micro-batch-size 64"
-    "--micro-batch-size 64 $BF16_STATE"
-    "--micro-batch-size 32 $BF16_STATE"
-    "--micro-batch-size 32 $BF16_STATE $RECOMPUTE"
-    "--micro-batch-size 16 $BF16_STATE $RECOMPUTE"
-    "--micro-batch-size 16 $BF16_STATE $RECOMPUTE --optimizer-cpu-offload"
-)
-
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+moe_memory_choices 64 offload
 launch_pretraining dmoe_125m_1gpu "$@"

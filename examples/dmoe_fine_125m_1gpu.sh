@@ -17,16 +17,6 @@ MODEL_ARGS=(--num-layers 12 --hidden-size 768 --num-attention-heads 12 --init-me
     --moe-num-experts 256 --moe-ffn-hidden-size 768 --moe-top-k 4 --moe-router-score sigmoid
     --moe-router-bias-update-rate 0.001 --moe-loss-weight 0.1 --moe-impl grouped)
 BATCH_ARGS=(--lr 0.0006 --min-lr 0.00006)
-BF16_STATE="--use-precision-aware-optimizer --main-grads-dtype bf16 --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16"
-RECOMPUTE="--recompute-granularity full --recompute-method uniform"
-MEMORY_CHOICES=(
-    "--micro-batch-size 64"
-    "--micro-batch-size 64 $BF16_STATE"
-    "--micro-batch-size 32 $BF16_STATE"
-    "--micro-batch-size 32 $BF16_STATE $RECOMPUTE"
-    "--micro-batch-size 16 $BF16_STATE $RECOMPUTE"
-    "--micro-batch-size 16 $BF16_STATE $RECOMPUTE --optimizer-cpu-offload"
-)
-
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+moe_memory_choices 64 offload
 launch_pretraining dmoe_fine_125m_1gpu "$@"

@@ -12,15 +12,6 @@ MODEL_ARGS=(--num-layers 3 --hidden-size 4096 --num-attention-heads 32 --num-que
     --disable-bias-linear --untie-embeddings-and-output-weights --init-method-std 0.01
     --moe-num-experts 8 --moe-top-k 2 --mlp-type glu --moe-loss-weight 0.01 --moe-impl grouped)
 BATCH_ARGS=(--lr 0.0003 --min-lr 0.00003)
-BF16_STATE="--use-precision-aware-optimizer --main-grads-dtype bf16 --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16"
-RECOMPUTE="--recompute-granularity full --recompute-method uniform"
-MEMORY_CHOICES=(
-    "--micro-batch-size 8"
-    "--micro-batch-size 8 $BF16_STATE"
-    "--micro-batch-size 4 $BF16_STATE"
-    "--micro-batch-size 4 $BF16_STATE $RECOMPUTE"
-    "--micro-batch-size 2 $BF16_STATE $RECOMPUTE"
-)
-
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+moe_memory_choices 8
 launch_pretraining mixtral_dmoe_1gpu "$@"
