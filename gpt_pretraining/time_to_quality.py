@@ -10,10 +10,10 @@ at which its validation curve first reaches the target loss, with the speed-up o
 run in each (the first run's tokens or time to the target over this run's). The target is
 --target-loss, by default the first run's final validation loss. Runs given the same --labels
 name are seeds of one recipe: a second table gives each recipe's mean and spread
-(gpt_pretraining.seed_spread). Between the two evaluations
-that bracket the target, tokens and time are interpolated linearly in the loss; a curve whose
-first evaluation is already at or below the target reaches it there; one that never reaches it
-is "not reached". Evaluations whose loss is not finite (a diverged run) are left out.
+(gpt_pretraining.seed_spread). Between the two evaluations that bracket the target, tokens and
+time are interpolated linearly in the loss; a curve whose first evaluation is already at or
+below the target reaches it there; one that never reaches it is "not reached". Evaluations
+whose loss is not finite (a diverged run) are left out.
 
 Training time is the sum, over the logged --log-interval windows, of the window's seconds per
 iteration (`iteration-time`) times its iterations (those since the previous logged iteration).
