@@ -27,6 +27,7 @@ from typing import Any, Callable, Dict, List, Optional, Set
 import torch
 from torch import nn
 
+from megatron import torch_floors
 from megatron.initialize import print_rank_0
 from megatron.parallelize.data_parallel import DataParallel
 from megatron.parallelize.steps import CompileChoice
@@ -53,7 +54,7 @@ IMBALANCE_FIELD = "expert-parallel load imbalance"
 EAGER_NOTE = (
     "this MoE model runs without torch.compile (the grouped backend compiles as one graph: "
     "the MoE with a capacity factor above 0, and the dMoE on torch._grouped_mm, bf16 on "
-    "NVIDIA Hopper with torch 2.8 or newer)"
+    f"NVIDIA Hopper with torch {torch_floors.spelled(torch_floors.GROUPED_MM)} or newer)"
 )
 
 

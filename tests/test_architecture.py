@@ -28,6 +28,7 @@ TEST_DIRECTORIES_BESIDE_THE_ROOMS = {
 PROJECT_TESTS = {
     "test_architecture.py": "the packages' dependencies, file sizes and this layout",
     "test_requirements_lock.py": "the lock file against pyproject.toml",
+    "test_docker_images.py": "the Dockerfiles against pyproject.toml and the torch floors",
     "test_launch.py": "tests/launch.py's in-process launcher, which serves every room",
 }
 

@@ -9,6 +9,7 @@ from typing import List
 
 import torch
 
+from megatron import torch_floors
 from megatron.config.errors import ConfigError
 
 
@@ -151,12 +152,6 @@ def check_gradient_sync(args: argparse.Namespace, notes: List[str]) -> None:
         )
 
 
-# fully_shard is public (torch.distributed.fsdp) from torch 2.6. The private one before it
-# does not do what FullyShard needs: 2.5's runs on CUDA streams only (no gloo run, so no CPU
-# test), 2.4's has no explicit prefetch.
-FULLY_SHARD_TORCH = (2, 6)
-
-
 def _drop_what_fully_shard_does_itself(args: argparse.Namespace, notes: List[str]) -> None:
     """The other modes' flags for what FSDP2 always does, or does not use: a note each, and
     the flag reset so that nothing downstream reads it."""
@@ -183,10 +178,10 @@ def _drop_what_fully_shard_does_itself(args: argparse.Namespace, notes: List[str
 def _check_fully_shard(args: argparse.Namespace) -> None:
     """--use-torch-fsdp2's refusals: what it does not compose with, and hybrid groups that do
     not divide the data-parallel ranks."""
-    version = tuple(int(part) for part in torch.__version__.split(".")[:2])
-    if version < FULLY_SHARD_TORCH:
+    floor = torch_floors.FULLY_SHARD
+    if torch_floors.running_torch() < floor:
         raise ConfigError(
-            f"--use-torch-fsdp2 needs torch {'.'.join(map(str, FULLY_SHARD_TORCH))} or newer "
+            f"--use-torch-fsdp2 needs torch {torch_floors.spelled(floor)} or newer "
             f"(torch.distributed.fsdp.fully_shard); this is torch {torch.__version__}: upgrade "
             f"torch or use --use-distributed-optimizer"
         )

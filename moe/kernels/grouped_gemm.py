@@ -236,7 +236,7 @@ BACKENDS = (TORCH, MOE)
 
 
 def torch_has_grouped_mm() -> bool:
-    """torch._grouped_mm exists from torch 2.8 on."""
+    """torch._grouped_mm exists from torch 2.8 on (megatron.torch_floors.GROUPED_MM)."""
     return hasattr(torch, "_grouped_mm")
 
 
