@@ -38,11 +38,11 @@ from megatron.initialize import (
 from megatron.kernels.dispatch import kernel_mode_set
 from megatron.memory_plan import device_memory_bytes, memory_plan_lines
 from megatron.parallel.parallel_state import destroy_model_parallel
+from megatron.parallel.progress_board import is_collective_timeout
 from megatron.parallelize.steps import parallelize
 from megatron.tokenizer import MegatronTokenizer
 from megatron.training.loop import TrainingResult, pretrain, total_train_iters
 from megatron.training.memory_history import start_memory_history
-from megatron.training.progress_board import is_collective_timeout
 
 
 def main(argv: Optional[List[str]] = None) -> TrainingResult:

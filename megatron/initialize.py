@@ -16,8 +16,8 @@ import torch.distributed as dist
 
 from megatron.console import print_line
 from megatron.parallel import parallel_state
+from megatron.parallel.progress_board import ProgressBoard
 from megatron.tensor_parallel import model_parallel_manual_seed
-from megatron.training.progress_board import ProgressBoard
 
 T = TypeVar("T")
 

@@ -366,7 +366,7 @@ class Trainer:
             self.async_writer.wait(print_rank_0)
 
     def mark_progress(self, where: str) -> None:
-        """Record where this rank is (megatron.training.progress_board), in multi-process runs."""
+        """Record where this rank is (megatron.parallel.progress_board), in multi-process runs."""
         if self.context.progress is not None:
             self.context.progress.mark(where)
 

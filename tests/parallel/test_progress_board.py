@@ -1,10 +1,10 @@
-"""Which collective a timed-out rank names (megatron.training.progress_board)."""
+"""Which collective a timed-out rank names (megatron.parallel.progress_board)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from megatron.training.progress_board import _collective_of
+from megatron.parallel.progress_board import _collective_of
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -27,6 +27,6 @@ def test_a_library_installed_inside_the_checkout_is_not_the_project():
     except RuntimeError as error:
         described = _collective_of(error)
     assert described.startswith(
-        "the gradient reduction during backward, called from tests/training/test_progress_board.py:"
+        "the gradient reduction during backward, called from tests/parallel/test_progress_board.py:"
     ), described
     assert described.endswith("(_raise_from)"), described

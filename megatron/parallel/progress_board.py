@@ -25,7 +25,7 @@ _TIMED_OUT = "megatron/progress/timed_out/{rank}"
 # The most a timed-out rank waits for the others to time out as well.
 GRACE_SECONDS = 30.0
 # Frames of the project (not of torch or other libraries) start with this path: the
-# repository root, above megatron/training/.
+# repository root, above megatron/parallel/.
 _PROJECT = str(Path(__file__).resolve().parents[2]) + os.sep
 
 
