@@ -12,7 +12,7 @@ gradient where there is one and `.grad` otherwise.
 torch DDP reduces `.grad` from its own autograd hooks, which the hook here would race; with
 main gradients the data-parallel reduction is `megatron.parallelize.gradient_sync.
 all_reduce_data_parallel_gradients` after the last backward instead
-(megatron.parallelize.gradient_sync.gradient_reduction).
+(megatron.parallelize.gradient_sync.replicated_reduction).
 """
 
 from __future__ import annotations

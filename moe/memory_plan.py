@@ -36,7 +36,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Sequence, Tuple
 
 from megatron.model.mlp import MlpMemory, dense_mlp_activation_bytes_per_token
-from megatron.parallelize.data_parallel import DataParallel
+from megatron.parallelize.data_parallel_mode import data_parallel_mode
 from moe.config import MoEConfig
 
 if TYPE_CHECKING:
@@ -120,7 +120,7 @@ def moe_memory(config: Config, moe: MoEConfig, layer_numbers: Sequence[int]) -> 
     numerics = config.numerics
     # FP8 grouped GEMMs keep the copies quantized, in two layouts of a byte each.
     fp8_copies = numerics.fp8_format is not None and moe.dropless and moe.mlp_impl == "grouped"
-    data_parallel = DataParallel.of(config)
+    data_parallel = data_parallel_mode(config)
     if data_parallel.weights_in_compute_dtype:
         # The expert weights themselves are in the compute dtype: no copies, no held gradients
         # and no casts (autograd adds each micro-batch's gradient into the main gradient).

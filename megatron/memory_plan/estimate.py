@@ -58,7 +58,7 @@ from megatron.memory_plan.parameters import (
 )
 from megatron.model import DENSE_MLP, MlpSpec
 from megatron.model.mlp import MlpMemory
-from megatron.parallelize.data_parallel import DataParallel
+from megatron.parallelize.data_parallel_mode import data_parallel_mode
 from megatron.pipeline.stages import stage_layer_numbers
 
 if TYPE_CHECKING:
@@ -236,7 +236,7 @@ def _estimate_stage(
     extra = mlp_spec.memory(config, numbers)
 
     # Replica groups the optimizer state shards over (FSDP2: the parameters too).
-    data_parallel = DataParallel.of(config)
+    data_parallel = data_parallel_mode(config)
     dense_shards, expert_shards = data_parallel.optimizer_shards()
     sharded = -(-counts.dense // dense_shards) + -(-counts.expert // expert_shards)
     low = masters = 0

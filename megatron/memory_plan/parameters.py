@@ -26,7 +26,7 @@ from torch import nn
 
 from megatron.model import GPTModel, MlpSpec
 from megatron.parallel.expert_parameters import is_expert_parameter
-from megatron.parallelize.data_parallel import DataParallel
+from megatron.parallelize.data_parallel_mode import data_parallel_mode
 from megatron.parallelize.fp8_projections import PROJECTION_NAMES
 from megatron.parallelize.tensor_parallelism import TensorParallelLayout, apply_styles
 from megatron.pipeline.stages import stage_layer_numbers
@@ -125,7 +125,7 @@ def count_parameters(config: Config, mlp_spec: MlpSpec) -> ModelParameterCounts:
     if tensor > 1:
         layout = TensorParallelLayout(tensor, 0, model_config.sequence_parallel)
         apply_styles(model, mlp_spec.tensor_parallel_styles(), layout)
-    data_parallel = DataParallel.of(config)
+    data_parallel = data_parallel_mode(config)
     fp8 = config.numerics.fp8_format is not None
     rules = layer_rules = _Rules(tensor, fp8, data_parallel.weights_in_compute_dtype)
     if data_parallel.shards_parameters:

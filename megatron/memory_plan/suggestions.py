@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, List, Optional, Tuple
 
 from megatron.memory_plan.estimate import MemoryEstimate, estimate_memory, gib
-from megatron.parallelize.data_parallel import DataParallel, Replicated
+from megatron.parallelize.data_parallel import Replicated
+from megatron.parallelize.data_parallel_mode import data_parallel_mode
 
 if TYPE_CHECKING:
     from megatron.config import Config
@@ -62,7 +63,7 @@ def _changes(config: Config, mlp_spec: MlpSpec) -> List[Tuple[str, Callable[[Con
                 ),
             )
         )
-    data_parallel = DataParallel.of(config)
+    data_parallel = data_parallel_mode(config)
     # FSDP2's DTensor shards take neither the precision-aware optimizer nor the offload.
     replicas_hold_state = not data_parallel.shards_parameters
     low = {"main_grads_dtype": "bf16", "exp_avg_dtype": "bf16", "exp_avg_sq_dtype": "bf16"}

@@ -10,13 +10,14 @@ one owner). `parallelize` builds it (step 7) and the rest of the run asks it:
   checkpoint's save or load `full_precision_parameters`;
 - the MoE hooks: `in_ddp` and `expert_parallel`, which say whether autograd's hooks reduce the
   expert weights' gradients;
-- the memory planner, before any process group exists: `DataParallel.of(config)`,
+- the memory planner, before any process group exists: the mode
+  (megatron.parallelize.data_parallel_mode chooses it from the flags, in one place),
   `optimizer_shards` and `weights_in_compute_dtype`.
 
 Three modes:
 - `Replicated`: every rank keeps the whole model and its optimizer state; the gradients are
   averaged by torch DDP, by one all-reduce after the last backward (pipeline, main gradients),
-  or not at all (one replica). megatron.parallelize.gradient_sync says which.
+  or not at all (one replica): megatron.parallelize.gradient_sync.replicated_reduction.
 - `ShardedOptimizerState` (`--use-distributed-optimizer`, ZeRO-1): every rank keeps the whole
   model and a shard of its optimizer state; the parameters and gradients live in flat buffers
   that reduce-scatter the gradients and all-gather the updated weights
@@ -50,8 +51,10 @@ from megatron.optimizer.distributed_optimizer import (
 from megatron.parallel import parallel_state
 from megatron.parallelize.gradient_sync import (
     DDP,
+    OPTIMIZER,
     GradientSync,
     micro_batch_context,
+    replicated_reduction,
     wrap_data_parallel,
 )
 
@@ -61,24 +64,19 @@ if TYPE_CHECKING:
 
 class DataParallel:
     """The base of the modes: what every mode answers, and the gradient reductions left after
-    the last backward (`GradientSync`) that they share. `optimizer` is None until
-    `build_optimizer`."""
+    the last backward (`GradientSync`, with the mode's `gradient_reduction`) that they share.
+    `optimizer` is None until `build_optimizer`."""
 
     def __init__(self, config: Config) -> None:
         self.config = config
-        self.sync = GradientSync.of(config)
+        self.sync = GradientSync.of(config, self.gradient_reduction(config))
         self.optimizer: Optional[MegatronOptimizer] = None
 
-    @staticmethod
-    def of(config: Config) -> DataParallel:
-        """The mode `config` asks for (no process group is needed to ask)."""
-        if config.parallel.use_torch_fsdp2:
-            from megatron.parallelize.fully_shard import FullyShard
-
-            return FullyShard(config)
-        if config.parallel.use_distributed_optimizer:
-            return ShardedOptimizerState(config)
-        return Replicated(config)
+    @classmethod
+    def gradient_reduction(cls, config: Config) -> str:
+        """Who averages this mode's gradients over the data-parallel group (one of
+        megatron.parallelize.gradient_sync's names)."""
+        raise NotImplementedError
 
     # ----------------------------------------------------------------- what the run asks
     @property
@@ -164,6 +162,10 @@ class Replicated(DataParallel):
     """Every rank keeps the whole model and optimizer; gradients averaged by DDP, by one
     all-reduce after the last backward, or not at all (megatron.parallelize.gradient_sync)."""
 
+    @classmethod
+    def gradient_reduction(cls, config: Config) -> str:
+        return replicated_reduction(config)
+
     def apply(self, model: nn.Module, context: DistributedContext) -> nn.Module:
         if self.sync.reduction != DDP:
             return model
@@ -182,6 +184,10 @@ class ShardedOptimizerState(DataParallel):
     --overlap-param-gather); megatron.optimizer.distributed_optimizer."""
 
     optimizer: Optional[DistributedOptimizer]
+
+    @classmethod
+    def gradient_reduction(cls, config: Config) -> str:
+        return OPTIMIZER
 
     @property
     def compiles_by_layer(self) -> bool:

@@ -26,7 +26,7 @@ Meshes, in Megatron-Core's rank order (megatron.parallel.parallel_state):
 
 from __future__ import annotations
 
-from typing import List, Tuple, Union
+from typing import TYPE_CHECKING, List, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -41,10 +41,18 @@ from megatron.parallel import parallel_state
 from megatron.parallel.dtensors import local_part
 from megatron.parallel.expert_parameters import expert_parameters, is_expert_parameter
 from megatron.parallelize.data_parallel import DataParallel
+from megatron.parallelize.gradient_sync import FULLY_SHARD
+
+if TYPE_CHECKING:
+    from megatron.config import Config
 
 
 class FullyShard(DataParallel):
     """FSDP2 over the data-parallel meshes (module docstring)."""
+
+    @classmethod
+    def gradient_reduction(cls, config: Config) -> str:
+        return FULLY_SHARD
 
     @property
     def shards_parameters(self) -> bool:

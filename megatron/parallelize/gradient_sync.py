@@ -1,6 +1,8 @@
-"""Gradient synchronization of the training step, decided once (`gradient_reduction`, carried
-by `GradientSync`): the data-parallel wrapper, and the reductions that finish a step's
-gradients after the last backward (Megatron-core's `finalize_model_grads`).
+"""Gradient synchronization of the training step, carried by `GradientSync`: the data-parallel
+wrapper, and the reductions that finish a step's gradients after the last backward
+(Megatron-core's `finalize_model_grads`). Each data-parallel mode says who reduces its
+gradients (megatron.parallelize.data_parallel); a replicated model's choice among torch DDP,
+one all-reduce after the last backward and none is `replicated_reduction`.
 
 Which gradient is reduced where:
 - replicated parameters: averaged over the data-parallel group by torch DDP, bucketed and
@@ -85,16 +87,13 @@ OPTIMIZER = "optimizer"  # the distributed optimizer's reduce-scatter (megatron.
 FULLY_SHARD = "fully shard"  # FSDP2's reduce-scatter in the backward (torch's fully_shard)
 
 
-def gradient_reduction(config: Config) -> str:
-    """Who reduces the data-parallel gradients, decided once from the config (the memory
-    planner asks before any process group exists). Not torch DDP under a pipeline (its hooks
-    assume one forward then one backward per micro-batch; the 1F1B schedules interleave them)
-    or with main gradients (megatron.main_grads: DDP reduces `.grad`)."""
+def replicated_reduction(config: Config) -> str:
+    """Who averages a replicated model's gradients (the `Replicated` mode's choice, from the
+    config alone: the memory planner asks before any process group exists). Not torch DDP under
+    a pipeline (its hooks assume one forward then one backward per micro-batch; the 1F1B
+    schedules interleave them) or with main gradients (megatron.main_grads: DDP reduces
+    `.grad`)."""
     parallel = config.parallel
-    if parallel.use_torch_fsdp2:
-        return FULLY_SHARD
-    if parallel.use_distributed_optimizer:
-        return OPTIMIZER
     if parallel.data_parallel_size == 1:
         return NO_REDUCTION
     if parallel.pipeline_model_parallel_size > 1 or config.numerics.main_grads_dtype is not None:
@@ -104,9 +103,9 @@ def gradient_reduction(config: Config) -> str:
 
 @dataclass(frozen=True)
 class GradientSync:
-    """A run's gradient synchronization, the one object the trainer calls after the last
-    backward (megatron.parallelize.steps builds it with the model and wraps the model in DDP when
-    `in_ddp`). `reduction`: gradient_reduction's answer."""
+    """A run's gradient synchronization, which its data-parallel mode calls after the last
+    backward (and wraps the model in DDP for when `in_ddp`). `reduction`: who averages the
+    gradients over the data-parallel group, the mode's answer."""
 
     reduction: str
     pipeline: bool = False
@@ -114,9 +113,9 @@ class GradientSync:
     expert_parallel: bool = False
 
     @classmethod
-    def of(cls, config: Config) -> GradientSync:
+    def of(cls, config: Config, reduction: str) -> GradientSync:
         return cls(
-            reduction=gradient_reduction(config),
+            reduction=reduction,
             pipeline=config.parallel.pipeline_model_parallel_size > 1,
             sequence_parallel=config.model.sequence_parallel,
             expert_parallel=config.parallel.expert_model_parallel_size > 1,

@@ -54,6 +54,7 @@ from megatron.parallel import parallel_state
 from megatron.parallel.expert_parameters import expert_parameters
 from megatron.parallel.parameter_swaps import materialize
 from megatron.parallelize.data_parallel import DataParallel
+from megatron.parallelize.data_parallel_mode import data_parallel_mode
 from megatron.parallelize.fp8_projections import apply_fp8, check_fp8_device
 from megatron.parallelize.tensor_parallelism import apply_tensor_parallel
 from megatron.pipeline.stages import stage_layer_numbers
@@ -124,7 +125,7 @@ def parallelize(
         recipe = recipe_for(context.device, numerics.fp8_recipe, numerics.fp8_format)
         mlp_spec = getattr(model, "mlp_spec", None) or MlpSpec()
         apply_fp8(model, recipe, mlp_spec.fp8_styles())
-    data_parallel = DataParallel.of(config)
+    data_parallel = data_parallel_mode(config)
     pipeline = data_parallel.pipeline
     unwrapped: nn.Module = split_pipeline(model) if pipeline else model
     apply_activation_recomputation(unwrapped, config.model)

@@ -20,7 +20,8 @@ from megatron.memory_plan.activations import layer_bytes_per_token, norm_bytes_p
 from megatron.memory_plan.command_line import build_config
 from megatron.memory_plan.suggestions import format_warning, suggest_fits
 from megatron.model import GPTModel
-from megatron.parallelize.data_parallel import DataParallel, autocast_cast_parameters
+from megatron.parallelize.data_parallel import autocast_cast_parameters
+from megatron.parallelize.data_parallel_mode import data_parallel_mode
 from tests import processes
 from tests.tiny_gpt import sharded_gpt_model
 
@@ -161,7 +162,7 @@ def test_fully_shard_keeps_a_shard_of_everything(flags):
     assert estimate.weights == estimate.gradients == pytest.approx(4 * parameters / 8, abs=32)
     # Without expert parallelism the experts are in their layers' units, sharded as those.
     hybrid_config = config_of("--global-batch-size", "16", *flags, *hybrid_flags, world_size=8)
-    assert DataParallel.of(hybrid_config).optimizer_shards() == (4, 4)
+    assert data_parallel_mode(hybrid_config).optimizer_shards() == (4, 4)
 
 
 def test_fully_shard_shards_expert_parallel_experts_over_their_replicas():

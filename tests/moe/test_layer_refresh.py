@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron.parallelize.data_parallel import DataParallel
+from megatron.parallelize.data_parallel_mode import data_parallel_mode
 from moe.config import MoEConfig
 from moe.experts import expert_modules
 from moe.layers import build_moe_layer
@@ -22,7 +22,7 @@ def test_each_layer_refreshes_its_copies_once_its_weights_are_there():
         [build_moe_layer(moe_layer_model_config(32, 64, 16), moe) for _ in range(2)]
     )
     hooks = MoETrainingHooks(moe, torch.bfloat16, num_layers=2, writes_metrics=False)
-    hooks.setup(model, DataParallel.of(config()), torch.device("cpu"))
+    hooks.setup(model, data_parallel_mode(config()), torch.device("cpu"))
     hooks.weights_arrive_by_layer()
 
     def copies(layer):

@@ -33,7 +33,7 @@ import pretrain_gpt
 from megatron.optimizer.sharded_buffer import ShardedBuffer
 from megatron.parallel import parallel_state
 from megatron.parallelize import data_parallel
-from megatron.parallelize.data_parallel import DataParallel
+from megatron.parallelize.data_parallel_mode import data_parallel_mode
 from moe.config import MoEConfig
 from moe.experts import Experts
 from moe.mlp_spec import MoEMlpSpec
@@ -73,7 +73,7 @@ def _step_gathers(rank: int, world_size: int) -> Dict:
     parallel_state.initialize_model_parallel()
     run_config = config("--bf16", "--use-distributed-optimizer", world_size=world_size)
     model = sharded_gpt_model(tiny_model_config(), MoEMlpSpec(MoEConfig(num_experts=4, top_k=2)))
-    optimizer = DataParallel.of(run_config).build_optimizer(model)
+    optimizer = data_parallel_mode(run_config).build_optimizer(model)
     for param in model.parameters():
         param.grad = torch.ones_like(param)
     gathered: Dict[str, int] = {}

@@ -1,24 +1,26 @@
-"""Who reduces the data-parallel gradients (megatron.parallelize.gradient_sync.gradient_reduction), decided
-once from the config: what parallelize wraps in DDP, what the trainer reduces after the last
-backward and what the memory planner counts all follow it. (The reductions themselves are
-tested end to end against one process in the tests of each layout.)"""
+"""Who reduces the data-parallel gradients, decided once from the config by the data-parallel
+mode (megatron.parallelize.data_parallel_mode chooses the mode; a replicated model's reduction
+is megatron.parallelize.gradient_sync.replicated_reduction): what parallelize wraps in DDP,
+what the trainer reduces after the last backward and what the memory planner counts all follow
+it. (The reductions themselves are tested end to end against one process in the tests of each
+layout.)"""
 
 from __future__ import annotations
 
 import pytest
 
 from megatron.parallelize.data_parallel import (
-    DataParallel,
     Replicated,
     ShardedOptimizerState,
 )
+from megatron.parallelize.data_parallel_mode import data_parallel_mode
+from megatron.parallelize.fully_shard import FullyShard
 from megatron.parallelize.gradient_sync import (
     AFTER_BACKWARD,
     DDP,
+    FULLY_SHARD,
     NO_REDUCTION,
     OPTIMIZER,
-    GradientSync,
-    gradient_reduction,
 )
 from tests.config.command_lines import config
 
@@ -32,6 +34,8 @@ MAIN_GRADS = ("--bf16", "--use-precision-aware-optimizer", "--main-grads-dtype",
         ((), 2, DDP),
         (("--use-distributed-optimizer",), 2, OPTIMIZER),
         (("--use-distributed-optimizer",), 1, OPTIMIZER),
+        (("--use-torch-fsdp2",), 2, FULLY_SHARD),
+        (("--use-torch-fsdp2",), 1, FULLY_SHARD),
         (("--pipeline-model-parallel-size", "2"), 4, AFTER_BACKWARD),
         (("--pipeline-model-parallel-size", "2"), 2, NO_REDUCTION),
         (MAIN_GRADS, 2, AFTER_BACKWARD),
@@ -41,8 +45,7 @@ MAIN_GRADS = ("--bf16", "--use-precision-aware-optimizer", "--main-grads-dtype",
 )
 def test_one_decision_for_every_layout(flags, world_size, reduction):
     cfg = config(*flags, world_size=world_size)
-    assert gradient_reduction(cfg) == reduction
-    sync = GradientSync.of(cfg)
+    sync = data_parallel_mode(cfg).sync
     assert sync.reduction == reduction and sync.in_ddp == (reduction == DDP)
     assert sync.pipeline == (cfg.parallel.pipeline_model_parallel_size > 1)
 
@@ -66,6 +69,7 @@ def test_one_decision_for_every_layout(flags, world_size, reduction):
             (2, 2),
             (True, True),
         ),
+        (("--use-torch-fsdp2",), 4, FullyShard, (4, 4), (True, False)),
         (
             ("--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather")
             + ("--pipeline-model-parallel-size", "2"),
@@ -82,7 +86,7 @@ def test_one_data_parallel_mode_answers_the_trainer_and_the_planner(
     """The mode parallelize builds, what it tells the planner (over how many ranks the dense
     and the expert optimizer state are divided) and whether it compiles and gathers layer by
     layer (a pipeline's schedules run the forwards, so its layers do not wait one by one)."""
-    data_parallel = DataParallel.of(config(*flags, world_size=world_size))
+    data_parallel = data_parallel_mode(config(*flags, world_size=world_size))
     assert type(data_parallel) is mode
     assert data_parallel.optimizer_shards() == shards
     assert (data_parallel.compiles_by_layer, data_parallel.gathers_by_layer) == by_layer
