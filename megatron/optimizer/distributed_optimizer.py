@@ -358,7 +358,9 @@ def build_distributed_optimizer(
 ) -> DistributedOptimizer:
     """`build_optimizer`'s optimizer (same groups, hyper-parameters and loss scaler), sharded
     over `data_parallel_group` (the default group when None), expert-parallel parameters over
-    parallel_state's expert-data-parallel group. The model must not be in DDP."""
+    parallel_state's expert-data-parallel group. The model must not be in DDP.
+    `compute_dtype_params`: those held in the compute dtype, as the data-parallel mode answers
+    (megatron.parallelize.data_parallel's `weights_in_compute_dtype`; none without autocast)."""
     optimizer, grad_scaler = build_inner_optimizer(model, optimizer_config, training_config)
     numerics = Numerics.of(training_config, optimizer_config)
     return DistributedOptimizer(
@@ -373,7 +375,7 @@ def build_distributed_optimizer(
         model_order=list(model.parameters()),
         overlap_param_gather=overlap_param_gather,
         compute_dtype=numerics.compute_dtype,
-        compute_dtype_params=compute_dtype_params if numerics.autocast else (),
+        compute_dtype_params=compute_dtype_params,
     )
 
 

@@ -110,11 +110,15 @@ class DataParallel:
         divided: the memory planner's question."""
         return 1, 1
 
+    # Whether this mode holds the weights autocast would cast in the compute dtype under
+    # --bf16/--fp16 (`weights_in_compute_dtype`, the one answer every reader takes).
+    holds_weights_in_compute_dtype = False
+
     @property
     def weights_in_compute_dtype(self) -> bool:
         """Whether the weights autocast would cast (`autocast_cast_parameters`) are held in the
         compute dtype, with fp32 master weights beside them."""
-        return False
+        return self.holds_weights_in_compute_dtype and self.config.numerics.autocast
 
     @property
     def shards_parameters(self) -> bool:
@@ -184,6 +188,7 @@ class ShardedOptimizerState(DataParallel):
     --overlap-param-gather); megatron.optimizer.distributed_optimizer."""
 
     optimizer: Optional[DistributedOptimizer]
+    holds_weights_in_compute_dtype = True
 
     @classmethod
     def gradient_reduction(cls, config: Config) -> str:
@@ -198,10 +203,6 @@ class ShardedOptimizerState(DataParallel):
     def gathers_by_layer(self) -> bool:
         # Under a pipeline the schedules run the chunks' forwards: all wait before them.
         return self.config.parallel.overlap_param_gather and not self.pipeline
-
-    @property
-    def weights_in_compute_dtype(self) -> bool:
-        return self.config.numerics.autocast
 
     def optimizer_shards(self) -> Tuple[int, int]:
         parallel = self.config.parallel
@@ -219,7 +220,9 @@ class ShardedOptimizerState(DataParallel):
             overlap_grad_reduce=parallel.overlap_grad_reduce,
             bucket_size=parallel.ddp_bucket_size,
             overlap_param_gather=parallel.overlap_param_gather,
-            compute_dtype_params=autocast_cast_parameters(model),
+            compute_dtype_params=(
+                autocast_cast_parameters(model) if self.weights_in_compute_dtype else ()
+            ),
         )
         print_rank_0(f"> {self.optimizer.memory_report()}")
         return self.optimizer

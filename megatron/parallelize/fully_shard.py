@@ -50,6 +50,8 @@ if TYPE_CHECKING:
 class FullyShard(DataParallel):
     """FSDP2 over the data-parallel meshes (module docstring)."""
 
+    holds_weights_in_compute_dtype = True
+
     @classmethod
     def gradient_reduction(cls, config: Config) -> str:
         return FULLY_SHARD
@@ -63,10 +65,6 @@ class FullyShard(DataParallel):
         # Each layer's forward compiled on its own: fully_shard's hooks around it (the gathers,
         # and the reduce-scatters they set up) run eagerly.
         return True
-
-    @property
-    def weights_in_compute_dtype(self) -> bool:
-        return self.config.numerics.autocast
 
     @property
     def gradient_reduce_dtype(self) -> torch.dtype:

@@ -90,3 +90,19 @@ def test_one_data_parallel_mode_answers_the_trainer_and_the_planner(
     assert type(data_parallel) is mode
     assert data_parallel.optimizer_shards() == shards
     assert (data_parallel.compiles_by_layer, data_parallel.gathers_by_layer) == by_layer
+
+
+@pytest.mark.parametrize(
+    "flags, holds",
+    [
+        ((), False),
+        (("--use-distributed-optimizer",), True),
+        (("--use-torch-fsdp2",), True),
+    ],
+)
+@pytest.mark.parametrize("precision", [(), ("--bf16",), ("--fp16",)])
+def test_one_answer_whether_the_weights_are_held_in_the_compute_dtype(flags, holds, precision):
+    """The mode's answer, which the distributed optimizer's buffers, the MoE hooks and the
+    memory planner all take: the sharding modes hold them so under autocast, no mode without."""
+    data_parallel = data_parallel_mode(config(*flags, *precision, world_size=2))
+    assert data_parallel.weights_in_compute_dtype == (holds and bool(precision))
