@@ -121,7 +121,7 @@ def moe_memory(config: Config, moe: MoEConfig, layer_numbers: Sequence[int]) -> 
     # FP8 grouped GEMMs keep the copies quantized, in two layouts of a byte each.
     fp8_copies = numerics.fp8_format is not None and moe.dropless and moe.mlp_impl == "grouped"
     data_parallel = data_parallel_mode(config)
-    if data_parallel.weights_in_compute_dtype:
+    if numerics.weights_in_compute_dtype:
         # The expert weights themselves are in the compute dtype: no copies, no held gradients
         # and no casts (autograd adds each micro-batch's gradient into the main gradient).
         return MlpMemory(weight_copies=2 * weights if fp8_copies else 0)

@@ -9,10 +9,13 @@ including for the changed configs the memory planner tries.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
+
+from megatron.config.data_parallel_kind import DataParallelKind
 
 # --main-grads-dtype, --exp-avg-dtype and --exp-avg-sq-dtype values.
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -20,16 +23,20 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 @dataclass(frozen=True)
 class Numerics:
-    """compute_dtype: autocast's dtype (float32: no autocast; parameters stay fp32 either way,
-    but where the distributed optimizer holds the weights autocast would cast in it:
-    megatron.parallelize.data_parallel).
+    """compute_dtype: autocast's dtype (float32: no autocast; parameters stay fp32 unless the
+    data-parallel mode holds them in it: weights_in_compute_dtype).
     main_grads_dtype: gradients kept in this dtype beside the parameters (megatron.main_grads),
     or None where the parameters' own fp32 `.grad` is used. weight_copies_dtype: the dtype of
     the per-step copies of weights whose layers accumulate their gradients themselves
     (--gradient-accumulation-fusion with bf16/fp16), or None where autocast casts the weights
     in every micro-batch. offload_fraction: the share of the optimizer state on the host.
     fp8_format, fp8_recipe: the FP8 products of the attention and MLP projections
-    (megatron.kernels.fp8_linear), or None without them."""
+    (megatron.kernels.fp8_linear), or None without them.
+    weights_in_compute_dtype: whether the weights autocast would cast
+    (megatron.parallelize.data_parallel's `autocast_cast_parameters`) are held in the compute
+    dtype, with fp32 master weights beside them: the data-parallel mode's answer (`held_by`),
+    which the mode (building the distributed optimizer) and the memory planner take.
+    False from `of` alone, which reads only the precision and optimizer flags."""
 
     compute_dtype: torch.dtype
     main_grads_dtype: Optional[torch.dtype]
@@ -39,6 +46,7 @@ class Numerics:
     offload_fraction: float
     fp8_format: Optional[str] = None
     fp8_recipe: Optional[str] = None
+    weights_in_compute_dtype: bool = False
 
     @property
     def autocast(self) -> bool:
@@ -79,3 +87,8 @@ class Numerics:
             fp8_format=training.fp8_format,
             fp8_recipe=training.fp8_recipe if training.fp8_format is not None else None,
         )
+
+    def held_by(self, data_parallel: DataParallelKind) -> Numerics:
+        """These numerics as the data-parallel mode `data_parallel` holds the weights."""
+        held = data_parallel.holds_weights_in_compute_dtype and self.autocast
+        return dataclasses.replace(self, weights_in_compute_dtype=held)

@@ -11,6 +11,7 @@ from types import MappingProxyType
 from typing import Any, Callable, Mapping, Optional, Sequence, Tuple, Type, TypeVar
 
 from megatron.arguments import ArgumentGroupAdder
+from megatron.config.data_parallel_kind import DataParallelKind
 from megatron.config.numerics import Numerics
 from megatron.config.validation import (
     parse_arguments,
@@ -86,6 +87,11 @@ class ParallelConfig:
     # Its all-gather after the step left in flight until each layer's forward needs it
     # (megatron.optimizer.param_gather); needs overlap_grad_reduce's buckets.
     overlap_param_gather: bool = False
+
+    @property
+    def data_parallel_kind(self) -> DataParallelKind:
+        """The data-parallel mode these flags ask for (megatron.config.data_parallel_kind)."""
+        return DataParallelKind.of(self.use_torch_fsdp2, self.use_distributed_optimizer)
 
 
 @dataclass(frozen=True)
@@ -274,8 +280,10 @@ class Config:
     def numerics(self) -> Numerics:
         """Compute, gradient and optimizer-state dtypes, decided from the sections
         (megatron.config.numerics); derived once per Config (the trainer reads it every
-        micro-batch), and anew for a changed copy (dataclasses.replace)."""
-        return Numerics.of(self.training, self.optimizer)
+        micro-batch), and anew for a changed copy (dataclasses.replace); told by the
+        data-parallel mode whether it holds the weights in the compute dtype."""
+        numerics = Numerics.of(self.training, self.optimizer)
+        return numerics.held_by(self.parallel.data_parallel_kind)
 
     def extension(self, kind: Type[T]) -> Optional[T]:
         """The extension config of type `kind`, or None when the run has none."""

@@ -250,7 +250,7 @@ def _estimate_stage(
         )
     else:
         # Weights held in the compute dtype, with fp32 masters of this rank's shard only.
-        if data_parallel.weights_in_compute_dtype:
+        if config.numerics.weights_in_compute_dtype:
             low = counts.compute
             masters = 4 * (
                 -(-counts.compute_dense // dense_shards)

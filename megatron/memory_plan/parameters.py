@@ -127,12 +127,12 @@ def count_parameters(config: Config, mlp_spec: MlpSpec) -> ModelParameterCounts:
         apply_styles(model, mlp_spec.tensor_parallel_styles(), layout)
     data_parallel = data_parallel_mode(config)
     fp8 = config.numerics.fp8_format is not None
-    rules = layer_rules = _Rules(tensor, fp8, data_parallel.weights_in_compute_dtype)
+    holds = config.numerics.weights_in_compute_dtype
+    rules = layer_rules = _Rules(tensor, fp8, holds)
     if data_parallel.shards_parameters:
         # FSDP2 gathers every parameter of a layer in the compute dtype, and the rest
         # (embeddings, final norm, output layer) in fp32, which autocast casts as in a
         # replicated run (megatron.parallelize.fully_shard).
-        holds = data_parallel.weights_in_compute_dtype
         rules = _Rules(tensor, fp8, holds_compute_dtype=False)
         layer_rules = _Rules(tensor, fp8, holds, all_in_compute_dtype=holds)
     if model.output_layer is not None:

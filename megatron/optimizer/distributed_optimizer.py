@@ -360,7 +360,7 @@ def build_distributed_optimizer(
     over `data_parallel_group` (the default group when None), expert-parallel parameters over
     parallel_state's expert-data-parallel group. The model must not be in DDP.
     `compute_dtype_params`: those held in the compute dtype, as the data-parallel mode answers
-    (megatron.parallelize.data_parallel's `weights_in_compute_dtype`; none without autocast)."""
+    (the run's Numerics.weights_in_compute_dtype; none without autocast)."""
     optimizer, grad_scaler = build_inner_optimizer(model, optimizer_config, training_config)
     numerics = Numerics.of(training_config, optimizer_config)
     return DistributedOptimizer(

@@ -12,7 +12,7 @@ one owner). `parallelize` builds it (step 7) and the rest of the run asks it:
   expert weights' gradients;
 - the memory planner, before any process group exists: the mode
   (megatron.parallelize.data_parallel_mode chooses it from the flags, in one place),
-  `optimizer_shards` and `weights_in_compute_dtype`.
+  `optimizer_shards` (whether it holds the weights in the compute dtype: Config.numerics).
 
 Three modes:
 - `Replicated`: every rank keeps the whole model and its optimizer state; the gradients are
@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Callable, ContextManager, Iterable, List, Opti
 import torch
 from torch import nn
 
+from megatron.config.data_parallel_kind import DataParallelKind
 from megatron.initialize import DistributedContext, print_rank_0
 from megatron.model.transformer import TransformerLayer
 from megatron.optimizer import MegatronOptimizer, build_optimizer
@@ -69,7 +70,9 @@ class DataParallel:
 
     def __init__(self, config: Config) -> None:
         self.config = config
-        self.sync = GradientSync.of(config, self.gradient_reduction(config))
+        self.sync = GradientSync.of(
+            config, self.gradient_reduction(config), self.reduces_expert_gradients_after_backward
+        )
         self.optimizer: Optional[MegatronOptimizer] = None
 
     @classmethod
@@ -110,15 +113,13 @@ class DataParallel:
         divided: the memory planner's question."""
         return 1, 1
 
-    # Whether this mode holds the weights autocast would cast in the compute dtype under
-    # --bf16/--fp16 (`weights_in_compute_dtype`, the one answer every reader takes).
-    holds_weights_in_compute_dtype = False
+    # Whether the expert-parallel shards' gradients (outside DDP and the flat all-reduce) are
+    # averaged after the backward; the sharding modes reduce-scatter them with the rest.
+    reduces_expert_gradients_after_backward = True
 
-    @property
-    def weights_in_compute_dtype(self) -> bool:
-        """Whether the weights autocast would cast (`autocast_cast_parameters`) are held in the
-        compute dtype, with fp32 master weights beside them."""
-        return self.holds_weights_in_compute_dtype and self.config.numerics.autocast
+    # The flags' name for this mode (megatron.config.data_parallel_kind), which also says
+    # whether it holds the weights in the compute dtype: Config.numerics asks it.
+    kind: DataParallelKind
 
     @property
     def shards_parameters(self) -> bool:
@@ -166,6 +167,8 @@ class Replicated(DataParallel):
     """Every rank keeps the whole model and optimizer; gradients averaged by DDP, by one
     all-reduce after the last backward, or not at all (megatron.parallelize.gradient_sync)."""
 
+    kind = DataParallelKind.REPLICATED
+
     @classmethod
     def gradient_reduction(cls, config: Config) -> str:
         return replicated_reduction(config)
@@ -188,7 +191,9 @@ class ShardedOptimizerState(DataParallel):
     --overlap-param-gather); megatron.optimizer.distributed_optimizer."""
 
     optimizer: Optional[DistributedOptimizer]
-    holds_weights_in_compute_dtype = True
+    kind = DataParallelKind.SHARDED_OPTIMIZER_STATE
+    # It reduce-scatters the expert gradients over the expert-data-parallel group itself.
+    reduces_expert_gradients_after_backward = False
 
     @classmethod
     def gradient_reduction(cls, config: Config) -> str:
@@ -221,7 +226,9 @@ class ShardedOptimizerState(DataParallel):
             bucket_size=parallel.ddp_bucket_size,
             overlap_param_gather=parallel.overlap_param_gather,
             compute_dtype_params=(
-                autocast_cast_parameters(model) if self.weights_in_compute_dtype else ()
+                autocast_cast_parameters(model)
+                if self.config.numerics.weights_in_compute_dtype
+                else ()
             ),
         )
         print_rank_0(f"> {self.optimizer.memory_report()}")

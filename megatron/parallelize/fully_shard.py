@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatron.config.data_parallel_kind import DataParallelKind
 from megatron.errors import UserError
 from megatron.initialize import DistributedContext
 from megatron.main_grads import gradient
@@ -50,7 +51,9 @@ if TYPE_CHECKING:
 class FullyShard(DataParallel):
     """FSDP2 over the data-parallel meshes (module docstring)."""
 
-    holds_weights_in_compute_dtype = True
+    kind = DataParallelKind.FULLY_SHARD
+    # Each expert shard's FSDP2 unit reduce-scatters its gradients in the backward.
+    reduces_expert_gradients_after_backward = False
 
     @classmethod
     def gradient_reduction(cls, config: Config) -> str:

@@ -105,20 +105,25 @@ def replicated_reduction(config: Config) -> str:
 class GradientSync:
     """A run's gradient synchronization, which its data-parallel mode calls after the last
     backward (and wraps the model in DDP for when `in_ddp`). `reduction`: who averages the
-    gradients over the data-parallel group, the mode's answer."""
+    gradients over the data-parallel group, the mode's answer. `reduces_expert_gradients`:
+    whether the expert-parallel shards' gradients are averaged here after the backward, also
+    the mode's answer (the sharding modes reduce-scatter them with the rest)."""
 
     reduction: str
     pipeline: bool = False
     sequence_parallel: bool = False
     expert_parallel: bool = False
+    reduces_expert_gradients: bool = False
 
     @classmethod
-    def of(cls, config: Config, reduction: str) -> GradientSync:
+    def of(cls, config: Config, reduction: str, reduces_expert_gradients: bool) -> GradientSync:
+        expert_parallel = config.parallel.expert_model_parallel_size > 1
         return cls(
             reduction=reduction,
             pipeline=config.parallel.pipeline_model_parallel_size > 1,
             sequence_parallel=config.model.sequence_parallel,
-            expert_parallel=config.parallel.expert_model_parallel_size > 1,
+            expert_parallel=expert_parallel,
+            reduces_expert_gradients=expert_parallel and reduces_expert_gradients,
         )
 
     @property
@@ -138,10 +143,9 @@ class GradientSync:
         if self.sequence_parallel:
             # Norms saw only this rank's sequence shard: sum their gradients over TP ranks.
             all_reduce_sequence_parallel_grads(model.parameters())
-        if self.expert_parallel and self.reduction not in (OPTIMIZER, FULLY_SHARD):
+        if self.reduces_expert_gradients:
             # Expert gradients hold the contributions of the expert-parallel group's tokens;
             # this turns them into the data-parallel average DDP gives the other parameters.
-            # (The distributed optimizer reduce-scatters them over the same group itself.)
             reduce_expert_gradients(model)
 
 

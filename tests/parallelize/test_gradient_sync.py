@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+from megatron.config.numerics import Numerics
 from megatron.parallelize.data_parallel import (
     Replicated,
     ShardedOptimizerState,
@@ -48,6 +49,30 @@ def test_one_decision_for_every_layout(flags, world_size, reduction):
     sync = data_parallel_mode(cfg).sync
     assert sync.reduction == reduction and sync.in_ddp == (reduction == DDP)
     assert sync.pipeline == (cfg.parallel.pipeline_model_parallel_size > 1)
+
+
+EP2 = ("--expert-model-parallel-size", "2")
+
+
+@pytest.mark.parametrize(
+    "flags, world_size, expert_reduction",
+    [
+        (EP2, 4, True),
+        (EP2, 2, True),
+        ((*EP2, "--pipeline-model-parallel-size", "2"), 4, True),
+        ((), 2, False),  # no expert-parallel shards: DDP or the flat all-reduce has them all
+        (("--use-distributed-optimizer", *EP2), 4, False),
+        (("--use-torch-fsdp2", *EP2), 4, False),
+    ],
+)
+def test_each_mode_says_whether_the_expert_gradients_are_reduced_after_the_backward(
+    flags, world_size, expert_reduction
+):
+    """A replicated model's expert shards are outside DDP and the flat all-reduce, so the sync
+    averages them after the backward; the sharding modes reduce-scatter them themselves, and
+    averaging them again would halve them."""
+    sync = data_parallel_mode(config(*flags, world_size=world_size)).sync
+    assert sync.reduces_expert_gradients == expert_reduction
 
 
 @pytest.mark.parametrize(
@@ -102,7 +127,13 @@ def test_one_data_parallel_mode_answers_the_trainer_and_the_planner(
 )
 @pytest.mark.parametrize("precision", [(), ("--bf16",), ("--fp16",)])
 def test_one_answer_whether_the_weights_are_held_in_the_compute_dtype(flags, holds, precision):
-    """The mode's answer, which the distributed optimizer's buffers, the MoE hooks and the
-    memory planner all take: the sharding modes hold them so under autocast, no mode without."""
-    data_parallel = data_parallel_mode(config(*flags, *precision, world_size=2))
-    assert data_parallel.weights_in_compute_dtype == (holds and bool(precision))
+    """The run's Numerics, told by its mode, give the one answer the distributed optimizer's
+    buffers and the memory planner take: the sharding modes hold the weights in the compute
+    dtype under autocast, no mode without; the mode built is the kind Numerics asked."""
+    cfg = config(*flags, *precision, world_size=2)
+    assert cfg.numerics.weights_in_compute_dtype == (holds and bool(precision))
+    data_parallel = data_parallel_mode(cfg)
+    assert data_parallel.kind is cfg.parallel.data_parallel_kind
+    assert data_parallel.kind.holds_weights_in_compute_dtype == holds
+    # The precision and optimizer flags alone do not know the mode.
+    assert not Numerics.of(cfg.training, cfg.optimizer).weights_in_compute_dtype
