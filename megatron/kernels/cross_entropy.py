@@ -9,6 +9,8 @@ fewest passes and never copied to fp32:
 - backward, one pass: grad_logits = (exp(x - lse) - onehot(label)) * grad_loss[row], written in the
   logits' dtype.
 Per row of V bf16 logits that is 2V bytes read forward, and 2V read plus 2V written backward.
+`cross_entropy_forward` and `cross_entropy_backward` are the two halves outside autograd, for a
+caller that recomputes the logits instead of keeping them (megatron.kernels.linear_cross_entropy).
 
 Labels equal to ignore_index (-100 by default, as in F.cross_entropy) give loss 0 and a zero
 gradient row. Any other label outside [0, V) cannot be reported without a host sync, so the
@@ -37,7 +39,13 @@ if TRITON_AVAILABLE:
 
     from megatron.kernels.aot import AotSpec
 
-__all__ = ["AOT_SPECS", "cross_entropy", "cross_entropy_reference"]
+__all__ = [
+    "AOT_SPECS",
+    "cross_entropy",
+    "cross_entropy_backward",
+    "cross_entropy_forward",
+    "cross_entropy_reference",
+]
 
 # 4096 columns per chunk: a 50,304-word vocab is 13 chunks of which the last is 28% full, so 5.8%
 # of lanes idle (8192 would idle 14%). With 8 warps each thread holds 16 values (two 16-byte bf16
@@ -264,6 +272,50 @@ def cross_entropy(
     if not use_triton(logits):
         return cross_entropy_reference(logits, labels, ignore_index)
     return _cross_entropy_kernel(logits.contiguous(), labels.contiguous(), ignore_index)
+
+
+def cross_entropy_forward(
+    logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward half alone, outside autograd: fp32 (losses, lse) [N] of logits [N, V].
+
+    For callers that keep lse and run `cross_entropy_backward` themselves instead of keeping
+    the logits (megatron.kernels.linear_cross_entropy). The kernel where `use_triton` says so,
+    else the reference math (which, like `cross_entropy_reference`, raises on a bad label).
+    """
+    logits = logits.detach()
+    if not use_triton(logits):
+        logits = logits.float()
+        losses = F.cross_entropy(logits, labels, reduction="none", ignore_index=ignore_index)
+        return losses, torch.logsumexp(logits, dim=-1)
+    return _forward_op(logits.contiguous(), labels.contiguous(), ignore_index)
+
+
+def cross_entropy_backward(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    lse: torch.Tensor,
+    grad_losses: torch.Tensor,
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """grad_logits [N, V] in the logits' dtype: (exp(logits - lse) - onehot(label)) * grad_losses,
+    zero on ignore_index rows; the backward half to `cross_entropy_forward`."""
+    logits = logits.detach()
+    if use_triton(logits):
+        return _backward_op(
+            logits.contiguous(),
+            labels.contiguous(),
+            lse.contiguous(),
+            grad_losses.contiguous(),
+            ignore_index,
+        )
+    ignored = labels == ignore_index
+    probs = torch.exp(logits.float() - lse[:, None])
+    # An ignored row's label may be outside [0, V); its gradient is scaled to zero anyway.
+    targets = labels.masked_fill(ignored, 0)[:, None]
+    grad = probs.scatter_add(1, targets, probs.new_full(targets.shape, -1.0))
+    scale = grad_losses.float().masked_fill(ignored, 0.0)
+    return (grad * scale[:, None]).to(logits.dtype)
 
 
 def _forward_spec(dtype: str) -> AotSpec:
