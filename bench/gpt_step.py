@@ -6,11 +6,18 @@ The same harness then times `megatron.model.GPTModel` with the same settings, so
 cost is separated from the training loop's (pretrain_gpt.py's log line gives the loop's).
 
     python -m bench.gpt_step [--micro-batch-size 16] [--steps 20]
+
+With --loss-fusion it times only the compiled model, with its output layer and loss apart and
+fused (--cross-entropy-fusion-impl linear, megatron.kernels.linear_cross_entropy), and prints
+each one's peak GPU memory beside its tokens/s.
+
+    python -m bench.gpt_step --loss-fusion [--micro-batch-size 32]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 
 import torch
@@ -90,11 +97,36 @@ def time_steps(model, loss_of, batch, steps: int, warmup: int = 5) -> float:
     return timings[len(timings) // 2]
 
 
+def compare_loss_fusion(config: ModelConfig, batch, steps: int, flops: float) -> None:
+    """The compiled model with the logits stored, then with the output layer and the loss fused:
+    tokens/s and peak memory, one after the other on this GPU."""
+    batch_size, seq = batch[0].shape
+    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, micro batch {batch_size}")
+    print("| loss | tokens/s | model TFLOP/s | peak GiB |")
+    print("|---|---:|---:|---:|")
+    for name, fused in (("logits, then the fused cross-entropy", False), ("linear fused", True)):
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        model = GPTModel(dataclasses.replace(config, linear_cross_entropy_fusion=fused)).cuda()
+        seconds = time_steps(
+            torch.compile(model.train()),
+            lambda m, x, y: m(x, labels=y).float().mean(),
+            batch,
+            steps,
+        )
+        peak = torch.cuda.max_memory_allocated() / 2**30
+        print(
+            f"| {name} | {batch_size * seq / seconds:,.0f} | {flops / seconds / 1e12:.1f} | {peak:.2f} |"
+        )
+        del model
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--micro-batch-size", type=int, default=16)
     parser.add_argument("--seq-length", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--loss-fusion", action="store_true")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/gpt_step.py needs a GPU")
@@ -115,6 +147,9 @@ def main() -> None:
     def ours_loss(model, inputs, labels):
         return model(inputs, labels=labels).float().mean()
 
+    if args.loss_fusion:
+        compare_loss_fusion(config, batch, args.steps, flops)
+        return
     rows = []
     for name, build, loss_of in (
         ("plain PyTorch GPT-2 (no dropout)", lambda: PlainGPT(12, 768, 12, seq), plain_loss),

@@ -26,7 +26,7 @@ NO_EFFECT_SWITCHES = {
     "(the attention is causal)",
     "--manual-gc": "Python's garbage collector is left to run as it does",
 }
-CROSS_ENTROPY_FUSION_IMPLS = ("native", "te")
+CROSS_ENTROPY_FUSION_IMPLS = ("native", "te", "linear")
 
 
 def add_megatron_core_model_args(parser: argparse.ArgumentParser) -> None:
@@ -75,8 +75,10 @@ def add_megatron_core_model_args(parser: argparse.ArgumentParser) -> None:
         "--cross-entropy-fusion-impl",
         default=None,
         choices=CROSS_ENTROPY_FUSION_IMPLS,
-        help="Megatron-Core's cross-entropy kernel: accepted, no effect (the loss is this "
-        "project's own cross-entropy kernel).",
+        help="Megatron-Core's cross-entropy kernel. linear: the output layer and the "
+        "cross-entropy fused, so that the [tokens x vocabulary] logits are never stored (one "
+        "more output-layer product in the backward; tensor-parallel size 1); native, te: "
+        "accepted, no effect (the loss is this project's own cross-entropy kernel).",
     )
     group.add_argument(
         "--kv-channels",

@@ -45,7 +45,7 @@ def check_megatron_core_switches(args: argparse.Namespace, notes: List[str]) -> 
         if getattr(args, flag[2:].replace("-", "_"), False):
             notes.append(f"{flag}: {why}; no effect")
     impl = getattr(args, "cross_entropy_fusion_impl", None)
-    if impl is not None:
+    if impl in ("native", "te"):
         notes.append(
             f"--cross-entropy-fusion-impl {impl}: the loss is this project's own cross-entropy "
             "kernel; no effect"
@@ -58,6 +58,13 @@ def check_megatron_core_switches(args: argparse.Namespace, notes: List[str]) -> 
 
 
 def _refuse_missing_features(args: argparse.Namespace) -> None:
+    tensor = getattr(args, "tensor_model_parallel_size", 1)
+    if getattr(args, "cross_entropy_fusion_impl", None) == "linear" and tensor > 1:
+        raise ConfigError(
+            f"--cross-entropy-fusion-impl linear with --tensor-model-parallel-size {tensor}: the "
+            "fused output layer and cross-entropy run on one rank's whole vocabulary here; drop "
+            "the flag (the vocabulary-parallel loss keeps only this rank's share of the logits)"
+        )
     head_width = args.hidden_size // args.num_attention_heads
     kv_channels = getattr(args, "kv_channels", None)
     if kv_channels is not None and kv_channels != head_width:

@@ -47,6 +47,10 @@ class ModelConfig:
     recompute_granularity: str | None = None  # None | "full" | "selective"
     recompute_method: str | None = None  # None | "uniform" | "block"
     recompute_num_layers: int | None = None
+    # --cross-entropy-fusion-impl linear: the output layer and its cross-entropy fused, the
+    # logits never stored (megatron.kernels.linear_cross_entropy); Megatron-Core's other values
+    # change nothing here.
+    linear_cross_entropy_fusion: bool = False
     # Read by megatron.parallelize.steps's tensor-parallel step, not by the model (which is built
     # plain); the model config carries them as Megatron-core's TransformerConfig does.
     tensor_model_parallel_size: int = 1
@@ -392,7 +396,12 @@ def parse_config(
     return Config.from_args(parse_arguments(argv, extra_groups), world_size)
 
 
-_MODEL_DERIVED = ("padded_vocab_size", "num_query_groups", "recompute_num_layers")
+_MODEL_DERIVED = (
+    "padded_vocab_size",
+    "num_query_groups",
+    "recompute_num_layers",
+    "linear_cross_entropy_fusion",
+)
 _PATH_LISTS = ("data_path", "train_data_path", "valid_data_path", "test_data_path")
 
 
@@ -402,6 +411,7 @@ def _model_config(args: argparse.Namespace, padded_vocab_size: int) -> ModelConf
         padded_vocab_size=padded_vocab_size,
         num_query_groups=args.num_query_groups if args.group_query_attention else 0,
         recompute_num_layers=args.recompute_num_layers if full else None,
+        linear_cross_entropy_fusion=getattr(args, "cross_entropy_fusion_impl", None) == "linear",
         **_pick(args, ModelConfig, skip=_MODEL_DERIVED),
     )
 

@@ -24,6 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Tuple
 
+from megatron.kernels.linear_cross_entropy import CHUNK_LOGITS_BYTES
+
 if TYPE_CHECKING:
     from megatron.config import ModelConfig
     from megatron.model import MlpSpec
@@ -134,6 +136,16 @@ def logits_bytes_per_token(model: ModelConfig, compute_bytes: int, fused: bool) 
     if fused:
         return 2 * compute_bytes * vocab + 4
     return 3 * 4 * vocab + compute_bytes * vocab
+
+
+def fused_linear_loss_bytes(model: ModelConfig, tokens: int, compute_bytes: int) -> int:
+    """--cross-entropy-fusion-impl linear (megatron.kernels.linear_cross_entropy): no logits are
+    kept. At the peak, in the loss's backward: one chunk's logits and their gradient in the
+    compute dtype, the fp32 sum of the output weight's gradient, and the fp32 losses and
+    log-sum-exp of every token."""
+    vocab = model.padded_vocab_size
+    rows = min(tokens, max(1, CHUNK_LOGITS_BYTES // (vocab * compute_bytes)))
+    return 2 * rows * vocab * compute_bytes + 4 * vocab * model.hidden_size + 8 * tokens
 
 
 def backward_workspace_per_token(model: ModelConfig, layer: LayerBytes) -> float:

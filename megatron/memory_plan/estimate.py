@@ -45,6 +45,7 @@ from megatron.memory_plan.activations import (
     CUDA_MASK_BYTES,
     backward_workspace_per_token,
     embedding_bytes_per_token,
+    fused_linear_loss_bytes,
     in_flight_micro_batches,
     layer_bytes_per_token,
     logits_bytes_per_token,
@@ -286,7 +287,12 @@ def _estimate_stage(
     last = pipeline_rank == parallel.pipeline_model_parallel_size - 1
     tokens = config.training.micro_batch_size * config.data.seq_length
     fused = config.training.kernels != "reference"
-    logits = int(tokens * logits_bytes_per_token(model, c, fused)) if last else 0
+    if not last:
+        logits = 0
+    elif model.linear_cross_entropy_fusion:
+        logits = fused_linear_loss_bytes(model, tokens, c)
+    else:
+        logits = int(tokens * logits_bytes_per_token(model, c, fused))
     return MemoryEstimate(
         weights=weights,
         expert_weight_copies=extra.weight_copies,

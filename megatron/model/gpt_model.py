@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron.kernels.cross_entropy import cross_entropy  # its reference without Triton
+from megatron.kernels.linear_cross_entropy import linear_cross_entropy
 from megatron.model.embeddings import LanguageModelEmbedding
 from megatron.model.mlp import DENSE_MLP, MlpSpec
 from megatron.model.norms import RMSNorm
@@ -46,7 +47,12 @@ class OutputHead(nn.Module):
     """Final hidden states [b, s, h] and the [vocab, h] output weight -> logits [b, s, vocab],
     or with `labels` [b, s] the per-token fp32 losses [b, s]. It holds no parameter (the weight
     is the model's `output_weight()`); tensor parallelism swaps it for its vocabulary-parallel
-    form (megatron.tensor_parallel.parts)."""
+    form (megatron.tensor_parallel.parts). `fused_linear` (--cross-entropy-fusion-impl linear):
+    the losses without the logits ever stored (megatron.kernels.linear_cross_entropy)."""
+
+    def __init__(self, fused_linear: bool = False) -> None:
+        super().__init__()
+        self.fused_linear = fused_linear
 
     def forward(
         self,
@@ -54,6 +60,9 @@ class OutputHead(nn.Module):
         weight: torch.Tensor,
         labels: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
+        if labels is not None and self.fused_linear:
+            hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
+            return linear_cross_entropy(hidden, weight, labels.reshape(-1)).view_as(labels)
         logits = F.linear(hidden_states, weight)
         if labels is None:
             return logits
@@ -123,7 +132,8 @@ class GPTModel(nn.Module):
         self.decoder = TransformerBlock(
             config, layer_numbers, final_norm=self.post_process, mlp_spec=self.mlp_spec
         )
-        self.output_head = OutputHead() if self.post_process else None
+        fused_linear = config.linear_cross_entropy_fusion
+        self.output_head = OutputHead(fused_linear) if self.post_process else None
         self.output_layer = None
         if self.post_process and (
             config.untie_embeddings_and_output_weights or not self.pre_process

@@ -38,6 +38,21 @@ def test_megatron_cores_fusion_and_kernel_switches_are_accepted_with_one_note_ea
     assert built.model == config().model and built.training == config().training
 
 
+def test_linear_cross_entropy_fusion_is_megatron_cores_linear_impl():
+    """--cross-entropy-fusion-impl linear (Megatron-Core's name) fuses the output layer and the
+    loss, with no note; at tensor-parallel size > 1 it is refused in one line."""
+    built = config("--cross-entropy-fusion-impl", "linear")
+    assert built.model.linear_cross_entropy_fusion
+    assert not config("--cross-entropy-fusion-impl", "native").model.linear_cross_entropy_fusion
+    assert not any("cross-entropy" in note for note in built.notes)
+    message = error_message(
+        "--cross-entropy-fusion-impl", "linear", "--tensor-model-parallel-size", "2", world_size=2
+    )
+    assert message.startswith(
+        "--cross-entropy-fusion-impl linear with --tensor-model-parallel-size 2:"
+    )
+
+
 @pytest.mark.parametrize(
     "extra, line",
     [

@@ -166,6 +166,32 @@ def test_output_shapes_and_loss():
     torch.testing.assert_close(losses, expected.view_as(labels))
 
 
+@pytest.mark.parametrize("untie", [False, True])
+def test_fused_linear_cross_entropy_gives_the_same_losses_and_gradients(untie):
+    """--cross-entropy-fusion-impl linear: the losses and every parameter's gradient equal the
+    logits-then-cross-entropy path's (fp32, tied and untied output weights)."""
+    plain_config = tiny_config(untie_embeddings_and_output_weights=untie)
+    fused_config = tiny_config(untie_embeddings_and_output_weights=untie)
+    fused_config = type(fused_config)(
+        **{**fused_config.__dict__, "linear_cross_entropy_fusion": True}
+    )
+    plain, fused = build(plain_config), build(fused_config)
+    assert fused.output_head.fused_linear and not plain.output_head.fused_linear
+    tokens, labels = random_tokens(plain_config), random_tokens(plain_config, seed=2)
+    mask = (torch.arange(labels.numel()).view_as(labels) % 3 != 0).float()
+    losses = []
+    for model in (plain, fused):
+        per_token = model(tokens, labels=labels)
+        (per_token * mask).sum().backward()
+        losses.append(per_token.detach())
+    torch.testing.assert_close(losses[1], losses[0], atol=1e-5, rtol=1e-5)
+    grads = {name: param.grad for name, param in fused.named_parameters()}
+    for name, param in plain.named_parameters():
+        torch.testing.assert_close(grads[name], param.grad, atol=1e-5, rtol=1e-4, msg=name)
+    # Without labels the model still returns the logits.
+    torch.testing.assert_close(fused(tokens), plain(tokens))
+
+
 def test_explicit_position_ids_equal_default():
     for overrides in (dict(), dict(position_embedding_type="rope")):
         config = tiny_config(**overrides)
