@@ -285,9 +285,8 @@ def cross_entropy_forward(
     """
     logits = logits.detach()
     if not use_triton(logits):
-        logits = logits.float()
-        losses = F.cross_entropy(logits, labels, reduction="none", ignore_index=ignore_index)
-        return losses, torch.logsumexp(logits, dim=-1)
+        losses = cross_entropy_reference(logits, labels, ignore_index)
+        return losses, torch.logsumexp(logits.float(), dim=-1)
     return _forward_op(logits.contiguous(), labels.contiguous(), ignore_index)
 
 

@@ -28,25 +28,6 @@ interpreted = pytest.mark.usefixtures("triton_kernels")
 SHAPES = [(7, 3), (16, 1000), (33, 300), (64, 257), (5, module.BLOCK_V + 904)]
 
 
-@pytest.fixture
-def launches(monkeypatch):
-    """Counts launches of each kernel, proving the interpreter (not the reference) ran them."""
-    counts = {"forward": 0, "backward": 0}
-    kernels = {
-        "forward": module._cross_entropy_forward_kernel,
-        "backward": module._cross_entropy_backward_kernel,
-    }
-    for name, kernel in kernels.items():
-        original = kernel.run
-
-        def run(*args, _name=name, _original=original, **kwargs):
-            counts[_name] += 1
-            return _original(*args, **kwargs)
-
-        monkeypatch.setattr(kernel, "run", run)
-    return counts
-
-
 def _inputs(rows, vocab, dtype, scale=3.0, seed=0, device="cpu"):
     generator = torch.Generator().manual_seed(seed)
     logits = (torch.randn(rows, vocab, generator=generator) * scale).to(device, dtype)
